@@ -1,0 +1,32 @@
+# The two commands of the README, each setting up its own virtual environment first.
+#   make demo   run the whole job on embedded defaults
+#   make test   run the test suite against the installed package
+
+VENV ?= .venv
+PYTHON ?= python3
+STAMP := $(VENV)/.installed
+# The CPU build of PyTorch: never let pip resolve the CUDA one (several GB).
+TORCH := torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q "$(TORCH)" 2>/dev/null \
+		|| $(VENV)/bin/pip install -q "$(TORCH)" --extra-index-url $(TORCH_INDEX)
+	$(VENV)/bin/pip install -q -c constraints.txt ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
+	$(VENV)/bin/mlstm-sentiment demo
+
+test: $(STAMP)
+	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mlstm-sentiment

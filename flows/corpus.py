@@ -1,0 +1,122 @@
+"""The corpus flow: raw review files → deduplicated Arrow shards and a manifest in the store."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.futures import as_completed
+from prefect.task_runners import ProcessPoolTaskRunner
+
+from flows import progress
+from tasks.corpus import (
+    CorpusConfig,
+    build_manifest,
+    parse_piece_task,
+    plan_corpus_task,
+    publish_manifest,
+    read_manifest,
+    reduce_bucket_task,
+    summary_of,
+)
+from tasks.settings import get_settings
+from tasks.store import open_store
+from tasks.tracking import log_corpus
+
+
+# Pieces run in worker processes by default (the CLI picks the runner from the settings).
+@flow(name="build_corpus", log_prints=True, task_runner=ProcessPoolTaskRunner())
+def build_corpus(
+    sources: list[str],
+    store: str | None = None,
+    config: CorpusConfig | None = None,
+) -> dict[str, Any]:
+    """Build (or find) the corpus of ``sources`` in ``store``; returns the --json summary.
+
+    Args:
+        sources: Files, folders, globs, s3:// prefixes or http(s):// URLs of raw reviews.
+        store: Store URI (folder or s3://bucket/prefix); default from the settings.
+        config: Split proportions, shard size and the work sizes.
+    """
+    settings = get_settings(store_uri=store)
+    config = config or CorpusConfig()
+    logger = get_run_logger()
+    started = time.perf_counter()
+    target = open_store(
+        settings.resolved_store_uri,
+        endpoint_url=settings.s3_endpoint_url,
+        max_attempts=settings.s3_max_attempts,
+    )
+    plan = plan_corpus_task(
+        sources,
+        config,
+        s3_endpoint_url=settings.s3_endpoint_url,
+        cache_path=settings.home / "cache" / "fingerprints.json",
+    )
+    if target.exists(plan.manifest_key):
+        logger.info("corpus %s is already built: %s", plan.corpus_id, target.url(plan.manifest_key))
+        return summary_of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+    logger.info(
+        "corpus %s: %d sources, %d pieces, %d buckets",
+        plan.corpus_id,
+        len(plan.sources),
+        len(plan.pieces),
+        plan.num_buckets,
+    )
+
+    sink = progress.current()
+    sink.stage("parse", total=sum(p.estimated_bytes for p in plan.pieces))
+    sizes = {p.piece_id: p.estimated_bytes for p in plan.pieces}
+    pieces = []
+    futures = parse_piece_task.map(plan, list(plan.pieces), target, s3_endpoint_url=settings.s3_endpoint_url)
+    for future in as_completed(futures):
+        result = future.result()
+        pieces.append(result)
+        sink.advance(sizes[result.piece_id])
+
+    sink.stage("dedupe + write shards", total=plan.num_buckets)
+    buckets = []
+    for future in as_completed(reduce_bucket_task.map(plan, list(range(plan.num_buckets)), target)):
+        buckets.append(future.result())
+        sink.advance(1)
+
+    manifest = build_manifest(plan, target, pieces, buckets)
+    manifest_uri = publish_manifest(plan, target, manifest)
+    seconds = time.perf_counter() - started
+    run_id = log_corpus(settings, manifest, manifest_uri, seconds)
+    _publish_artifacts(manifest, manifest_uri, run_id)
+    logger.info("corpus %s published: %s (%.1f s)", plan.corpus_id, manifest_uri, seconds)
+    return summary_of(manifest, manifest_uri)
+
+
+def _publish_artifacts(manifest: dict[str, Any], manifest_uri: str, mlflow_run_id: str) -> None:
+    """What a user sees on the flow run's page in the Prefect UI."""
+    rows = [
+        {
+            "source": s["name"],
+            "category": s["category"],
+            "records": s["records"],
+            "kept": s["kept"],
+            "duplicates": s["duplicates"],
+            "rejected": s["rejected"],
+        }
+        for s in manifest["sources"]
+    ]
+    create_table_artifact(key="corpus-sources", table=rows, description="Records per source")
+    totals = manifest["totals"]
+    splits = " · ".join(f"{name}: {info['rows']:,} rows" for name, info in manifest["splits"].items())
+    create_markdown_artifact(
+        key="corpus-manifest",
+        markdown=(
+            f"### Corpus `{manifest['corpus_id']}`\n\n"
+            f"- manifest: [{manifest_uri}]({manifest_uri})\n"
+            f"- {splits}\n"
+            f"- {totals['records']:,} records: {totals['kept']:,} kept, "
+            f"{totals['duplicates']:,} duplicates, {totals['rejected']:,} rejected "
+            f"(kept under `{manifest['rejected_uri']}`)\n"
+            f"- MLflow run: `{mlflow_run_id}`\n"
+        ),
+        description="The published corpus",
+    )

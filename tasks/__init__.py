@@ -1,0 +1,1 @@
+"""The work behind each stage, as plain functions; the Prefect task wrappers live beside them."""

@@ -1,0 +1,590 @@
+"""The corpus stage as plain functions: plan → parse pieces → reduce buckets → manifest.
+
+Every record gets a key, the blake2b-128 of its cleaned text. The key decides everything that must
+never change when sources are added or the work is split differently:
+- duplicates are records with equal keys; the first in (source, line) order is kept;
+- the split is ``key_lo`` read as a number in [0, 1) against the configured fractions;
+- the bucket is the top bits of ``key_hi`` (a range partition), and rows are written in key order,
+  so the shards are the same bytes however many pieces or workers parsed them.
+
+Layout under the store: ``corpora/<corpus_id>/`` holds ``{train,val,test}/shard-BBBBB-PPPP.arrow``
+(bucket, part), ``rejected/<piece>.arrow``, ``manifest.json`` (written last), and ``_work/`` while
+the build runs (piece outputs and completion markers, so a killed build resumes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import task
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from models.text import CLEANING, CLEANING_DESCRIPTION, END_PAD, FRONT_PAD
+from tasks.reviews import CORPUS_SCHEMA, Rejects, clean_text_column, normalise, parse_block
+from tasks.sources import (
+    FingerprintCache,
+    Piece,
+    Source,
+    SourceError,
+    expand_sources,
+    fingerprint,
+    iter_blocks,
+    pieces_of,
+)
+from tasks.store import MiB, Store
+
+FORMAT = "mlstm-sentiment/corpus@1"
+SPLITS = ("train", "val", "test")
+KEY_COLUMNS = pa.schema(
+    [("key_hi", pa.uint64()), ("key_lo", pa.uint64()), ("source_index", pa.int32()), ("line", pa.int64())]
+)
+WORK_SCHEMA = pa.schema(list(CORPUS_SCHEMA) + list(KEY_COLUMNS))
+REJECT_SCHEMA = pa.schema(
+    [("source", pa.string()), ("line", pa.int64()), ("reason", pa.string()), ("raw", pa.large_binary())]
+)
+EMPTY_TEXT = FRONT_PAD + END_PAD
+
+
+class CorpusConfig(BaseModel):
+    """Settings of one corpus build. Those that change the output are part of the corpus id."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    split: tuple[int, int, int] = Field(
+        default=(1000, 1, 1), description="train:val:test proportions (the paper's 1000:1:1)."
+    )
+    shard_mb: int = Field(default=256, ge=1, description="Target shard size, MiB of text.")
+    bucket_mb: int = Field(
+        default=256, ge=1, description="Input MiB per reduce bucket: bounds a worker's memory."
+    )
+    piece_mb: int = Field(default=64, ge=1, description="Plain files are parsed in pieces this big.")
+    block_mb: int = Field(default=8, ge=1, description="Lines parsed at once within a piece.")
+
+    @field_validator("split")
+    @classmethod
+    def _split_is_usable(cls, split: tuple[int, int, int]) -> tuple[int, int, int]:
+        if any(part < 0 for part in split) or split[0] <= 0:
+            raise ValueError(f"split {split}: proportions must be >= 0 and train > 0, e.g. 1000:1:1")
+        return split
+
+    @property
+    def fractions(self) -> tuple[float, float, float]:
+        total = sum(self.split)
+        return (self.split[0] / total, self.split[1] / total, self.split[2] / total)
+
+    def identity(self) -> dict[str, Any]:
+        """The settings the output depends on (pieces and blocks only change how work is cut)."""
+        return {"split": list(self.split), "shard_mb": self.shard_mb, "bucket_mb": self.bucket_mb}
+
+
+def parse_split(text: str) -> tuple[int, int, int]:
+    """``"1000:1:1"`` → ``(1000, 1, 1)``, with an error that names the flag."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--split {text!r}: write three whole numbers train:val:test, e.g. 1000:1:1")
+    return (int(parts[0]), int(parts[1]), int(parts[2]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusPlan:
+    corpus_id: str
+    prefix: str
+    config: CorpusConfig
+    sources: tuple[Source, ...]
+    pieces: tuple[Piece, ...]
+    num_buckets: int
+
+    @property
+    def manifest_key(self) -> str:
+        return f"{self.prefix}/manifest.json"
+
+    def work_key(self, *parts: str) -> str:
+        return "/".join((self.prefix, "_work", *parts))
+
+
+def plan_corpus(
+    source_args: list[str],
+    config: CorpusConfig,
+    *,
+    s3_endpoint_url: str | None = None,
+    cache_path: Path | None = None,
+) -> CorpusPlan:
+    """Resolve and fingerprint the sources; fix the corpus id, the pieces and the buckets."""
+    uris = expand_sources(source_args, s3_endpoint_url=s3_endpoint_url)
+    cache = FingerprintCache(cache_path) if cache_path else None
+    # Threads suffice: sha256 and reads release the GIL, and a source is read once.
+    with ThreadPoolExecutor(max_workers=min(4, len(uris))) as pool:
+        sources = tuple(
+            pool.map(
+                lambda uri: fingerprint(
+                    uri, piece_bytes=config.piece_mb * MiB, s3_endpoint_url=s3_endpoint_url, cache=cache
+                ),
+                uris,
+            )
+        )
+    # Number sources by content, not location: the number decides which of two equal reviews is
+    # kept, and the same files elsewhere must give the same shards (the URI only breaks ties).
+    sources = tuple(sorted(sources, key=lambda s: (s.name, s.sha256, s.uri)))
+    if cache is not None:
+        cache.save()
+    identity = {
+        "format": FORMAT,
+        "cleaning": CLEANING,
+        "config": config.identity(),
+        "sources": sorted([s.name, s.sha256] for s in sources),
+    }
+    corpus_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    pieces = tuple(p for index, source in enumerate(sources) for p in pieces_of(index, source))
+    estimated = sum(p.estimated_bytes for p in pieces)
+    num_buckets = max(1, math.ceil(estimated / (config.bucket_mb * MiB)))
+    return CorpusPlan(
+        corpus_id=corpus_id,
+        prefix=f"corpora/{corpus_id}",
+        config=config,
+        sources=sources,
+        pieces=pieces,
+        num_buckets=num_buckets,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+
+
+def text_keys(text: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """blake2b-128 of each (non-null) string's UTF-8 bytes, as two uint64 arrays (hi, lo)."""
+    text = text.cast(pa.large_string())
+    n = len(text)
+    if n == 0:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    offsets = np.frombuffer(text.buffers()[1], dtype=np.int64)[text.offset : text.offset + n + 1].tolist()
+    data = memoryview(text.buffers()[2]) if text.buffers()[2] is not None else memoryview(b"")
+    out = bytearray(16 * n)
+    blake2b = hashlib.blake2b
+    for i in range(n):
+        out[16 * i : 16 * i + 16] = blake2b(data[offsets[i] : offsets[i + 1]], digest_size=16).digest()
+    keys = np.frombuffer(bytes(out), dtype=">u8").reshape(n, 2).astype(np.uint64)
+    return keys[:, 0].copy(), keys[:, 1].copy()
+
+
+def bucket_of(key_hi: np.ndarray, num_buckets: int) -> np.ndarray:
+    """Range partition on the top 32 bits: bucket order is key order."""
+    return ((key_hi >> np.uint64(32)) * np.uint64(num_buckets)) >> np.uint64(32)
+
+
+def split_of(key_lo: np.ndarray, fractions: tuple[float, float, float]) -> np.ndarray:
+    """0 = train, 1 = val, 2 = test: the low 53 key bits as a uniform number in [0, 1)."""
+    uniform = (key_lo >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return np.searchsorted(np.cumsum(fractions[:2]), uniform, side="right").astype(np.int8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Map: parse one piece into per-bucket files
+
+
+@dataclass
+class PieceResult:
+    piece_id: str
+    source_index: int
+    records: int = 0
+    rejected: int = 0
+    bytes_read: int = 0
+    rejected_key: str | None = None
+
+
+def parse_piece(
+    plan: CorpusPlan, piece: Piece, store: Store, *, s3_endpoint_url: str | None = None
+) -> PieceResult:
+    """Parse, clean and key one piece; append its rows to one file per bucket. Idempotent: a piece
+    whose completion marker exists is not parsed again."""
+    marker = plan.work_key("map", piece.piece_id, "_SUCCESS.json")
+    if store.exists(marker):
+        return PieceResult(**json.loads(store.read_bytes(marker)))
+    result = PieceResult(piece.piece_id, piece.source_index)
+    rejects = Rejects.empty()
+    writers: dict[int, Any] = {}
+    stack = _WriterStack(store)
+    try:
+        for block in iter_blocks(
+            piece, block_bytes=plan.config.block_mb * MiB, s3_endpoint_url=s3_endpoint_url
+        ):
+            result.bytes_read += len(block.data)
+            data = block.data
+            if block.damaged:
+                # The end of a damaged stream: a cut record, or nothing after a cut between records.
+                # Either way the damage is recorded, so the summary says the file is incomplete.
+                head, newline, tail = data.rpartition(b"\n")
+                data = head + newline
+                rejects.add(block.first_line + data.count(b"\n"), block.damaged, tail)
+            table = _keyed_rows(data, block.first_line, piece, rejects)
+            result.records += table.num_rows
+            if table.num_rows:
+                _scatter(table, plan, piece, writers, stack)
+        # Every line read is a row for dedupe or a rejected record.
+        result.records += len(rejects)
+        result.rejected = len(rejects)
+        if rejects:
+            result.rejected_key = f"{plan.prefix}/rejected/{piece.piece_id}.arrow"
+            _write_rejects(store, result.rejected_key, piece.source.uri, rejects)
+        stack.close_all()
+    except BaseException:
+        stack.abort_all()
+        raise
+    store.write_bytes(marker, json.dumps(result.__dict__).encode())
+    return result
+
+
+def _keyed_rows(data: bytes, first_line: int, piece: Piece, rejects: Rejects) -> pa.Table:
+    """Parse and clean a block; reject rows without text; add key, source and line columns."""
+    if not data:
+        return WORK_SCHEMA.empty_table()
+    raw, lines = parse_block(data, first_line, rejects)
+    table = normalise(raw, piece.source.category)
+    cleaned = clean_text_column(table["text"])
+    usable = pc.fill_null(pc.not_equal(cleaned, EMPTY_TEXT), False)
+    if not pc.all(usable).as_py():
+        missing = np.flatnonzero(~usable.to_numpy(zero_copy_only=False))
+        raw_lines = data.split(b"\n")
+        for i in missing.tolist():
+            line = int(lines[i])
+            reason = "no review text" if table["text"][i].as_py() is None else "empty review text"
+            rejects.add(line, reason, raw_lines[line - first_line])
+        keep = pa.array(usable)
+        table, cleaned, lines = (
+            table.filter(keep),
+            cleaned.filter(keep),
+            lines[usable.to_numpy(zero_copy_only=False)],
+        )
+    table = table.set_column(0, "text", cleaned)
+    key_hi, key_lo = text_keys(cleaned)
+    return (
+        table.append_column("key_hi", pa.array(key_hi))
+        .append_column("key_lo", pa.array(key_lo))
+        .append_column("source_index", pa.array(np.full(len(lines), piece.source_index, np.int32)))
+        .append_column("line", pa.array(lines))
+    )
+
+
+class _WriterStack:
+    """Open Arrow IPC stream writers on store-published files; all published or none."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.open: list[tuple[Any, Any, Any]] = []
+
+    def new(self, key: str) -> Any:
+        context = self.store.writer(key)
+        path = context.__enter__()
+        writer = pa.ipc.new_stream(str(path), WORK_SCHEMA)
+        self.open.append((context, writer, path))
+        return writer
+
+    def close_all(self) -> None:
+        for context, writer, _ in self.open:
+            writer.close()
+            context.__exit__(None, None, None)
+        self.open = []
+
+    def abort_all(self) -> None:
+        for context, writer, _ in self.open:
+            try:
+                writer.close()
+            finally:
+                context.__exit__(RuntimeError, RuntimeError("aborted"), None)
+        self.open = []
+
+
+def _scatter(
+    table: pa.Table, plan: CorpusPlan, piece: Piece, writers: dict[int, Any], stack: _WriterStack
+) -> None:
+    buckets = bucket_of(table["key_hi"].to_numpy(), plan.num_buckets)
+    order = np.argsort(buckets, kind="stable")
+    sorted_buckets = buckets[order]
+    table = table.take(pa.array(order))
+    bounds = np.flatnonzero(np.diff(sorted_buckets)) + 1
+    starts = [0, *bounds.tolist()]
+    ends = [*bounds.tolist(), len(order)]
+    for start, end in zip(starts, ends, strict=True):
+        bucket = int(sorted_buckets[start])
+        if bucket not in writers:
+            writers[bucket] = stack.new(plan.work_key("map", piece.piece_id, f"bucket-{bucket:05d}.arrow"))
+        writers[bucket].write_table(table.slice(start, end - start))
+
+
+def _write_rejects(store: Store, key: str, source_uri: str, rejects: Rejects) -> None:
+    table = pa.table(
+        {
+            "source": pa.array([source_uri] * len(rejects), pa.string()),
+            "line": pa.array(rejects.lines, pa.int64()),
+            "reason": pa.array(rejects.reasons, pa.string()),
+            "raw": pa.array(rejects.raw, pa.large_binary()),
+        },
+        schema=REJECT_SCHEMA,
+    )
+    with store.writer(key) as path, pa.ipc.new_file(str(path), REJECT_SCHEMA) as writer:
+        writer.write_table(table)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reduce: one bucket → deduplicated, split, sorted shards
+
+
+@dataclass
+class ShardInfo:
+    path: str
+    rows: int
+    bytes: int
+    text_bytes: int
+    sha256: str
+
+
+@dataclass
+class BucketResult:
+    bucket: int
+    shards: dict[str, list[ShardInfo]] = field(default_factory=dict)
+    kept: list[int] = field(default_factory=list)
+    duplicates: list[int] = field(default_factory=list)
+
+
+def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store) -> BucketResult:
+    """Gather one bucket from every piece, keep the first of each key, write shards per split."""
+    marker = plan.work_key("reduce", f"bucket-{bucket:05d}.json")
+    if store.exists(marker):
+        saved = json.loads(store.read_bytes(marker))
+        saved["shards"] = {s: [ShardInfo(**i) for i in infos] for s, infos in saved["shards"].items()}
+        return BucketResult(**saved)
+    tables = []
+    for piece in plan.pieces:
+        key = plan.work_key("map", piece.piece_id, f"bucket-{bucket:05d}.arrow")
+        if store.exists(key):
+            with store.open_read(key) as stream:
+                tables.append(pa.ipc.open_stream(stream).read_all())
+    table = pa.concat_tables(tables) if tables else WORK_SCHEMA.empty_table()
+    order = pc.sort_indices(
+        table,
+        sort_keys=[
+            ("key_hi", "ascending"),
+            ("key_lo", "ascending"),
+            ("source_index", "ascending"),
+            ("line", "ascending"),
+        ],
+    )
+    table = table.take(order)
+    key_hi, key_lo = table["key_hi"].to_numpy(), table["key_lo"].to_numpy()
+    first = np.ones(len(key_hi), dtype=bool)
+    first[1:] = (key_hi[1:] != key_hi[:-1]) | (key_lo[1:] != key_lo[:-1])
+    source_index = table["source_index"].to_numpy()
+    num_sources = len(plan.sources)
+    result = BucketResult(
+        bucket=bucket,
+        kept=np.bincount(source_index[first], minlength=num_sources).tolist(),
+        duplicates=np.bincount(source_index[~first], minlength=num_sources).tolist(),
+    )
+    table = table.filter(pa.array(first))
+    splits = split_of(table["key_lo"].to_numpy(), plan.config.fractions)
+    table = table.select(CORPUS_SCHEMA.names)
+    for split_index, split in enumerate(SPLITS):
+        part = table.filter(pa.array(splits == split_index))
+        result.shards[split] = _write_shards(store, plan, split, bucket, part)
+    store.write_bytes(marker, json.dumps(_as_dict(result)).encode())
+    return result
+
+
+def _write_shards(
+    store: Store, plan: CorpusPlan, split: str, bucket: int, table: pa.Table
+) -> list[ShardInfo]:
+    if table.num_rows == 0:
+        return []
+    lengths = pc.binary_length(table["text"]).to_numpy()
+    limit = plan.config.shard_mb * MiB
+    shards = []
+    start = 0
+    cumulative = np.cumsum(lengths)
+    while start < table.num_rows:
+        base = cumulative[start - 1] if start else 0
+        # At least one row; otherwise as many as fit in the shard size.
+        end = max(start + 1, int(np.searchsorted(cumulative, base + limit, side="right")))
+        part = table.slice(start, end - start)
+        key = f"{plan.prefix}/{split}/shard-{bucket:05d}-{len(shards):04d}.arrow"
+        with store.writer(key) as path:
+            with pa.ipc.new_file(str(path), CORPUS_SCHEMA) as writer:
+                writer.write_table(part, max_chunksize=65536)
+            size = path.stat().st_size
+            digest = _sha256_file(path)
+        shards.append(
+            ShardInfo(
+                path=key.removeprefix(plan.prefix + "/"),
+                rows=part.num_rows,
+                bytes=size,
+                text_bytes=int(cumulative[end - 1] - base),
+                sha256=digest,
+            )
+        )
+        start = end
+    return shards
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(8 * MiB):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _as_dict(result: BucketResult) -> dict[str, Any]:
+    return {
+        "bucket": result.bucket,
+        "kept": result.kept,
+        "duplicates": result.duplicates,
+        "shards": {s: [i.__dict__ for i in infos] for s, infos in result.shards.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Publish
+
+
+def build_manifest(
+    plan: CorpusPlan, store: Store, pieces: Iterable[PieceResult], buckets: Iterable[BucketResult]
+) -> dict[str, Any]:
+    """The manifest: what the corpus holds and where every record of every source went."""
+    pieces, buckets = list(pieces), sorted(buckets, key=lambda b: b.bucket)
+    num_sources = len(plan.sources)
+    records = [0] * num_sources
+    rejected = [0] * num_sources
+    rejected_files = []
+    for piece in pieces:
+        records[piece.source_index] += piece.records
+        rejected[piece.source_index] += piece.rejected
+        if piece.rejected_key:
+            rejected_files.append(store.url(piece.rejected_key))
+    kept = (
+        np.sum([b.kept for b in buckets], axis=0, dtype=np.int64).tolist() if buckets else [0] * num_sources
+    )
+    duplicates = (
+        np.sum([b.duplicates for b in buckets], axis=0, dtype=np.int64).tolist()
+        if buckets
+        else [0] * num_sources
+    )
+    sources = []
+    for i, source in enumerate(plan.sources):
+        if records[i] != kept[i] + duplicates[i] + rejected[i]:
+            raise RuntimeError(
+                f"record counts of {source.uri} do not add up: {records[i]} read, {kept[i]} kept, "
+                f"{duplicates[i]} duplicates, {rejected[i]} rejected"
+            )
+        sources.append(
+            {
+                "uri": source.uri,
+                "name": source.name,
+                "category": source.category,
+                "sha256": source.sha256,
+                "bytes": source.size,
+                "records": records[i],
+                "kept": kept[i],
+                "duplicates": duplicates[i],
+                "rejected": rejected[i],
+            }
+        )
+    splits = {}
+    for split in SPLITS:
+        shards = [s.__dict__ for b in buckets for s in b.shards.get(split, [])]
+        splits[split] = {
+            "rows": sum(s["rows"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "text_bytes": sum(s["text_bytes"] for s in shards),
+            "shards": shards,
+        }
+    return {
+        "format": FORMAT,
+        "corpus_id": plan.corpus_id,
+        "uri": store.url(plan.prefix),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cleaning": {
+            "name": CLEANING,
+            "description": CLEANING_DESCRIPTION,
+            "front_pad": FRONT_PAD,
+            "end_pad": END_PAD,
+        },
+        "dedupe": "exact cleaned text (blake2b-128 key); the first record in source and line order is kept",
+        "split_rule": "key_lo / 2**64 against the split fractions (stable across source sets)",
+        "config": plan.config.identity(),
+        "schema": {f.name: str(f.type) for f in CORPUS_SCHEMA},
+        "splits": splits,
+        "sources": sources,
+        "totals": {
+            "records": sum(records),
+            "kept": sum(kept),
+            "duplicates": sum(duplicates),
+            "rejected": sum(rejected),
+        },
+        "rejected_uri": store.url(f"{plan.prefix}/rejected/"),
+        "rejected_files": sorted(rejected_files),
+    }
+
+
+def publish_manifest(plan: CorpusPlan, store: Store, manifest: dict[str, Any]) -> str:
+    """Write the manifest last, then drop the work files. Returns the manifest URI."""
+    store.write_bytes(plan.manifest_key, json.dumps(manifest, indent=2, sort_keys=False).encode() + b"\n")
+    store.delete_prefix(plan.work_key())
+    return store.url(plan.manifest_key)
+
+
+def read_manifest(store: Store, key: str) -> dict[str, Any]:
+    return json.loads(store.read_bytes(key))
+
+
+def summary_of(manifest: dict[str, Any], manifest_uri: str) -> dict[str, Any]:
+    """What ``corpus build --json`` prints."""
+    totals = manifest["totals"]
+    return {
+        "corpus_id": manifest["corpus_id"],
+        "manifest_uri": manifest_uri,
+        "rows": totals["kept"],
+        "duplicates": totals["duplicates"],
+        "rejected": totals["rejected"],
+    }
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefect tasks: the functions above, with retries for what is worth retrying (I/O; bad records
+# never raise, they are rejected).
+
+
+def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """A missing or unreadable SOURCE stays so; network and store errors may pass."""
+    try:
+        state.result()
+    except SourceError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+plan_corpus_task = task(
+    name="plan corpus", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying
+)(plan_corpus)
+parse_piece_task = task(
+    name="parse piece", retries=2, retry_delay_seconds=5, task_run_name="parse {piece.piece_id}"
+)(parse_piece)
+reduce_bucket_task = task(
+    name="reduce bucket", retries=2, retry_delay_seconds=5, task_run_name="reduce bucket {bucket}"
+)(reduce_bucket)

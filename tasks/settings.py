@@ -1,0 +1,73 @@
+"""Settings in one place: defaults that work with no setup, environment variables for production.
+
+Every field can be set as ``MLSTM_<FIELD>`` (for example ``MLSTM_STORE_URI=s3://bucket/prefix``).
+Reading the settings has no side effects: no folder is created and no tracking URI is set.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TaskRunnerName = Literal["process", "thread", "dask", "ray"]
+
+
+class Settings(BaseSettings):
+    """Where things live and how stages run."""
+
+    model_config = SettingsConfigDict(env_prefix="MLSTM_", extra="ignore")
+
+    home: Path = Field(
+        default=Path(".mlstm-sentiment"),
+        description="Folder for everything local by default: the store, MLflow's database, caches.",
+    )
+    store_uri: str | None = Field(
+        default=None,
+        description="Object store: a folder, file://path or s3://bucket/prefix. Default: <home>/store.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None,
+        description="S3-compatible endpoint (MinIO, Ceph, moto). Default: boto3's own resolution, "
+        "which honours AWS_ENDPOINT_URL.",
+    )
+    s3_max_attempts: int = Field(default=10, ge=1, description="botocore retry attempts per call.")
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="MLflow tracking server. Default: sqlite:///<home>/mlflow.db."
+    )
+    mlflow_experiment: str = Field(default="mlstm-sentiment", description="MLflow experiment name.")
+    prefect_api_url: str | None = Field(
+        default=None,
+        description="Prefect API (http://host:4200/api). Default: PREFECT_API_URL, else a "
+        "temporary local server for the length of the command.",
+    )
+    task_runner: TaskRunnerName = Field(
+        default="process", description="How a flow runs its pieces: process, thread, dask or ray."
+    )
+    task_runner_address: str | None = Field(
+        default=None, description="Dask scheduler or Ray cluster address for task_runner dask/ray."
+    )
+    max_workers: int | None = Field(
+        default=None, ge=1, description="Parallel pieces on this machine. Default: the CPU count."
+    )
+
+    @field_validator("store_uri", "mlflow_tracking_uri", "prefect_api_url", "s3_endpoint_url")
+    @classmethod
+    def _blank_is_unset(cls, value: str | None) -> str | None:
+        return value or None
+
+    @cached_property
+    def resolved_store_uri(self) -> str:
+        return self.store_uri or str(self.home / "store")
+
+    @cached_property
+    def resolved_mlflow_tracking_uri(self) -> str:
+        return self.mlflow_tracking_uri or f"sqlite:///{(self.home / 'mlflow.db').resolve()}"
+
+
+def get_settings(**overrides: object) -> Settings:
+    """Read the settings from the environment, with explicit overrides (CLI flags) on top."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

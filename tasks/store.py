@@ -1,0 +1,255 @@
+"""The object store: one small interface over a local folder and S3-compatible storage.
+
+Writes are atomic from a reader's view. A local write goes to a temporary file beside its target
+and is renamed into place; an S3 object becomes visible only when its (managed, multipart for large
+files) upload completes. A manifest or ``latest.json`` is written last, so a reader that finds it
+finds everything it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import unquote, urlparse
+
+MiB = 1024 * 1024
+
+# mkstemp makes 0600 files; published files get the mode a plain open() would give them.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+class StoreError(RuntimeError):
+    """A store URI that cannot be used, with what to change."""
+
+
+class Store(ABC):
+    """Keys are '/'-separated paths relative to the store's root URI."""
+
+    uri: str
+
+    def url(self, key: str) -> str:
+        """The full URI of a key, as users and manifests see it."""
+        return f"{self.uri.rstrip('/')}/{key.lstrip('/')}"
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def read_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """All keys under ``prefix`` (recursive), sorted."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None: ...
+
+    @abstractmethod
+    def _publish(self, local: Path, key: str) -> None:
+        """Make a finished local file visible at ``key``; the local file is consumed."""
+
+    @abstractmethod
+    def download(self, key: str, local: Path) -> None: ...
+
+    @abstractmethod
+    def open_read(self, key: str) -> IO[bytes]:
+        """A binary stream of the object's bytes."""
+
+    def _scratch_dir(self, key: str) -> Path:
+        return Path(tempfile.gettempdir())
+
+    @contextlib.contextmanager
+    def writer(self, key: str) -> Iterator[Path]:
+        """Yield a local path to write; on success it is published at ``key``, else discarded."""
+        scratch = self._scratch_dir(key)
+        scratch.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=scratch, prefix=".tmp-", suffix="-" + Path(key).name)
+        os.close(fd)
+        path = Path(name)
+        try:
+            yield path
+            self._publish(path, key)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        with self.writer(key) as path:
+            path.write_bytes(data)
+
+    def put_file(self, local: Path, key: str) -> None:
+        """Copy a local file into the store, atomically."""
+        with self.writer(key) as path:
+            shutil.copyfile(local, path)
+
+
+class LocalStore(Store):
+    def __init__(self, root: Path) -> None:
+        self.root = root.expanduser().resolve()
+        self.uri = str(self.root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def _scratch_dir(self, key: str) -> Path:
+        # Same folder as the target, so publishing is a rename on one filesystem.
+        return self.path(key).parent
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def read_bytes(self, key: str) -> bytes:
+        return self.path(key).read_bytes()
+
+    def open_read(self, key: str) -> IO[bytes]:
+        return self.path(key).open("rb")
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.path(prefix)
+        if base.is_file():
+            return [prefix]
+        if not base.is_dir():
+            return []
+        return sorted(
+            p.relative_to(self.root).as_posix()
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".tmp-")
+        )
+
+    def delete_prefix(self, prefix: str) -> None:
+        target = self.path(prefix)
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
+
+    def _publish(self, local: Path, key: str) -> None:
+        os.chmod(local, 0o666 & ~_UMASK)
+        os.replace(local, self.path(key))
+
+    def download(self, key: str, local: Path) -> None:
+        shutil.copyfile(self.path(key), local)
+
+
+class S3Store(Store):
+    """``s3://bucket/prefix`` through boto3; retries with backoff come from botocore's config."""
+
+    def __init__(self, uri: str, *, endpoint_url: str | None = None, max_attempts: int = 10) -> None:
+        parsed = urlparse(uri)
+        if not parsed.netloc:
+            raise StoreError(f"S3 URI {uri!r} has no bucket: write s3://BUCKET/PREFIX")
+        self.uri = uri.rstrip("/")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        self.endpoint_url = endpoint_url
+        self.max_attempts = max_attempts
+        self._client: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # boto3 clients do not pickle; each process makes its own.
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            config = Config(
+                # botocore's "max_attempts" counts retries only; the total includes the first try.
+                retries={"total_max_attempts": self.max_attempts, "mode": "adaptive"},
+                connect_timeout=10,
+                read_timeout=120,
+            )
+            self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+        return self._client
+
+    @property
+    def transfer_config(self) -> Any:
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
+    def read_bytes(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def open_read(self, key: str) -> IO[bytes]:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+
+    def list(self, prefix: str) -> list[str]:
+        full = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+            # A prefix names a key or a folder, as on disk: "a" must not match "ab/x".
+            keys.extend(
+                item["Key"][strip:]
+                for item in page.get("Contents", [])
+                if not full or full.endswith("/") or item["Key"] == full or item["Key"].startswith(full + "/")
+            )
+        return sorted(keys)
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = self.list(prefix)
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
+            response = self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+            )
+            # Failed deletions do not raise: S3 reports them in the body of a 200 response.
+            if errors := response.get("Errors"):
+                first = errors[0]
+                raise StoreError(
+                    f"cannot delete {len(errors)} objects under {self.url(prefix)}, "
+                    f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+                )
+
+    def _publish(self, local: Path, key: str) -> None:
+        self.client.upload_file(str(local), self.bucket, self._key(key), Config=self.transfer_config)
+
+    def download(self, key: str, local: Path) -> None:
+        self.client.download_file(self.bucket, self._key(key), str(local), Config=self.transfer_config)
+
+
+def open_store(uri: str, *, endpoint_url: str | None = None, max_attempts: int = 10) -> Store:
+    """A store for a folder, ``file://`` URI or ``s3://`` URI."""
+    scheme = urlparse(uri).scheme
+    if scheme == "s3":
+        return S3Store(uri, endpoint_url=endpoint_url, max_attempts=max_attempts)
+    if scheme == "file":
+        parsed = urlparse(uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise StoreError(f"file URI {uri!r} names a host: write file:///ABSOLUTE/PATH")
+        return LocalStore(Path(unquote(parsed.path)))
+    if scheme in ("", "local") or (len(scheme) == 1 and os.name == "nt"):
+        return LocalStore(Path(uri))
+    raise StoreError(f"unsupported store URI {uri!r}: use a folder, file://PATH or s3://BUCKET/PREFIX")
+
+
+def split_object_uri(uri: str, **kwargs: Any) -> tuple[Store, str]:
+    """Split the URI of one object (a manifest, say) into its folder's store and the object's key."""
+    head, _, name = uri.rstrip("/").rpartition("/")
+    if not name or not head or head.endswith(":/"):
+        raise StoreError(f"{uri!r} does not name an object inside a store")
+    return open_store(head, **kwargs), name

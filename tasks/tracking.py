@@ -1,0 +1,60 @@
+"""MLflow: where each stage records what it did."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from tasks.settings import Settings
+
+
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server does not answer."""
+
+
+@contextlib.contextmanager
+def mlflow_run(settings: Settings, *, run_name: str, tags: dict[str, str]) -> Iterator[Any]:
+    """Start an MLflow run in the configured experiment (creating the local database if needed)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    uri = settings.resolved_mlflow_tracking_uri
+    if uri.startswith("sqlite:///"):
+        os.makedirs(os.path.dirname(uri.removeprefix("sqlite:///")) or ".", exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.set_experiment(settings.mlflow_experiment)
+    except Exception as error:
+        raise TrackingUnavailable(
+            f"MLflow at {uri} cannot be used ({error}); fix MLSTM_MLFLOW_TRACKING_URI"
+        ) from error
+    with mlflow.start_run(run_name=run_name, tags=tags) as run:
+        yield run
+
+
+def log_corpus(settings: Settings, manifest: dict[str, Any], manifest_uri: str, seconds: float) -> str:
+    """Log a built corpus: its settings, counts and manifest. Returns the MLflow run id."""
+    import mlflow
+
+    tags = {"stage": "corpus", "corpus_id": manifest["corpus_id"], "manifest_uri": manifest_uri}
+    with mlflow_run(settings, run_name=f"corpus-{manifest['corpus_id']}", tags=tags) as run:
+        config = manifest["config"]
+        mlflow.log_params(
+            {
+                "split": ":".join(map(str, config["split"])),
+                "shard_mb": config["shard_mb"],
+                "bucket_mb": config["bucket_mb"],
+                "cleaning": manifest["cleaning"]["name"],
+                "num_sources": len(manifest["sources"]),
+            }
+        )
+        metrics = {f"records_{k}": float(v) for k, v in manifest["totals"].items()}
+        for split, info in manifest["splits"].items():
+            metrics[f"{split}_rows"] = float(info["rows"])
+            metrics[f"{split}_text_bytes"] = float(info["text_bytes"])
+        metrics["build_seconds"] = seconds
+        mlflow.log_metrics(metrics)
+        mlflow.log_dict(manifest, "manifest.json")
+        return str(run.info.run_id)

@@ -1,0 +1,156 @@
+"""Shared fixtures: the real data beside the checkout, a Prefect API, a moto S3 server, an HTTP
+server, all on loopback and all started once per session."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Before anything imports prefect or mlflow: a private Prefect home, quiet consoles, no telemetry.
+_SESSION_HOME = Path(tempfile.mkdtemp(prefix="mlstm-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+os.environ.pop("PREFECT_API_URL", None)
+for name in [n for n in os.environ if n.startswith("MLSTM_") and n != "MLSTM_REQUIRE_SHARED_DATA"]:
+    del os.environ[name]
+
+SHARED = Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
+AMAZON = SHARED / "data" / "amazon"
+
+
+def _require_shared() -> Path:
+    if not (SHARED / "data").is_dir():
+        if os.environ.get("MLSTM_REQUIRE_SHARED_DATA") == "1":
+            pytest.fail(f"the shared data is required here but {SHARED / 'data'} is missing")
+        pytest.skip(f"needs the shared data at {SHARED / 'data'} (set MLSTM_SHARED_DIR)")
+    return SHARED / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return _require_shared()
+
+
+@pytest.fixture(scope="session")
+def amazon_dir(shared_data: Path) -> Path:
+    return shared_data / "amazon"
+
+
+@pytest.fixture(scope="session")
+def amazon_complete(amazon_dir: Path) -> list[Path]:
+    """The complete (not sliced) files of all three releases."""
+    return sorted(p for p in amazon_dir.glob("*.gz"))
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh MLSTM home (store, MLflow database, caches) for one test."""
+    monkeypatch.setenv("MLSTM_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url() -> Iterator[str]:
+    """One real Prefect API server for the session (its runs land in a private database)."""
+    from flows.runtime import prefect_api
+    from tasks.settings import Settings
+
+    with prefect_api(Settings()) as url:
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+    os.environ.pop("PREFECT_API_URL", None)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on loopback; boto3 finds it through AWS_ENDPOINT_URL."""
+    port = free_port()
+    moto = Path(sys.executable).parent / "moto_server"
+    process = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {
+        k: os.environ.get(k)
+        for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    }
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        wait_for_port(port)
+        yield endpoint
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str) -> str:
+    """A new empty bucket on the moto server."""
+    import uuid
+
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def http_root() -> Iterator[tuple[str, Path]]:
+    """An HTTP server on loopback serving a folder: (base URL, folder)."""
+    root = Path(tempfile.mkdtemp(prefix="mlstm-http-"))
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", root
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,61 @@
+"""Build a corpus with the plain functions, in this process: what the flow does, minus Prefect."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from tasks.corpus import (
+    CorpusConfig,
+    build_manifest,
+    parse_piece,
+    plan_corpus,
+    publish_manifest,
+    reduce_bucket,
+)
+from tasks.reviews import CORPUS_SCHEMA
+from tasks.store import LocalStore
+
+
+def build(sources: list[str | Path], store_dir: Path, config: CorpusConfig | None = None) -> dict[str, Any]:
+    plan = plan_corpus([str(s) for s in sources], config or CorpusConfig())
+    store = LocalStore(store_dir)
+    pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
+    buckets = [reduce_bucket(plan, bucket, store) for bucket in range(plan.num_buckets)]
+    manifest = build_manifest(plan, store, pieces, buckets)
+    publish_manifest(plan, store, manifest)
+    return manifest
+
+
+def corpus_dir(store_dir: Path, manifest: dict[str, Any]) -> Path:
+    return store_dir / "corpora" / manifest["corpus_id"]
+
+
+def read_split(store_dir: Path, manifest: dict[str, Any], split: str) -> pa.Table:
+    base = corpus_dir(store_dir, manifest)
+    tables = [pa.ipc.open_file(base / s["path"]).read_all() for s in manifest["splits"][split]["shards"]]
+    return pa.concat_tables(tables) if tables else CORPUS_SCHEMA.empty_table()
+
+
+def shard_digests(store_dir: Path, manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    base = corpus_dir(store_dir, manifest)
+    return [
+        (s["path"], hashlib.sha256((base / s["path"]).read_bytes()).hexdigest())
+        for split in manifest["splits"].values()
+        for s in split["shards"]
+    ]
+
+
+def rejected(store_dir: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for uri in manifest["rejected_files"]:
+        rows.extend(pa.ipc.open_file(uri).read_all().to_pylist())
+    return sorted(rows, key=lambda r: (r["source"], r["line"]))
+
+
+def saved_manifest(store_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    return json.loads((corpus_dir(store_dir, manifest) / "manifest.json").read_text())

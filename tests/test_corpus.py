@@ -1,0 +1,311 @@
+"""The corpus contract on the real Amazon files and on hand-made bad input (plain functions)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from corpus_helpers import build, corpus_dir, read_split, rejected, saved_manifest, shard_digests
+
+from models.text import clean_text
+from tasks.corpus import SPLITS, CorpusConfig, plan_corpus, split_of, text_keys
+from tasks.reviews import CORPUS_SCHEMA
+from tasks.sources import SourceError
+
+SMALL_SPLIT = CorpusConfig(split=(98, 1, 1))
+
+
+def _count_lines(path: Path) -> int:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as stream:
+        return sum(1 for line in stream if line.strip())
+
+
+@pytest.fixture(scope="module")
+def real_corpus(amazon_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    store = tmp_path_factory.mktemp("store")
+    return store, build([amazon_dir], store, SMALL_SPLIT)
+
+
+def test_manifest_counts_every_record_of_every_real_file(
+    real_corpus: tuple[Path, dict], amazon_dir: Path
+) -> None:
+    store, manifest = real_corpus
+    assert {"corpus_id", "cleaning", "splits", "sources", "rejected_uri"} <= manifest.keys()
+    assert saved_manifest(store, manifest) == manifest
+    files = sorted(amazon_dir.rglob("*.gz"))
+    assert len(manifest["sources"]) == len(files) == 11
+    for source in manifest["sources"]:
+        path = Path(source["uri"])
+        assert source["records"] == _count_lines(path), source["name"]
+        assert source["records"] == source["kept"] + source["duplicates"] + source["rejected"]
+        assert source["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    by_name = {Path(s["uri"]).relative_to(amazon_dir).as_posix(): s for s in manifest["sources"]}
+    # Facts from the data's README: reviews without reviewText, and repeated records.
+    assert by_name["AMAZON_FASHION_5.json.gz"]["rejected"] == 16
+    assert by_name["Gift_Cards_5.json.gz"]["rejected"] == 6
+    assert by_name["reviews_Musical_Instruments_5.json.gz"]["rejected"] == 7  # empty reviewText
+    assert by_name["Appliances_5.json.gz"]["duplicates"] >= 2074  # repeats of earlier records
+    totals = manifest["totals"]
+    assert totals["kept"] == sum(manifest["splits"][s]["rows"] for s in SPLITS)
+    assert totals["records"] == 42546 + 7853  # complete files + partial slices
+
+
+def test_shards_hold_what_the_manifest_says(real_corpus: tuple[Path, dict]) -> None:
+    store, manifest = real_corpus
+    base = corpus_dir(store, manifest)
+    for split in SPLITS:
+        info = manifest["splits"][split]
+        assert info["rows"] == sum(s["rows"] for s in info["shards"]) > 0
+        for shard in info["shards"]:
+            data = (base / shard["path"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+            assert len(data) == shard["bytes"]
+            table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+            assert table.schema == CORPUS_SCHEMA
+            assert table.num_rows == shard["rows"]
+            assert sum(len(t.encode()) for t in table["text"].to_pylist()) == shard["text_bytes"]
+
+
+def test_texts_are_clean_unique_and_split_by_their_key(real_corpus: tuple[Path, dict]) -> None:
+    store, manifest = real_corpus
+    seen: set[str] = set()
+    for index, split in enumerate(SPLITS):
+        table = read_split(store, manifest, split)
+        texts = table["text"].to_pylist()
+        assert all(t.startswith("\n ") and t.endswith(" ") and t.strip() for t in texts)
+        assert not seen.intersection(texts), "a text appears twice in the corpus"
+        seen.update(texts)
+        hi, lo = text_keys(table["text"].combine_chunks())
+        assert (split_of(lo, CorpusConfig(split=(98, 1, 1)).fractions) == index).all()
+        # Rows are in key order: the stream is shuffled the same way every time.
+        keys = list(zip(hi.tolist(), lo.tolist(), strict=True))
+        assert keys == sorted(keys)
+    # 98:1:1 of ~39k unique reviews puts a few hundred in each held-out split.
+    assert 200 < manifest["splits"]["val"]["rows"] < 600
+
+
+def test_metadata_columns_are_read_from_all_three_releases(real_corpus: tuple[Path, dict]) -> None:
+    store, manifest = real_corpus
+    table = read_split(store, manifest, "train")
+    rows = {r["category"]: r for r in table.to_pylist()}
+    assert {"Musical_Instruments", "Subscription_Boxes", "AMAZON_FASHION", "Movies_and_TV"} <= rows.keys()
+    for row in rows.values():
+        assert 1.0 <= row["rating"] <= 5.0
+        assert row["product_id"] and row["reviewer_id"]
+        assert 2000 <= row["time"].year <= 2024
+    assert table["verified"].null_count < table.num_rows
+    assert pa.compute.max(table["helpful_votes"]).as_py() > 100
+
+
+def test_same_sources_give_the_same_bytes_however_the_work_is_cut(amazon_dir: Path, tmp_path: Path) -> None:
+    # Plain copies of two files, so they are split into many pieces when piece_mb is small.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("reviews_Musical_Instruments_5.json.gz", "Subscription_Boxes.jsonl.gz"):
+        (plain / name.removesuffix(".gz")).write_bytes(gzip.decompress((amazon_dir / name).read_bytes()))
+    one = build([plain], tmp_path / "a", SMALL_SPLIT)
+    pieces = plan_corpus([str(plain)], SMALL_SPLIT.model_copy(update={"piece_mb": 1, "block_mb": 1})).pieces
+    assert len(pieces) >= 12
+    two = build([plain], tmp_path / "b", SMALL_SPLIT.model_copy(update={"piece_mb": 1, "block_mb": 1}))
+    assert one["corpus_id"] == two["corpus_id"]
+    assert shard_digests(tmp_path / "a", one) == shard_digests(tmp_path / "b", two)
+    assert [s["records"] for s in one["sources"]] == [s["records"] for s in two["sources"]]
+    # A different split is a different corpus.
+    three = plan_corpus([str(plain)], CorpusConfig(split=(8, 1, 1)))
+    assert three.corpus_id != one["corpus_id"]
+
+
+def test_split_membership_does_not_change_when_sources_are_added(amazon_dir: Path, tmp_path: Path) -> None:
+    first = [amazon_dir / "Gift_Cards_5.json.gz"]
+    more = [*first, amazon_dir / "All_Beauty_5.json.gz", amazon_dir / "Subscription_Boxes.jsonl.gz"]
+    small = build(first, tmp_path / "a", SMALL_SPLIT)
+    large = build(more, tmp_path / "b", SMALL_SPLIT)
+    where = {t: s for s in SPLITS for t in read_split(tmp_path / "b", large, s)["text"].to_pylist()}
+    for split in SPLITS:
+        for text in read_split(tmp_path / "a", small, split)["text"].to_pylist():
+            assert where[text] == split
+
+
+def test_second_plan_of_the_same_sources_is_the_same_corpus(amazon_dir: Path, tmp_path: Path) -> None:
+    sources = [str(amazon_dir / "Gift_Cards_5.json.gz")]
+    cache = tmp_path / "fingerprints.json"
+    first = plan_corpus(sources, SMALL_SPLIT, cache_path=cache)
+    assert cache.exists()
+    assert plan_corpus(sources, SMALL_SPLIT, cache_path=cache) == first
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input never stops the corpus and never loses data
+
+GOOD = {
+    "reviewerID": "A1",
+    "asin": "B1",
+    "reviewText": "Works great",
+    "overall": 5.0,
+    "summary": "ok",
+    "unixReviewTime": 1,
+}
+
+
+def _line(**changes: object) -> bytes:
+    return json.dumps({**GOOD, **changes}).encode()
+
+
+BAD_LINES: list[tuple[bytes, str | None]] = [
+    (_line(reviewText="first good review"), None),
+    (b'{"reviewerID": "A2", "reviewText": "cut', "not JSON"),
+    (b'{"reviewerID": "A1", "asin": "B1", "reviewText": "caf\xe9 latin-1"}', "undecodable bytes"),
+    (json.dumps({"reviewerID": "A3", "asin": "B3", "overall": 1.0}).encode(), "no review text"),
+    (_line(reviewText="   "), "empty review text"),
+    (repr({**GOOD, "reviewText": "a loose python-literal dump"}).encode(), None),
+    (b"[1, 2, 3]", "not a JSON object"),
+    (b"", None),  # a blank line is not a record
+    (_line(reviewText="windows line end") + b"\r", None),
+    (_line(reviewText="vote with commas", vote="1,024"), None),
+    (_line(reviewText="last good review"), None),
+]
+
+
+def test_bad_lines_are_rejected_with_file_line_and_reason(tmp_path: Path) -> None:
+    source = tmp_path / "raw" / "Bad_Things_5.json"
+    source.parent.mkdir()
+    source.write_bytes(b"\n".join(line for line, _ in BAD_LINES) + b"\n")
+    manifest = build([source], tmp_path / "store", SMALL_SPLIT)
+    rows = rejected(tmp_path / "store", manifest)
+    expected = [(i + 1, reason, line) for i, (line, reason) in enumerate(BAD_LINES) if reason]
+    assert [(r["line"], r["raw"]) for r in rows] == [(line_no, line) for line_no, _, line in expected]
+    for row, (_, reason, _) in zip(rows, expected, strict=True):
+        assert row["reason"].startswith(reason), row
+        assert row["source"] == str(source)
+    kept = {t for s in SPLITS for t in read_split(tmp_path / "store", manifest, s)["text"].to_pylist()}
+    assert kept == {
+        clean_text(t)
+        for t in (
+            "first good review",
+            "a loose python-literal dump",
+            "windows line end",
+            "vote with commas",
+            "last good review",
+        )
+    }
+    (entry,) = manifest["sources"]
+    assert (entry["records"], entry["kept"], entry["rejected"]) == (10, 5, 5)
+    votes = pa.concat_tables(read_split(tmp_path / "store", manifest, s) for s in SPLITS).to_pylist()
+    assert {r["helpful_votes"] for r in votes if "commas" in r["text"]} == {1024}
+
+
+def test_a_truncated_gzip_keeps_what_it_has_and_says_where_it_ends(amazon_dir: Path, tmp_path: Path) -> None:
+    whole = (amazon_dir / "Gift_Cards_5.json.gz").read_bytes()
+    cut = tmp_path / "raw" / "Gift_Cards_5.json.gz"
+    cut.parent.mkdir()
+    cut.write_bytes(whole[: len(whole) // 2])
+    manifest = build([cut], tmp_path / "store", SMALL_SPLIT)
+    (entry,) = manifest["sources"]
+    rows = rejected(tmp_path / "store", manifest)
+    damage = [r for r in rows if r["reason"].startswith("truncated gzip")]
+    assert len(damage) == 1
+    assert damage[0]["line"] == entry["records"]  # the last line read is the cut one
+    assert entry["records"] == entry["kept"] + entry["duplicates"] + entry["rejected"]
+    assert 1000 < entry["kept"] + entry["duplicates"] < 2972  # about half of the file's reviews
+
+
+def test_corrupt_gzip_data_is_reported(amazon_dir: Path, tmp_path: Path) -> None:
+    data = bytearray((amazon_dir / "Gift_Cards_5.json.gz").read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)
+    bad = tmp_path / "raw" / "Gift_Cards_5.json.gz"
+    bad.parent.mkdir()
+    bad.write_bytes(bytes(data))
+    manifest = build([bad], tmp_path / "store", SMALL_SPLIT)
+    reasons = {r["reason"].split(" (")[0] for r in rejected(tmp_path / "store", manifest)}
+    assert "corrupt gzip data" in reasons
+    assert manifest["sources"][0]["kept"] > 500
+
+
+def test_multi_member_gzip_and_misnamed_files_read_whole(amazon_dir: Path, tmp_path: Path) -> None:
+    first = (amazon_dir / "Gift_Cards_5.json.gz").read_bytes()
+    second = (amazon_dir / "Appliances_5.json.gz").read_bytes()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "Both_5.json.gz").write_bytes(first + second)
+    # Gzip is recognised by its bytes, not its name.
+    (raw / "Misnamed_5.json").write_bytes(second)
+    manifest = build([raw], tmp_path / "store", SMALL_SPLIT)
+    records = {s["name"]: s["records"] for s in manifest["sources"]}
+    assert records == {"Both_5.json.gz": 2972 + 2277, "Misnamed_5.json": 2277}
+
+
+def test_line_numbers_are_right_deep_inside_a_split_plain_file(amazon_dir: Path, tmp_path: Path) -> None:
+    lines = gzip.decompress((amazon_dir / "reviews_Musical_Instruments_5.json.gz").read_bytes()).split(b"\n")
+    lines[9000] = b"{broken"
+    source = tmp_path / "Musical_Instruments_5.json"
+    source.write_bytes(b"\n".join(lines))
+    config = SMALL_SPLIT.model_copy(update={"piece_mb": 1, "block_mb": 1})
+    assert len(plan_corpus([str(source)], config).pieces) >= 6
+    manifest = build([source], tmp_path / "store", config)
+    broken = [r for r in rejected(tmp_path / "store", manifest) if r["raw"] == b"{broken"]
+    assert [r["line"] for r in broken] == [9001]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/no/such/reviews.json.gz"], "/no/such/reviews.json.gz': no such file"),
+        (["/no/such/dir/*.json.gz"], "the glob matches no file"),
+        ([], "no SOURCE given"),
+    ],
+)
+def test_unusable_sources_fail_before_any_work(args: list[str], message: str, tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=message.replace("*", r"\*").replace(".", r"\.")):
+        build(args, tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_folder_without_review_files_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not reviews")
+    with pytest.raises(SourceError, match="holds no review files"):
+        plan_corpus([str(tmp_path)], CorpusConfig())
+
+
+def test_config_errors_name_the_setting() -> None:
+    from tasks.corpus import parse_split
+
+    with pytest.raises(ValueError, match="--split '1000:1'"):
+        parse_split("1000:1")
+    with pytest.raises(ValueError, match="split"):
+        CorpusConfig(split=(0, 1, 1))
+
+
+def test_keys_are_blake2b_of_the_utf8_text() -> None:
+    texts = ["\n a ", "\n é ", ""]
+    hi, lo = text_keys(pa.array(texts, pa.large_string()))
+    for text, h, low in zip(texts, hi.tolist(), lo.tolist(), strict=True):
+        digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        assert (h, low) == (int.from_bytes(digest[:8], "big"), int.from_bytes(digest[8:], "big"))
+    assert np.all(split_of(np.array([0, 2**64 - 1], dtype=np.uint64), (0.5, 0.25, 0.25)) == [0, 2])
+
+
+def test_the_work_folder_is_gone_after_publishing(real_corpus: tuple[Path, dict]) -> None:
+    store, manifest = real_corpus
+    assert not (corpus_dir(store, manifest) / "_work").exists()
+    assert sorted(p.name for p in corpus_dir(store, manifest).iterdir()) == [
+        "manifest.json",
+        "rejected",
+        "test",
+        "train",
+        "val",
+    ]
+
+
+def test_copying_a_source_elsewhere_keeps_the_corpus_id(amazon_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(amazon_dir / "Gift_Cards_5.json.gz", tmp_path / "Gift_Cards_5.json.gz")
+    here = plan_corpus([str(tmp_path / "Gift_Cards_5.json.gz")], SMALL_SPLIT)
+    there = plan_corpus([str(amazon_dir / "Gift_Cards_5.json.gz")], SMALL_SPLIT)
+    assert here.corpus_id == there.corpus_id
