@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner
@@ -78,7 +78,8 @@ def build_corpus(
 
     sink.stage("dedupe + write shards", total=plan.num_buckets)
     buckets = []
-    for future in as_completed(reduce_bucket_task.map(plan, list(range(plan.num_buckets)), target)):
+    reduced = reduce_bucket_task.map(plan, list(range(plan.num_buckets)), target, unmapped(pieces))
+    for future in as_completed(reduced):
         buckets.append(future.result())
         sink.advance(1)
 

@@ -14,6 +14,7 @@ the build runs (piece outputs and completion markers, so a killed build resumes)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -202,6 +203,7 @@ class PieceResult:
     rejected: int = 0
     bytes_read: int = 0
     rejected_key: str | None = None
+    buckets: list[int] = field(default_factory=list)
 
 
 def parse_piece(
@@ -234,6 +236,7 @@ def parse_piece(
                 _scatter(table, plan, piece, writers, stack)
         # Every line read is a row for dedupe or a rejected record.
         result.records += len(rejects)
+        result.buckets = sorted(writers)
         result.rejected = len(rejects)
         if rejects:
             result.rejected_key = f"{plan.prefix}/rejected/{piece.piece_id}.arrow"
@@ -358,46 +361,44 @@ class BucketResult:
     duplicates: list[int] = field(default_factory=list)
 
 
-def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store) -> BucketResult:
-    """Gather one bucket from every piece, keep the first of each key, write shards per split."""
+def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store, pieces: list[PieceResult]) -> BucketResult:
+    """Gather one bucket from the pieces that wrote to it, keep the first of each key, write shards
+    per split."""
     marker = plan.work_key("reduce", f"bucket-{bucket:05d}.json")
     if store.exists(marker):
         saved = json.loads(store.read_bytes(marker))
         saved["shards"] = {s: [ShardInfo(**i) for i in infos] for s, infos in saved["shards"].items()}
         return BucketResult(**saved)
-    tables = []
-    for piece in plan.pieces:
-        key = plan.work_key("map", piece.piece_id, f"bucket-{bucket:05d}.arrow")
-        if store.exists(key):
-            with store.open_read(key) as stream:
-                tables.append(pa.ipc.open_stream(stream).read_all())
-    table = pa.concat_tables(tables) if tables else WORK_SCHEMA.empty_table()
-    order = pc.sort_indices(
-        table,
-        sort_keys=[
-            ("key_hi", "ascending"),
-            ("key_lo", "ascending"),
-            ("source_index", "ascending"),
-            ("line", "ascending"),
-        ],
-    )
-    table = table.take(order)
-    key_hi, key_lo = table["key_hi"].to_numpy(), table["key_lo"].to_numpy()
-    first = np.ones(len(key_hi), dtype=bool)
-    first[1:] = (key_hi[1:] != key_hi[:-1]) | (key_lo[1:] != key_lo[:-1])
-    source_index = table["source_index"].to_numpy()
-    num_sources = len(plan.sources)
-    result = BucketResult(
-        bucket=bucket,
-        kept=np.bincount(source_index[first], minlength=num_sources).tolist(),
-        duplicates=np.bincount(source_index[~first], minlength=num_sources).tolist(),
-    )
-    table = table.filter(pa.array(first))
-    splits = split_of(table["key_lo"].to_numpy(), plan.config.fractions)
-    table = table.select(CORPUS_SCHEMA.names)
-    for split_index, split in enumerate(SPLITS):
-        part = table.filter(pa.array(splits == split_index))
-        result.shards[split] = _write_shards(store, plan, split, bucket, part)
+    inputs = [
+        plan.work_key("map", p.piece_id, f"bucket-{bucket:05d}.arrow") for p in pieces if bucket in p.buckets
+    ]
+    with contextlib.ExitStack() as stack:
+        # Memory-mapped: the bucket's rows are read once, and only the kept ones are copied.
+        tables = [
+            pa.ipc.open_stream(pa.memory_map(str(stack.enter_context(store.local_copy(key))))).read_all()
+            for key in inputs
+        ]
+        table = pa.concat_tables(tables) if tables else WORK_SCHEMA.empty_table()
+        keys = table.select(KEY_COLUMNS.names)
+        order = pc.sort_indices(keys, sort_keys=[(name, "ascending") for name in KEY_COLUMNS.names])
+        keys = keys.take(order)
+        key_hi, key_lo = keys["key_hi"].to_numpy(), keys["key_lo"].to_numpy()
+        first = np.ones(len(key_hi), dtype=bool)
+        first[1:] = (key_hi[1:] != key_hi[:-1]) | (key_lo[1:] != key_lo[:-1])
+        source_index = keys["source_index"].to_numpy()
+        num_sources = len(plan.sources)
+        result = BucketResult(
+            bucket=bucket,
+            kept=np.bincount(source_index[first], minlength=num_sources).tolist(),
+            duplicates=np.bincount(source_index[~first], minlength=num_sources).tolist(),
+        )
+        splits = split_of(key_lo, plan.config.fractions)
+        rows = table.select(CORPUS_SCHEMA.names)
+        order_np = order.to_numpy()
+        for split_index, split in enumerate(SPLITS):
+            part = rows.take(pa.array(order_np[first & (splits == split_index)]))
+            result.shards[split] = _write_shards(store, plan, split, bucket, part)
+            del part
     store.write_bytes(marker, json.dumps(_as_dict(result)).encode())
     return result
 

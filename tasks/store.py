@@ -79,6 +79,17 @@ class Store(ABC):
         finally:
             path.unlink(missing_ok=True)
 
+    @contextlib.contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        """A local file with the object's bytes for the length of the block (no copy when local)."""
+        scratch = Path(tempfile.mkdtemp(prefix="mlstm-"))
+        try:
+            path = scratch / Path(key).name
+            self.download(key, path)
+            yield path
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.writer(key) as path:
             path.write_bytes(data)
@@ -103,6 +114,10 @@ class LocalStore(Store):
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()
+
+    @contextlib.contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        yield self.path(key)
 
     def read_bytes(self, key: str) -> bytes:
         return self.path(key).read_bytes()

@@ -82,11 +82,13 @@ def wait_for_port(port: int, timeout: float = 30) -> None:
 
 @pytest.fixture(scope="session")
 def prefect_api_url() -> Iterator[str]:
-    """One real Prefect API server for the session (its runs land in a private database)."""
-    from flows.runtime import prefect_api
-    from tasks.settings import Settings
+    """Prefect's test harness: one real API server for the session, on a temporary database.
+    Subprocesses (the CLI, worker processes) reach it through PREFECT_API_URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_api(Settings()) as url:
+    with prefect_test_harness(server_startup_timeout=90):
+        url = PREFECT_API_URL.value()
         os.environ["PREFECT_API_URL"] = url
         yield url
     os.environ.pop("PREFECT_API_URL", None)

@@ -25,7 +25,7 @@ def build(sources: list[str | Path], store_dir: Path, config: CorpusConfig | Non
     plan = plan_corpus([str(s) for s in sources], config or CorpusConfig())
     store = LocalStore(store_dir)
     pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
-    buckets = [reduce_bucket(plan, bucket, store) for bucket in range(plan.num_buckets)]
+    buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
     manifest = build_manifest(plan, store, pieces, buckets)
     publish_manifest(plan, store, manifest)
     return manifest
