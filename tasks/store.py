@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +20,6 @@ from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
 MiB = 1024 * 1024
-
-# mkstemp makes 0600 files; published files get the mode a plain open() would give them.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 
 
 class StoreError(RuntimeError):
@@ -70,9 +67,9 @@ class Store(ABC):
         """Yield a local path to write; on success it is published at ``key``, else discarded."""
         scratch = self._scratch_dir(key)
         scratch.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=scratch, prefix=".tmp-", suffix="-" + Path(key).name)
-        os.close(fd)
-        path = Path(name)
+        # Not mkstemp: its files are 0600, and a published file gets the mode open() would give.
+        path = scratch / f".tmp-{uuid.uuid4().hex}-{Path(key).name}"
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         try:
             yield path
             self._publish(path, key)
@@ -145,7 +142,6 @@ class LocalStore(Store):
             target.unlink(missing_ok=True)
 
     def _publish(self, local: Path, key: str) -> None:
-        os.chmod(local, 0o666 & ~_UMASK)
         os.replace(local, self.path(key))
 
     def download(self, key: str, local: Path) -> None:
