@@ -113,7 +113,7 @@ def corpus_build(
     store: StoreOption = None,
     split: Annotated[str, typer.Option(help="train:val:test proportions.")] = "1000:1:1",
     shard_mb: Annotated[int, typer.Option(min=1, help="Target shard size in MiB of text.")] = 256,
-    bucket_mb: Annotated[int, typer.Option(min=1, help="Input MiB per dedupe bucket (bounds memory).")] = 256,
+    bucket_mb: Annotated[int, typer.Option(min=1, help="Input MiB per dedupe bucket (bounds memory).")] = 128,
     piece_mb: Annotated[
         int, typer.Option(min=1, help="Plain files are parsed in pieces of this many MiB.")
     ] = 64,

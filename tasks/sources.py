@@ -7,6 +7,7 @@ starts. Gzip is detected by its magic bytes, so a misnamed file still reads.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -337,6 +338,11 @@ class Block:
     data: bytes
     damaged: str | None = None
 
+    @functools.cached_property
+    def num_lines(self) -> int:
+        """Lines in the block, the last one counted even without its newline."""
+        return self.data.count(b"\n") + (0 if self.data.endswith(b"\n") or not self.data else 1)
+
 
 def iter_blocks(piece: Piece, *, block_bytes: int, s3_endpoint_url: str | None = None) -> Iterator[Block]:
     """Yield the piece's lines in blocks of about ``block_bytes``, always cut after a newline."""
@@ -359,8 +365,9 @@ def iter_blocks(piece: Piece, *, block_bytes: int, s3_endpoint_url: str | None =
                 if cut == 0:
                     pending, pending_size = [data], len(data)
                     continue
-                yield Block(line, data[:cut])
-                line += data.count(b"\n", 0, cut)
+                block = Block(line, data[:cut])
+                yield block
+                line += block.num_lines
                 pending, pending_size = [data[cut:]], len(data) - cut
         except StreamDamaged as damage:
             yield Block(line, b"".join(pending), damaged=str(damage))
