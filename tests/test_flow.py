@@ -182,3 +182,27 @@ def test_demo_runs_cleanly_from_nothing(prefect_api_url: str, tmp_path: Path) ->
     for noise in ("Traceback", "Error", "WARNING", "Warning"):
         assert noise not in output, output
     assert list((tmp_path / ".mlstm-sentiment" / "store" / "corpora").glob("*/manifest.json"))
+
+
+@pytest.mark.parametrize(("name", "package"), [("dask", "prefect-dask"), ("ray", "prefect-ray")])
+def test_cluster_task_runners_say_what_to_install(name: str, package: str) -> None:
+    import importlib.util
+
+    from flows.runtime import task_runner
+    from tasks.settings import Settings
+
+    if importlib.util.find_spec(package.replace("-", "_")) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(RuntimeError, match=f"pip install {package}"):
+        task_runner(Settings(task_runner=name))  # type: ignore[arg-type]
+
+
+def test_local_task_runners_follow_the_settings() -> None:
+    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+
+    from flows.runtime import task_runner
+    from tasks.settings import Settings
+
+    process = task_runner(Settings(task_runner="process", max_workers=3))
+    assert isinstance(process, ProcessPoolTaskRunner) and process._max_workers == 3
+    assert isinstance(task_runner(Settings(task_runner="thread")), ThreadPoolTaskRunner)
