@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tasks.corpus import cpu_count
@@ -46,7 +48,12 @@ def prefect_api(settings: Settings) -> Iterator[str]:
     # Flow code that asks for "the" ephemeral server finds this one instead of starting another.
     previous = SubprocessASGIServer._instances.get(None)
     SubprocessASGIServer._instances[None] = server
-    server.start()
+    # The server writes to the stderr it inherits, including the tracebacks of requests cancelled
+    # when it stops; they belong in a log file, not in the user's terminal.
+    log = settings.home / "logs" / "prefect-server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with _stderr_to(log):
+        server.start()
     try:
         with (
             _environ("PREFECT_API_URL", server.api_url),
@@ -80,6 +87,22 @@ def _drain_prefect_workers() -> None:
             await result
 
     run_coro_as_sync(drain())
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Point file descriptor 2 at ``path`` for the block, so processes started in it inherit that."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
 
 
 @contextlib.contextmanager
