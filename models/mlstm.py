@@ -1,0 +1,149 @@
+"""The byte-level multiplicative LSTM of Radford et al. (2017) and Puri et al. (2018).
+
+Legend: B batch, T time steps, E byte embedding (64), H hidden units, V vocabulary (256 bytes).
+Weights are stored as in the papers' code, ``x @ W`` with ``W`` of shape [in, out], so the published
+weights load without transposes. Per time step:
+
+    m = (x W_mx) ⊙ (h W_mh)
+    z = x W_x + m W_h + b            gates in the order i, f, o, u
+    c = σ(f) ⊙ c + σ(i) ⊙ tanh(u)
+    h = σ(o) ⊙ tanh(c)
+
+Weight normalisation on the four matrices of the cell: ``W = g · v / ‖v‖`` per output unit (column).
+The input projections x W_x and x W_mx are one matrix product for all T steps; only the recurrence
+loops. Single device, no mixed precision or distribution here: the training job adds those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+State = tuple[Tensor, Tensor]  # (h_BH, c_BH)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLSTMConfig:
+    hidden_size: int
+    embed_size: int = 64
+    vocab_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "embed_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MLSTMConfig.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_params(self) -> int:
+        E, H, V = self.embed_size, self.hidden_size, self.vocab_size
+        cell = E * 4 * H + H * 4 * H + E * H + H * H  # W_x, W_h, W_mx, W_mh
+        gains = 4 * H + 4 * H + H + H
+        return V * E + cell + gains + 4 * H + H * V + V
+
+    @property
+    def flops_per_byte(self) -> int:
+        """Forward FLOPs per byte (2 per multiply-add); training costs about three times this."""
+        E, H, V = self.embed_size, self.hidden_size, self.vocab_size
+        return 2 * (E * 4 * H + E * H + H * H + H * 4 * H + H * V)
+
+
+def tiny() -> MLSTMConfig:
+    """For CI and tests: trains in seconds on a CPU."""
+    return MLSTMConfig(hidden_size=64)
+
+
+def small() -> MLSTMConfig:
+    """A laptop-scale model: 1024 units, about 5.9M parameters."""
+    return MLSTMConfig(hidden_size=1024)
+
+
+def paper_4096() -> MLSTMConfig:
+    """Radford et al. 2017 and Puri et al. 2018: 4096 units, about 86M parameters."""
+    return MLSTMConfig(hidden_size=4096)
+
+
+def paper_8192() -> MLSTMConfig:
+    """Puri et al. 2018's larger model: 8192 units, about 340M parameters."""
+    return MLSTMConfig(hidden_size=8192)
+
+
+PRESETS = {"tiny": tiny, "small": small, "paper_4096": paper_4096, "paper_8192": paper_8192}
+
+
+def preset(name: str) -> MLSTMConfig:
+    """The config of a preset, with an error that lists the names."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def weight_norm(v: Tensor, g: Tensor) -> Tensor:
+    """W = g · v / ‖v‖, the norm taken per output unit (column of v, which is [in, out])."""
+    return v * (g / v.norm(dim=0))
+
+
+class MLSTM(nn.Module):
+    """Embedding → mLSTM cell over time → linear read-out to next-byte logits."""
+
+    def __init__(self, config: MLSTMConfig) -> None:
+        super().__init__()
+        self.config = config
+        E, H, V = config.embed_size, config.hidden_size, config.vocab_size
+        self.embed = nn.Embedding(V, E)
+        self.w_x = nn.Parameter(torch.empty(E, 4 * H))
+        self.w_h = nn.Parameter(torch.empty(H, 4 * H))
+        self.w_mx = nn.Parameter(torch.empty(E, H))
+        self.w_mh = nn.Parameter(torch.empty(H, H))
+        self.g_x = nn.Parameter(torch.empty(4 * H))
+        self.g_h = nn.Parameter(torch.empty(4 * H))
+        self.g_mx = nn.Parameter(torch.empty(H))
+        self.g_mh = nn.Parameter(torch.empty(H))
+        self.b = nn.Parameter(torch.empty(4 * H))
+        self.out = nn.Linear(H, V)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.embed.weight, std=0.02)
+        for v, g in (
+            (self.w_x, self.g_x),
+            (self.w_h, self.g_h),
+            (self.w_mx, self.g_mx),
+            (self.w_mh, self.g_mh),
+        ):
+            nn.init.orthogonal_(v) if v.shape[0] >= v.shape[1] else nn.init.normal_(v, std=v.shape[0] ** -0.5)
+            g.copy_(v.norm(dim=0))  # so W = v at the start
+        self.b.zero_()
+        self.out.reset_parameters()
+
+    def zero_state(self, batch_size: int, *, device: torch.device | None = None) -> State:
+        shape, like = (batch_size, self.config.hidden_size), self.b
+        return (
+            torch.zeros(shape, device=device or like.device, dtype=like.dtype),
+            torch.zeros(shape, device=device or like.device, dtype=like.dtype),
+        )
+
+    def forward(self, bytes_BT: Tensor, state: State | None = None) -> tuple[Tensor, State, Tensor]:
+        """Next-byte logits [B, T, V], the final state, and the cell state after every step [B, T, H]."""
+        h_BH, c_BH = (
+            state if state is not None else self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
+        )
+        x_BTE = self.embed(bytes_BT)
+        W_x, W_h = weight_norm(self.w_x, self.g_x), weight_norm(self.w_h, self.g_h)
+        W_mx, W_mh = weight_norm(self.w_mx, self.g_mx), weight_norm(self.w_mh, self.g_mh)
+        xz_BTG = x_BTE @ W_x + self.b  # G = 4H: the input's share of every gate, all steps at once
+        xm_BTH = x_BTE @ W_mx
+        hs, cs = [], []
+        # unbind once: slicing x[:, t] inside the loop makes autograd allocate a full-size gradient per step.
+        for xz_BG, xm_BH in zip(xz_BTG.unbind(1), xm_BTH.unbind(1), strict=True):
+            m_BH = xm_BH * (h_BH @ W_mh)
+            z_BG = xz_BG + m_BH @ W_h
+            i_BH, f_BH, o_BH, u_BH = z_BG.chunk(4, dim=1)
+            c_BH = torch.sigmoid(f_BH) * c_BH + torch.sigmoid(i_BH) * torch.tanh(u_BH)
+            h_BH = torch.sigmoid(o_BH) * torch.tanh(c_BH)
+            hs.append(h_BH)
+            cs.append(c_BH)
+        h_BTH, c_BTH = torch.stack(hs, dim=1), torch.stack(cs, dim=1)
+        return self.out(h_BTH), (h_BH, c_BH), c_BTH
