@@ -34,7 +34,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models.text import CLEANING, CLEANING_DESCRIPTION, END_PAD, FRONT_PAD
-from tasks.reviews import CORPUS_SCHEMA, Rejects, clean_text_column, normalise, parse_block
+from tasks.reviews import CORPUS_SCHEMA, Rejects, clean_text_column, normalise, parse_block, string_buffers
 from tasks.sources import (
     FingerprintCache,
     Piece,
@@ -176,8 +176,8 @@ def text_keys(text: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     n = len(text)
     if n == 0:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    offsets = np.frombuffer(text.buffers()[1], dtype=np.int64)[text.offset : text.offset + n + 1].tolist()
-    data = memoryview(text.buffers()[2]) if text.buffers()[2] is not None else memoryview(b"")
+    offsets_np, data_np = string_buffers(text)
+    offsets, data = offsets_np.tolist(), memoryview(data_np)  # Python ints and slices are fastest here
     digest = xxhash.xxh3_128_digest  # big-endian, the canonical form
     packed = b"".join([digest(data[offsets[i] : offsets[i + 1]]) for i in range(n)])
     keys = np.frombuffer(packed, dtype=">u8").reshape(n, 2).astype(np.uint64)

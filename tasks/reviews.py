@@ -204,14 +204,22 @@ def clean_text_column(text: pa.ChunkedArray | pa.Array) -> pa.Array:
     )
 
 
+def string_buffers(text: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Views of a large_string array's offsets (len + 1, int64) and UTF-8 bytes, without copies:
+    row i is ``data[offsets[i]:offsets[i + 1]]``."""
+    offsets = np.frombuffer(text.buffers()[1], dtype=np.int64)[text.offset : text.offset + len(text) + 1]
+    values = text.buffers()[2]
+    data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.zeros(0, dtype=np.uint8)
+    return offsets, data
+
+
 def _rows_with_ampersand(text: pa.LargeStringArray) -> np.ndarray:
     """Indices of the rows that contain '&', found in the data buffer (faster than a substring
     kernel): only those can change under html.unescape."""
-    if len(text) == 0 or text.buffers()[2] is None:
+    if len(text) == 0:
         return np.zeros(0, dtype=np.int64)
-    offsets = np.frombuffer(text.buffers()[1], dtype=np.int64)[text.offset : text.offset + len(text) + 1]
-    data = np.frombuffer(text.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
-    positions = np.flatnonzero(data == ord("&")) + offsets[0]
+    offsets, data = string_buffers(text)
+    positions = np.flatnonzero(data[offsets[0] : offsets[-1]] == ord("&")) + offsets[0]
     rows = np.unique(np.searchsorted(offsets, positions, side="right") - 1)
     if text.null_count:
         rows = rows[text.is_valid().to_numpy(zero_copy_only=False)[rows]]

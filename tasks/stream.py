@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from tasks.reviews import string_buffers
 from tasks.store import LocalStore, Store, split_object_uri
 
 
@@ -39,10 +40,7 @@ class ByteStream:
                 text = reader.get_batch(index).column("text")
                 if len(text) == 0:
                     continue
-                offsets = np.frombuffer(text.buffers()[1], dtype=np.int64)[
-                    text.offset : text.offset + len(text) + 1
-                ]
-                data = np.frombuffer(text.buffers()[2], dtype=np.uint8)
+                offsets, data = string_buffers(text)
                 self._parts.append(data[offsets[0] : offsets[-1]])
         self._starts = np.cumsum([0] + [len(p) for p in self._parts])
 
@@ -135,7 +133,8 @@ def split_shards(store: Store, manifest_key: str, split: str, cache_dir: Path) -
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_suffix(".part")
             store.download(key, partial)
-            digest = hashlib.sha256(partial.read_bytes()).hexdigest()
+            with partial.open("rb") as stream:
+                digest = hashlib.file_digest(stream, "sha256").hexdigest()  # chunked, not read whole
             if digest != shard["sha256"]:
                 partial.unlink()
                 raise StreamError(f"shard {key} does not match its sha256 in the manifest")
