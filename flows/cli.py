@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -224,12 +225,96 @@ def corpus_sample(
         out.print(str(path), highlight=False)
 
 
+def run_pretrain(params: Any, *, show_progress: bool = True) -> dict[str, Any]:
+    """Train as a Prefect flow run (the job itself under torchrun, Slurm or Kubernetes)."""
+    from flows import progress
+    from flows.pretrain import pretrain as pretrain_flow
+    from flows.runtime import prefect_api
+    from tasks.pretrain import plan_job
+
+    settings = get_settings()
+    plan_job(params, settings)  # bad settings fail here, before a Prefect API or a process starts
+    columns = (
+        TextColumn("{task.description:<24}"),
+        BarColumn(),
+        TextColumn("step {task.completed:,.0f}/{task.total:,.0f}"),
+        TimeElapsedColumn(),
+    )
+    bar = Progress(*columns, console=err, disable=not show_progress)
+    with prefect_api(settings), bar, progress.reporting_to(_RichSink(bar)):
+        return pretrain_flow(params=params)  # type: ignore[no-any-return]
+
+
+@app.command()
+def pretrain(
+    corpus: Annotated[str, typer.Option(help="URI of the corpus manifest.json.")],
+    preset: Annotated[str, typer.Option(help="tiny, small, paper_4096 or paper_8192.")] = "tiny",
+    launcher: Annotated[str, typer.Option(help="local (torchrun here), slurm or kubernetes.")] = "local",
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes (slurm, kubernetes).")] = 1,
+    gpus_per_node: Annotated[int, typer.Option(min=0, help="GPUs per node, one process each.")] = 0,
+    nproc: Annotated[
+        int | None, typer.Option(min=1, help="Processes per node without GPUs. [default: 1]")
+    ] = None,
+    max_steps: Annotated[int | None, typer.Option(min=1, help="End this launch after this step.")] = None,
+    total_steps: Annotated[
+        int | None, typer.Option(min=1, help="Schedule length. [default: one epoch of train]")
+    ] = None,
+    run: Annotated[str | None, typer.Option(help="Run name; the same name resumes. [default: new]")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Global batch in rows.")] = 128,
+    seq_len: Annotated[int, typer.Option(min=1, help="Truncated BPTT length in bytes.")] = 256,
+    lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 5e-4,
+    lr_scaling: Annotated[str, typer.Option(help="none, linear or sqrt.")] = "none",
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Linear warm-up steps.")] = 0,
+    precision: Annotated[str, typer.Option(help="auto, bf16, fp16 or fp32.")] = "auto",
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints.")] = 1000,
+    val_every: Annotated[int, typer.Option(min=1, help="Steps between validations.")] = 1000,
+    retries: Annotated[int, typer.Option(min=0, help="Relaunches after a crash (resuming).")] = 2,
+    store: StoreOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    """Pretrain the mLSTM on a corpus; relaunching with the same --run resumes from its latest checkpoint."""
+    from pydantic import ValidationError
+
+    from tasks.launch import LaunchError
+    from tasks.pretrain import PretrainParams
+
+    if store:
+        os.environ["MLSTM_STORE_URI"] = store
+    try:
+        params = PretrainParams(
+            corpus=corpus, preset=preset, launcher=launcher, nodes=nodes, gpus_per_node=gpus_per_node,
+            nproc=nproc, max_steps=max_steps, total_steps=total_steps, run=run, batch_size=batch_size,
+            seq_len=seq_len, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps, precision=precision,
+            checkpoint_every=checkpoint_every, val_every=val_every, retries=retries,
+        )  # fmt: skip
+        result = run_pretrain(params)
+    except ValidationError as error:
+        raise _fail(
+            "; ".join(f"--{'-'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        ) from None
+    except (*_user_errors(), LaunchError) as error:
+        raise _fail(str(error)) from None
+    if as_json:
+        print(
+            json.dumps({k: result[k] for k in ("run_id", "checkpoint_uri", "steps", "final_loss", "val_bpc")})
+        )
+        return
+    out.print(
+        f"[bold green]run {result['run']}[/]: step {result['steps']:,} of {result['total_steps']:,}, "
+        f"loss {result['final_loss']:.4f}, val bpc {result['val_bpc']}"
+    )
+    out.print(f"checkpoint: {result['checkpoint_uri']}", highlight=False)
+    out.print(f"MLflow run: {result['run_id']}", highlight=False)
+
+
 @app.command()
 def demo(
     reviews: Annotated[int, typer.Option(help="Reviews in the generated sample.")] = 3000,
+    steps: Annotated[int, typer.Option(min=1, help="Pretraining steps of the tiny mLSTM.")] = 300,
 ) -> None:
-    """Run the whole job on embedded defaults: generate a sample and build its corpus."""
+    """Run the whole job on embedded defaults: a generated sample, its corpus, a tiny mLSTM."""
     from tasks.corpus import CorpusConfig
+    from tasks.launch import LaunchError
     from tasks.sample import write_sample
 
     settings = get_settings()
@@ -246,6 +331,23 @@ def demo(
         raise _fail(str(error)) from None
     err.print("2. built the corpus:")
     _print_summary(summary)
+    from tasks.pretrain import PretrainParams
+
+    # A tiny mLSTM for a few hundred steps: enough for the loss to fall well below 8 bits a byte.
+    params = PretrainParams(
+        corpus=summary["manifest_uri"], preset="tiny", batch_size=16, seq_len=64, lr=3e-3,
+        max_steps=steps, checkpoint_every=steps, val_every=steps, retries=0,
+    )  # fmt: skip
+    err.print(f"3. pretraining a tiny mLSTM for {steps} steps with torchrun:")
+    try:
+        result = run_pretrain(params)
+    except (*_user_errors(), LaunchError) as error:
+        raise _fail(str(error)) from None
+    out.print(
+        f"[bold green]run {result['run']}[/]: {result['steps']} steps, "
+        f"{result['final_loss'] / math.log(2):.2f} bits per byte (val {result['val_bpc']:.2f})"
+    )
+    out.print(f"checkpoint: {result['checkpoint_uri']}", highlight=False)
     out.print("\nLook at it:")
     out.print(f"  mlstm-sentiment corpus show {summary['manifest_uri']}", highlight=False)
     out.print(

@@ -135,6 +135,9 @@ class MLSTM(nn.Module):
         W_mx, W_mh = weight_norm(self.w_mx, self.g_mx), weight_norm(self.w_mh, self.g_mh)
         xz_BTG = x_BTE @ W_x + self.b  # G = 4H: the input's share of every gate, all steps at once
         xm_BTH = x_BTE @ W_mx
+        # Under autocast the products run in xz's dtype: cast the recurrent weights once, not every step
+        # (autocast caches casts of parameters only, and these are computed).
+        W_h, W_mh = W_h.to(xz_BTG.dtype), W_mh.to(xz_BTG.dtype)
         hs, cs = [], []
         # unbind once: slicing x[:, t] inside the loop makes autograd allocate a full-size gradient per step.
         for xz_BG, xm_BH in zip(xz_BTG.unbind(1), xm_BTH.unbind(1), strict=True):

@@ -14,9 +14,8 @@ class TrackingUnavailable(RuntimeError):
     """The MLflow tracking server does not answer."""
 
 
-@contextlib.contextmanager
-def mlflow_run(settings: Settings, *, run_name: str, tags: dict[str, str]) -> Iterator[Any]:
-    """Start an MLflow run in the configured experiment (creating the local database if needed)."""
+def connect(settings: Settings) -> Any:
+    """Point MLflow at the configured server and experiment (creating the local database if needed)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
 
@@ -25,13 +24,33 @@ def mlflow_run(settings: Settings, *, run_name: str, tags: dict[str, str]) -> It
         os.makedirs(os.path.dirname(uri.removeprefix("sqlite:///")) or ".", exist_ok=True)
     mlflow.set_tracking_uri(uri)
     try:
-        mlflow.set_experiment(settings.mlflow_experiment)
+        return mlflow.set_experiment(settings.mlflow_experiment)
     except Exception as error:
         raise TrackingUnavailable(
             f"MLflow at {uri} cannot be used ({error}); fix MLSTM_MLFLOW_TRACKING_URI"
         ) from error
+
+
+@contextlib.contextmanager
+def mlflow_run(settings: Settings, *, run_name: str, tags: dict[str, str]) -> Iterator[Any]:
+    """Start an MLflow run in the configured experiment."""
+    import mlflow
+
+    connect(settings)
     with mlflow.start_run(run_name=run_name, tags=tags) as run:
         yield run
+
+
+def start_tracking(settings: Settings, *, run_id: str | None, run_name: str, tags: dict[str, str]) -> Any:
+    """Make an MLflow run active: ``run_id``'s (a flow's run, or a resumed one's), else a new one."""
+    import mlflow
+
+    connect(settings)
+    if run_id:
+        run = mlflow.start_run(run_id=run_id)
+        mlflow.set_tags(tags)
+        return run
+    return mlflow.start_run(run_name=run_name, tags=tags)
 
 
 def log_corpus(settings: Settings, manifest: dict[str, Any], manifest_uri: str, seconds: float) -> str:

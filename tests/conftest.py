@@ -26,7 +26,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
 os.environ.pop("PREFECT_API_URL", None)
-for name in [n for n in os.environ if n.startswith("MLSTM_") and n != "MLSTM_REQUIRE_SHARED_DATA"]:
+for name in [n for n in os.environ if n.startswith("MLSTM_") and not n.startswith("MLSTM_REQUIRE_")]:
     del os.environ[name]
 
 SHARED = Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
@@ -55,6 +55,20 @@ def amazon_dir(shared_data: Path) -> Path:
 def amazon_complete(amazon_dir: Path) -> list[Path]:
     """The complete (not sliced) files of all three releases."""
     return sorted(p for p in amazon_dir.glob("*.gz"))
+
+
+@pytest.fixture(scope="session")
+def sample_manifest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """URI of a corpus of generated reviews (2,368 train rows): needs nothing beside the checkout."""
+    from corpus_helpers import build
+
+    from tasks.corpus import CorpusConfig
+    from tasks.sample import write_sample
+
+    root = tmp_path_factory.mktemp("sample-corpus")
+    files = write_sample(root / "raw", num_reviews=3000)
+    manifest = build(files, root / "store", CorpusConfig(split=(18, 1, 1)))
+    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
 
 
 @pytest.fixture

@@ -178,7 +178,7 @@ def test_demo_runs_cleanly_from_nothing(prefect_api_url: str, tmp_path: Path) ->
     done = subprocess.run([CLI, "demo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     output = done.stdout + done.stderr
-    assert "manifest:" in output and "mlflow ui" in output
+    assert "manifest:" in output and "mlflow ui" in output and "checkpoint:" in output
     for noise in ("Traceback", "Error", "WARNING", "Warning"):
         assert noise not in output, output
     assert list((tmp_path / ".mlstm-sentiment" / "store" / "corpora").glob("*/manifest.json"))

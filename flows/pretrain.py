@@ -1,0 +1,121 @@
+"""The pretraining flow: plan the job, launch it, follow rank 0's log, relaunch after a crash.
+
+A relaunch uses the same run name, so the job resumes from ``latest.json``: a Prefect retry of the
+``train`` task is a resume, never a restart. Cancelling the flow run cancels the job (torchrun's
+process group, the Slurm job or the Kubernetes training job): no process outlives the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+
+from flows import progress
+from tasks.launch import JobHandle, Launcher, launcher_for
+from tasks.pretrain import Job, PretrainParams, job_result, open_mlflow_run, plan_job, watch
+from tasks.settings import get_settings
+
+
+class FlowTerminated(BaseException):
+    """SIGTERM reached the flow run's process (a cancelled deployment run, a stopped worker)."""
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """Turn SIGTERM into an exception, so the ``finally`` that cancels the job runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise FlowTerminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train(job: Job, launcher: Launcher) -> dict[str, Any]:
+    """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
+    logger = get_run_logger()
+    sink = progress.current()
+    artifact_id = create_progress_artifact(
+        progress=0.0, key="training-progress", description=f"run {job.config.run_name}: steps done"
+    )
+    rows: list[dict[str, float]] = []
+    done = 0.0
+
+    def on_progress(values: dict[str, float]) -> None:
+        nonlocal done
+        rows.append(values)
+        sink.advance(values["step"] - done)
+        done = values["step"]
+        update_progress_artifact(artifact_id, progress=100 * values["step"] / job.stop_step)
+
+    handle: JobHandle | None = None
+    finished = False
+    try:
+        with terminate_raises():
+            handle = launcher.submit(job.spec)
+            logger.info("submitted %s job %s (log: %s)", launcher.name, handle.job_id, handle.log_path or "-")
+            watch(launcher, handle, on_line=logger.info, on_progress=on_progress)
+            finished = True
+    finally:
+        if handle is not None and not finished:
+            logger.warning("stopping %s job %s", launcher.name, handle.job_id)
+            launcher.cancel(handle)
+    if rows:
+        columns = ("step", "loss", "bpc", "lr", "chars_per_s")
+        create_table_artifact(
+            key="training-log",
+            table=[{c: row.get(c) for c in columns} for row in rows[-50:]],
+            description=f"run {job.config.run_name}: the last progress lines of this launch",
+        )
+    return job_result(job, get_settings())
+
+
+@flow(name="pretrain")
+def pretrain(params: PretrainParams) -> dict[str, Any]:
+    """Train the mLSTM on a corpus: local torchrun, Slurm or Kubernetes; resumable by run name."""
+    settings = get_settings()
+    job = plan_job(params, settings)  # fails here, before any process, on bad settings
+    flow_run_id = str(get_run_context().flow_run.id)  # type: ignore[union-attr]
+    tags = {
+        "stage": "pretrain",
+        "run": job.config.run_name,
+        "corpus_id": job.corpus_id,
+        "manifest_uri": job.config.corpus,
+        "prefect_flow_run_id": flow_run_id,
+    }
+    job = job.tracked_by(open_mlflow_run(job, settings, tags))
+    progress.current().stage(f"training {job.config.preset}", total=job.stop_step)
+    result = train.with_options(retries=params.retries, retry_delay_seconds=5)(
+        job, launcher_for(params.launcher)
+    )
+    create_markdown_artifact(
+        key="pretrain-result",
+        markdown=(
+            f"# Pretraining run `{result['run']}`\n\n"
+            f"- step {result['steps']} of {result['total_steps']}, loss {result['final_loss']:.4f}, "
+            f"val bpc {result['val_bpc']}\n- checkpoint: `{result['checkpoint_uri']}`\n"
+            f"- MLflow run: `{result['run_id']}` at {settings.resolved_mlflow_tracking_uri}\n"
+        ),
+        description="Where the checkpoint and the MLflow run are",
+    )
+    return result

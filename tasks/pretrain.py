@@ -1,0 +1,243 @@
+"""Plan, launch and watch a pretraining job: the work behind ``flows/pretrain.py``, without Prefect.
+
+Everything that can be wrong with a launch (an unknown preset, a batch that does not divide among
+the ranks, a corpus URI without a manifest, a split too short for the batch) is found here, before
+any process starts, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tasks.checkpoint import read_latest
+from tasks.launch import JobHandle, JobSpec, JobState, Launcher, LaunchError
+from tasks.settings import Settings
+from tasks.store import StoreError, open_store, split_object_uri
+from tasks.stream import BatchPlan
+from tasks.train import LrScaling, Precision, TrainConfig, iter_progress
+
+LauncherName = Literal["local", "slurm", "kubernetes"]
+
+
+class PretrainParams(BaseModel):
+    """The pretraining stage's parameters: what the CLI's flags and the Prefect UI's form set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    corpus: str = Field(description="URI of the corpus manifest.json (printed by `corpus build`).")
+    preset: str = Field(default="tiny", description="Model size: tiny, small, paper_4096, paper_8192.")
+    launcher: LauncherName = Field(default="local", description="local (torchrun here), slurm or kubernetes.")
+    nodes: int = Field(default=1, ge=1, description="Nodes (slurm, kubernetes).")
+    gpus_per_node: int = Field(default=0, ge=0, description="GPUs per node; one process each.")
+    nproc: int | None = Field(default=None, ge=1, description="Processes per node when there are no GPUs.")
+    run: str | None = Field(default=None, description="Run name; the same name resumes. Default: generated.")
+    max_steps: int | None = Field(default=None, ge=1, description="End this launch after this step.")
+    total_steps: int | None = Field(default=None, ge=1, description="Schedule length. Default: one epoch.")
+    batch_size: int = Field(default=128, ge=1, description="Global batch in rows.")
+    seq_len: int = Field(default=256, ge=1, description="Truncated BPTT length in bytes.")
+    lr: float = Field(default=5e-4, gt=0, description="Adam learning rate.")
+    lr_scaling: LrScaling = Field(default="none", description="Scale lr with the batch: none, linear, sqrt.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
+    precision: Precision = Field(default="auto", description="auto, bf16, fp16 or fp32.")
+    checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
+    val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
+    log_every: int = Field(default=10, ge=1, description="Steps between progress lines.")
+    retries: int = Field(default=2, ge=0, description="Relaunches (resuming from latest) after a crash.")
+
+    @property
+    def nproc_per_node(self) -> int:
+        if self.gpus_per_node and self.nproc and self.nproc != self.gpus_per_node:
+            raise ValueError(
+                f"--nproc {self.nproc} with --gpus-per-node {self.gpus_per_node}: one process runs per "
+                "GPU, give only --gpus-per-node"
+            )
+        return self.gpus_per_node or self.nproc or 1
+
+
+class Job(BaseModel):
+    """A planned launch: the job's config, how many processes, and where its run lives."""
+
+    config: TrainConfig
+    spec: JobSpec
+    stop_step: int
+    total_steps: int
+    corpus_id: str
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    def tracked_by(self, mlflow_run_id: str) -> Job:
+        """The same job, logging into an MLflow run the caller opened."""
+        config = self.config.model_copy(update={"mlflow_run_id": mlflow_run_id})
+        spec = dataclasses.replace(self.spec, args=tuple(config.to_args()))
+        return self.model_copy(update={"config": config, "spec": spec})
+
+
+def plan_job(params: PretrainParams, settings: Settings) -> Job:
+    """Check a launch and turn it into a job, reading only the corpus manifest."""
+    nproc = params.nproc_per_node
+    if params.launcher == "local" and params.nodes != 1:
+        raise ValueError(f"--nodes {params.nodes} needs --launcher slurm or kubernetes; local runs one node")
+    world_size = params.nodes * nproc
+    store_options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
+    manifest = read_corpus_manifest(params.corpus, **store_options)
+    # BatchPlan raises for a batch that ranks cannot share, or a split too short for it.
+    plan = BatchPlan(manifest["splits"]["train"]["text_bytes"], params.batch_size, params.seq_len, world_size)
+    total_steps = params.total_steps or plan.steps_per_epoch
+    run = params.run or default_run_name(params.preset, manifest["corpus_id"])
+    store_uri = absolute_uri(settings.resolved_store_uri)
+    try:
+        config = TrainConfig(
+            corpus=absolute_uri(params.corpus),
+            preset=params.preset,
+            run_name=run,
+            store=store_uri,
+            batch_size=params.batch_size,
+            seq_len=params.seq_len,
+            lr=params.lr,
+            lr_scaling=params.lr_scaling,
+            warmup_steps=params.warmup_steps,
+            total_steps=total_steps,
+            max_steps=params.max_steps,
+            precision=params.precision,
+            checkpoint_every=params.checkpoint_every,
+            val_every=params.val_every,
+            log_every=params.log_every,
+        )
+    except ValidationError as error:
+        raise ValueError("; ".join(_field_message(e) for e in error.errors())) from None
+    spec = JobSpec(
+        name=run,
+        args=tuple(config.to_args()),
+        nodes=params.nodes,
+        nproc_per_node=nproc,
+        gpus_per_node=params.gpus_per_node,
+        env=job_environment(settings, params.launcher),
+        workdir=(settings.home / "jobs").resolve(),
+    )
+    stop = min(total_steps, params.max_steps or total_steps)
+    return Job(
+        config=config, spec=spec, stop_step=stop, total_steps=total_steps, corpus_id=manifest["corpus_id"]
+    )
+
+
+def _field_message(error: Any) -> str:
+    field = ".".join(str(part) for part in error["loc"])
+    return f"--{field.replace('_', '-')}: {error['msg']}".replace("Value error, ", "")
+
+
+def read_corpus_manifest(uri: str, **store_options: Any) -> dict[str, Any]:
+    try:
+        store, key = split_object_uri(uri, **store_options)
+        if not store.exists(key):
+            raise StoreError("missing")
+        manifest = json.loads(store.read_bytes(key))
+    except (StoreError, json.JSONDecodeError, OSError):
+        raise ValueError(
+            f"--corpus {uri}: no corpus manifest there; pass the manifest_uri that "
+            "`mlstm-sentiment corpus build` printed (…/corpora/<id>/manifest.json)"
+        ) from None
+    if "train" not in manifest.get("splits", {}):
+        raise ValueError(f"--corpus {uri}: the manifest has no train split")
+    return manifest  # type: ignore[no-any-return]
+
+
+def default_run_name(preset: str, corpus_id: str) -> str:
+    return f"{preset}-{corpus_id[:8]}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+
+
+def absolute_uri(uri: str) -> str:
+    """Ranks may start in another folder (a Slurm node, a pod): relative paths become absolute."""
+    return uri if "://" in uri else str(Path(uri).resolve())
+
+
+def job_environment(settings: Settings, launcher: LauncherName = "local") -> dict[str, str]:
+    """What the ranks need to find the same store and MLflow as this process (and, on this machine
+    or a Slurm cluster's shared disk, the same caches; a pod keeps its own)."""
+    env = {
+        "MLSTM_MLFLOW_TRACKING_URI": settings.resolved_mlflow_tracking_uri,
+        "MLSTM_MLFLOW_EXPERIMENT": settings.mlflow_experiment,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_LOGGING_LEVEL": os.environ.get("MLFLOW_LOGGING_LEVEL", "WARNING"),
+    }
+    if launcher != "kubernetes":
+        env["MLSTM_HOME"] = str(settings.home.resolve())
+    if settings.s3_endpoint_url:
+        env["MLSTM_S3_ENDPOINT_URL"] = settings.s3_endpoint_url
+    return env
+
+
+def open_mlflow_run(job: Job, settings: Settings, tags: dict[str, str]) -> str:
+    """The MLflow run the job logs into: the run's own when it resumes, else a new one."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import connect
+
+    experiment = connect(settings)
+    client = MlflowClient()
+    store = open_store(job.config.store or settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
+    latest = read_latest(store, job.config.run_name)
+    if latest and latest.get("mlflow_run_id"):
+        for key, value in tags.items():
+            client.set_tag(latest["mlflow_run_id"], key, value)
+        return str(latest["mlflow_run_id"])
+    run = client.create_run(experiment.experiment_id, run_name=f"pretrain-{job.config.run_name}", tags=tags)
+    return str(run.info.run_id)
+
+
+def job_result(job: Job, settings: Settings) -> dict[str, Any]:
+    """What the CLI prints: read from the run's ``latest.json``, which the job writes last."""
+    store = open_store(job.config.store or settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
+    latest = read_latest(store, job.config.run_name)
+    if latest is None:
+        raise LaunchError(f"run {job.config.run_name} ended without a checkpoint")
+    return {
+        "run": job.config.run_name,
+        "run_id": latest.get("mlflow_run_id"),
+        "checkpoint_uri": latest["checkpoint_uri"],
+        "steps": latest["step"],
+        "total_steps": latest["total_steps"],
+        "final_loss": latest["loss"],
+        "val_bpc": latest["val_bpc"],
+    }
+
+
+def watch(
+    launcher: Launcher,
+    handle: JobHandle,
+    *,
+    on_line: Callable[[str], None],
+    on_progress: Callable[[dict[str, float]], None],
+    poll_seconds: float = 1.0,
+) -> JobState:
+    """Follow a job to its end, passing on each line of rank 0's log and each progress line."""
+    offset = 0
+
+    def drain() -> None:
+        nonlocal offset
+        text, offset = launcher.logs(handle, offset)
+        lines = text.splitlines()
+        for line in lines:
+            on_line(line)
+        for progress in iter_progress(iter(lines)):
+            on_progress(progress)
+
+    while True:
+        status = launcher.status(handle)
+        drain()
+        if status.state.finished:
+            drain()
+            if status.state is JobState.FAILED:
+                raise LaunchError(f"job {handle.job_id} failed: {status.message}")
+            if status.state is JobState.CANCELLED:
+                raise LaunchError(f"job {handle.job_id} was cancelled")
+            return status.state
+        time.sleep(poll_seconds)

@@ -1,0 +1,633 @@
+"""The pretraining job: ``torchrun --nproc-per-node N -m tasks.train --corpus URI --preset NAME --run-name NAME``.
+
+The same code on one CPU, one GPU, 8 GPUs or 16 nodes × 8: rank and world size come from torchrun's
+environment, DDP averages gradients, autocast gives mixed precision (bf16 where the GPU has it, fp16
+with a dynamic loss scale where it does not, fp32 on CPU or on request). Data follows DESIGN.md: the
+train split is one byte stream, the global batch has B contiguous rows, the hidden state carries from
+step to step (truncated BPTT), and where a step reads is a function of the step alone, so a relaunch
+with the same ``--run-name`` resumes from ``latest.json`` exactly, with any number of ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import Tensor
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from models.mlstm import MLSTM, PRESETS, State, preset
+from tasks import checkpoint
+from tasks.settings import Settings, get_settings
+from tasks.store import Store, open_store
+from tasks.stream import BatchPlan, ByteStream, StreamError, open_split
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+LrScaling = Literal["none", "linear", "sqrt"]
+# The settings a run's numbers depend on: a relaunch that changes one is a different run.
+RUN_FIELDS = (
+    "corpus", "preset", "batch_size", "seq_len", "lr", "lr_base_batch", "lr_scaling", "warmup_steps",
+    "precision", "clip", "seed",
+)  # fmt: skip
+# Dense bf16 tensor-core peaks (FLOP/s) of GPUs by name, for model FLOPs utilisation.
+# The benchmark measures the peak on the device instead; MLSTM_PEAK_FLOPS overrides both.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "V100": 125e12,
+}
+
+
+class TrainConfig(BaseModel):
+    """Everything a training run computes from. The job's flags are these fields, with dashes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: str = Field(description="URI of the corpus manifest.json.")
+    preset: str = Field(description=f"Model size: {', '.join(PRESETS)}.")
+    # Not --run: torchrun would take it for an abbreviation of its own --run-path.
+    run_name: str = Field(description="Checkpoints go to <store>/runs/<run_name>/; the same name resumes.")
+    store: str | None = Field(default=None, description="Store for checkpoints. Default: MLSTM_STORE_URI.")
+    # Puri et al.: 256 rows per GPU × 128 GPUs = 32k rows; Radford et al.: 128 rows on 4 GPUs.
+    batch_size: int = Field(default=128, ge=1, description="Global batch: rows, split across ranks.")
+    seq_len: int = Field(default=256, ge=1, description="Truncated BPTT length in bytes.")
+    lr: float = Field(default=5e-4, gt=0, description="Adam learning rate at lr_base_batch rows.")
+    lr_base_batch: int = Field(default=128, ge=1, description="The batch size lr is given for.")
+    lr_scaling: LrScaling = Field(default="none", description="How lr follows the batch: none|linear|sqrt.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps before the decay.")
+    total_steps: int | None = Field(
+        default=None, ge=1, description="Length of the schedule. Default: one epoch of the train split."
+    )
+    max_steps: int | None = Field(
+        default=None, ge=1, description="End this launch after this step (a budget, not the schedule)."
+    )
+    precision: Precision = Field(default="auto", description="auto: bf16 or fp16 on GPUs, fp32 on CPU.")
+    clip: float = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
+    checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
+    val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
+    val_steps: int = Field(default=16, ge=1, description="Steps of the val split per validation.")
+    log_every: int = Field(default=10, ge=1, description="Steps between log lines and metrics.")
+    seed: int = Field(default=0, description="Seed of the initial weights.")
+    mlflow_run_id: str | None = Field(default=None, description="MLflow run to log into (rank 0).")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str) -> str:
+        preset(name)  # raises with the list of names
+        return name
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_is_a_key(cls, name: str) -> str:
+        if not name or "/" in name or name.strip() != name or name in (".", ".."):
+            raise ValueError(f"run name {name!r} must be a non-empty name without '/' or surrounding spaces")
+        return name
+
+    def effective_lr(self) -> float:
+        ratio = self.batch_size / self.lr_base_batch
+        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+
+    def to_args(self) -> list[str]:
+        """The job's command-line flags for this config (defaults left out)."""
+        args = []
+        for name, value in self.model_dump(exclude_defaults=True).items():
+            args += [f"--{name.replace('_', '-')}", str(value)]
+        return args
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> TrainConfig:
+        parser = argparse.ArgumentParser(prog="python -m tasks.train", description=__doc__.splitlines()[0])
+        for name, info in cls.model_fields.items():
+            kind, choices = _flag_type(info.annotation)
+            parser.add_argument(
+                f"--{name.replace('_', '-')}",
+                dest=name,
+                type=kind,
+                choices=choices,
+                required=info.is_required(),
+                default=argparse.SUPPRESS,
+                help=info.description,
+            )
+        return cls(**vars(parser.parse_args(argv)))
+
+
+def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        return str, list(args)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return _flag_type(args[0])
+    return annotation, None
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """The papers' schedule: linear warm-up, then linear decay to zero at the end of the run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+    return warmup * max(0.0, 1.0 - step / total_steps)
+
+
+def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype:
+    if precision == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if os.environ.get("MLSTM_PEAK_FLOPS"):
+        return float(os.environ["MLSTM_PEAK_FLOPS"])
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in name), None)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def optimizer_step(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    inputs: Tensor,
+    targets: Tensor,
+    state: State,
+    *,
+    dtype: torch.dtype,
+    clip: float,
+) -> tuple[Tensor, State, bool]:
+    """One step of truncated BPTT: the loss, the state to carry on, and whether fp16 overflow skipped it."""
+    with autocast(inputs.device, dtype):
+        logits, (h_BH, c_BH), _ = module(inputs, state)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(parameters, clip)
+    scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+    scaler.step(optimizer)
+    scaler.update()
+    # An overflow makes the scaler skip the update and lower the scale.
+    skipped = scaler.is_enabled() and scaler.get_scale() < scale
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), (h_BH.detach().float(), c_BH.detach().float()), skipped
+
+
+@dataclass
+class World:
+    """This process's place in the job, from torchrun's environment (a world of one without it)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        if size > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return cls(rank, local_rank, size, device)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.size > 1:
+            dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def any(self, flag: bool) -> bool:
+        return self.sum([float(flag)])[0] > 0
+
+    def gather_rows(self, tensor: Tensor) -> Tensor:
+        """This rank's rows of a [B/W, …] tensor joined with every other rank's, in rank order."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Preempted:
+    """Set by SIGTERM (Slurm preemption, pod eviction, torchrun shutting down, a cancelled flow run)."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signalled = True
+
+
+def log(world: World, message: str) -> None:
+    if world.is_main:
+        print(message, flush=True)
+
+
+def open_stream(world: World, corpus: str, split: str, settings: Settings) -> ByteStream:
+    """Open a split on every rank; the first rank of each node downloads, the others then read its cache."""
+    options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
+    cache = settings.home.resolve() / "cache" / "shards"
+    if world.local_rank != 0:
+        world.barrier()
+    stream = open_split(corpus, split, cache, **options)
+    if world.local_rank == 0:
+        world.barrier()
+    return stream
+
+
+class Trainer:
+    """One run: the model, its optimizer and schedule, the carried state, and where the stream is."""
+
+    def __init__(self, config: TrainConfig, world: World, settings: Settings) -> None:
+        self.config, self.world, self.settings = config, world, settings
+        self.store: Store = open_store(
+            config.store or settings.resolved_store_uri,
+            endpoint_url=settings.s3_endpoint_url,
+            max_attempts=settings.s3_max_attempts,
+        )
+        self.train = open_stream(world, config.corpus, "train", settings)
+        self.val = open_stream(world, config.corpus, "val", settings)
+        self.plan = BatchPlan(len(self.train), config.batch_size, config.seq_len, world.size, world.rank)
+        self.total_steps = config.total_steps or self.plan.steps_per_epoch
+        self.dtype = resolve_precision(config.precision, world.device)
+
+        torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP checks them too)
+        self.model = MLSTM(preset(config.preset)).to(world.device)
+        self.ddp = (
+            DistributedDataParallel(
+                self.model, device_ids=[world.device] if world.device.type == "cuda" else None
+            )
+            if world.size > 1
+            else self.model
+        )
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.effective_lr())
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, warmup_steps=config.warmup_steps, total_steps=self.total_steps),
+        )
+        self.scaler = torch.amp.GradScaler(world.device.type, enabled=self.dtype == torch.float16)
+        self.state: State = self.model.zero_state(len(self.plan.rows))
+        self.step = 0  # steps done; the next step to take
+        self.skipped_steps = 0
+        self.last_loss = math.nan
+        self.last_val_bpc: float | None = None
+        self.mlflow_run_id = config.mlflow_run_id
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def resume(self) -> bool:
+        latest = checkpoint.read_latest(self.store, self.config.run_name)
+        if latest is None:
+            return False
+        saved = checkpoint.load_from(
+            self.store, f"{checkpoint.run_prefix(self.config.run_name)}/{latest['checkpoint']}"
+        )
+        mismatched = {
+            name: (saved.meta["config"].get(name), value)
+            for name, value in self.config.model_dump(include=set(RUN_FIELDS)).items()
+            if saved.meta["config"].get(name) != value
+        }
+        if mismatched:
+            changes = ", ".join(
+                f"--{k.replace('_', '-')} was {old!r}, now {new!r}" for k, (old, new) in mismatched.items()
+            )
+            raise ValueError(
+                f"run {self.config.run_name!r} was started with other settings ({changes}): "
+                "relaunch with the same settings, or choose a new --run"
+            )
+        if saved.meta["total_steps"] != self.total_steps:
+            raise ValueError(
+                f"run {self.config.run_name!r} has a schedule of {saved.meta['total_steps']} steps, this launch "
+                f"{self.total_steps}: relaunch with --total-steps {saved.meta['total_steps']}"
+            )
+        state = saved.state
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        rows = self.plan.rows
+        self.state = (
+            state["h"][rows.start : rows.stop].to(self.world.device),
+            state["c"][rows.start : rows.stop].to(self.world.device),
+        )
+        torch.set_rng_state(state["rng"])
+        self.step, self.skipped_steps = saved.step, int(saved.meta["skipped_steps"])
+        self.last_loss, self.last_val_bpc = saved.meta["loss"], saved.meta["val_bpc"]
+        self.mlflow_run_id = self.mlflow_run_id or saved.meta.get("mlflow_run_id")
+        log(self.world, f"resumed run {self.config.run_name} from step {self.step} ({saved.uri})")
+        return True
+
+    def save(self) -> str | None:
+        """Every rank gathers the carried state; rank 0 writes. Returns the URI on rank 0."""
+        h, c = (self.world.gather_rows(t.detach()) for t in self.state)
+        if not self.world.is_main:
+            return None
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "h": h.cpu(),
+            "c": c.cpu(),
+            "rng": torch.get_rng_state(),
+        }
+        meta = {
+            "model": {
+                "hidden_size": self.model.config.hidden_size,
+                "embed_size": self.model.config.embed_size,
+                "vocab_size": self.model.config.vocab_size,
+            },
+            "preset": self.config.preset,
+            "config": self.config.model_dump(),
+            "corpus": self.config.corpus,
+            "cleaning": self._cleaning(),
+            "total_steps": self.total_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss": self.last_loss,
+            "val_bpc": self.last_val_bpc,
+            "world_size": self.world.size,
+            "mlflow_run_id": self.mlflow_run_id,
+        }
+        uri = checkpoint.save_checkpoint(self.store, self.config.run_name, self.step, state, meta)
+        log(self.world, f"checkpoint step={self.step} uri={uri}")
+        return uri
+
+    def _cleaning(self) -> str:
+        store, key = self._manifest()
+        return json.loads(store.read_bytes(key))["cleaning"]["name"]
+
+    def _manifest(self) -> tuple[Store, str]:
+        from tasks.store import split_object_uri
+
+        return split_object_uri(self.config.corpus, endpoint_url=self.settings.s3_endpoint_url)
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return autocast(self.world.device, self.dtype)
+
+    def batch(self, plan: BatchPlan, stream: ByteStream, step: int) -> tuple[Tensor, Tensor]:
+        rows = torch.from_numpy(plan.batch(stream, step).astype(np.int64)).to(self.world.device)
+        return rows[:, :-1], rows[:, 1:]
+
+    def train_step(self) -> Tensor:
+        step = self.step
+        if step and self.plan.epoch_of(step) != self.plan.epoch_of(step - 1):
+            self.state = self.model.zero_state(len(self.plan.rows))  # a new epoch starts each row over
+        inputs, targets = self.batch(self.plan, self.train, step)
+        loss, self.state, skipped = optimizer_step(
+            self.ddp,
+            self.optimizer,
+            self.scaler,
+            inputs,
+            targets,
+            self.state,
+            dtype=self.dtype,
+            clip=self.config.clip,
+        )
+        self.skipped_steps += skipped
+        self.schedule.step()
+        self.step += 1
+        return loss.detach()
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        """Bits per character on the first ``val_steps`` steps of the val split, from a zero state."""
+        width = self.config.seq_len + 1
+        rows = min(self.config.batch_size, len(self.val) // width // self.world.size * self.world.size)
+        if rows == 0:
+            log(
+                self.world,
+                f"validation skipped: the val split ({len(self.val):,} bytes) is shorter than {self.world.size} rows of {width}",
+            )
+            return None
+        plan = BatchPlan(len(self.val), rows, self.config.seq_len, self.world.size, self.world.rank)
+        state = self.model.zero_state(len(plan.rows))
+        nats, count = 0.0, 0
+        for step in range(min(self.config.val_steps, plan.steps_per_epoch)):
+            inputs, targets = self.batch(plan, self.val, step)
+            with self.autocast():
+                logits, state, _ = self.model(inputs, state)
+            state = (state[0].float(), state[1].float())
+            nats += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+            count += targets.numel()
+        nats, count = self.world.sum([nats, float(count)])
+        return nats / count / math.log(2)
+
+
+class Tracker:
+    """Rank 0's MLflow run: params once, metrics asynchronously so logging never stalls a step."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        import mlflow
+
+        from tasks.tracking import start_tracking
+
+        self.mlflow = mlflow
+        self.trainer = trainer
+        config = trainer.config
+        store, key = trainer._manifest()
+        corpus_id = json.loads(store.read_bytes(key))["corpus_id"]
+        self.run = start_tracking(
+            trainer.settings,
+            run_id=trainer.mlflow_run_id,
+            run_name=f"pretrain-{config.run_name}",
+            tags={
+                "stage": "pretrain",
+                "run": config.run_name,
+                "corpus_id": corpus_id,
+                "manifest_uri": config.corpus,
+            },
+        )
+        trainer.mlflow_run_id = self.run.info.run_id
+        model_config = trainer.model.config
+        params = {
+            **config.model_dump(include=set(RUN_FIELDS)),
+            "total_steps": trainer.total_steps,
+            "effective_lr": config.effective_lr(),
+            "hidden_size": model_config.hidden_size,
+            "num_params": model_config.num_params,
+            "corpus_id": corpus_id,
+        }
+        with contextlib.suppress(self.mlflow.exceptions.MlflowException):  # same values on a resume
+            self.mlflow.log_params(params, run_id=self.run.info.run_id)
+        self.mlflow.set_tags(
+            {
+                "world_size": trainer.world.size,
+                "precision": str(trainer.dtype).removeprefix("torch."),
+                "device": torch.cuda.get_device_name() if trainer.world.device.type == "cuda" else "cpu",
+            },
+        )
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        finite = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
+        self.mlflow.log_metrics(finite, step=step, run_id=self.run.info.run_id, synchronous=False)
+
+    def checkpoint(self, uri: str) -> None:
+        self.mlflow.set_tags({"checkpoint_uri": uri, f"checkpoint_step_{self.trainer.step}": uri})
+
+    def close(self, *, preempted: bool) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.mlflow.flush_async_logging()
+        with contextlib.suppress(Exception):  # a plot is a convenience: never fail the run over it
+            history = MlflowClient().get_metric_history(self.run.info.run_id, "loss")
+            self._plot(sorted((m.step, m.value) for m in history))
+        self.mlflow.end_run("KILLED" if preempted else "FINISHED")
+
+    def _plot(self, points: list[tuple[int, float]]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        figure, axes = plt.subplots(figsize=(7, 4))
+        axes.plot([s for s, _ in points], [v / math.log(2) for _, v in points])
+        axes.set(xlabel="step", ylabel="train bits per character", title=self.trainer.config.run_name)
+        axes.grid(alpha=0.3)
+        self.mlflow.log_figure(figure, "loss_curve.png")
+        plt.close(figure)
+
+
+def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]:
+    trainer = Trainer(config, world, settings)
+    resumed = trainer.resume()
+    stop = min(trainer.total_steps, config.max_steps or trainer.total_steps)
+    tracker = Tracker(trainer) if world.is_main else None
+    preempted = Preempted()
+    tokens_per_step = config.batch_size * config.seq_len
+    peak = peak_flops(world.device)
+    log(
+        world,
+        f"run {config.run_name}: {config.preset} ({trainer.model.config.num_params:,} parameters), "
+        f"{world.size} rank(s) on {world.device.type}, {str(trainer.dtype).removeprefix('torch.')}, "
+        f"batch {config.batch_size}×{config.seq_len}, steps {trainer.step}→{stop} of {trainer.total_steps}"
+        + (" (resumed)" if resumed else ""),
+    )
+    checkpoint_uri = None
+    window_start, window_steps = time.perf_counter(), 0
+    while trainer.step < stop:
+        loss = trainer.train_step()
+        window_steps += 1
+        step = trainer.step
+        stopping = world.any(preempted.signalled)
+        if step % config.log_every == 0 or step == stop or stopping:
+            trainer.last_loss = world.sum([loss.item()])[0] / world.size
+            seconds = time.perf_counter() - window_start
+            chars_per_s = window_steps * tokens_per_step / seconds
+            metrics = {
+                "loss": trainer.last_loss,
+                "bpc": trainer.last_loss / math.log(2),
+                "lr": trainer.schedule.get_last_lr()[0],
+                "chars_per_s": chars_per_s,
+                "loss_scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0,
+                "skipped_steps": float(trainer.skipped_steps),
+            }
+            if peak:
+                metrics["mfu"] = 6 * trainer.model.config.num_params * chars_per_s / (peak * world.size)
+            log(
+                world,
+                "progress "
+                + " ".join(
+                    f"{k}={v:.6g}" for k, v in {"step": step, "of": trainer.total_steps, **metrics}.items()
+                ),
+            )
+            if tracker:
+                tracker.metrics(metrics, step)
+            window_start, window_steps = time.perf_counter(), 0
+        if step % config.val_every == 0 or step == stop:
+            trainer.last_val_bpc = trainer.validate()
+            log(world, f"validation step={step} val_bpc={trainer.last_val_bpc}")
+            if tracker and trainer.last_val_bpc is not None:
+                tracker.metrics({"val_bpc": trainer.last_val_bpc}, step)
+        if step % config.checkpoint_every == 0 or step == stop or stopping:
+            checkpoint_uri = trainer.save()
+            if tracker and checkpoint_uri:
+                tracker.checkpoint(checkpoint_uri)
+        if stopping:
+            log(world, f"SIGTERM: checkpointed at step {step}; launch again with the same run name to resume")
+            break
+    if checkpoint_uri is None and world.is_main:  # nothing to do: already at the budget or the end
+        latest = checkpoint.read_latest(trainer.store, config.run_name)
+        checkpoint_uri = latest["checkpoint_uri"] if latest else None
+    if tracker:
+        tracker.close(preempted=trainer.step < stop)
+    result = {
+        "run": config.run_name,
+        "run_id": trainer.mlflow_run_id,
+        "checkpoint_uri": checkpoint_uri,
+        "steps": trainer.step,
+        "total_steps": trainer.total_steps,
+        "final_loss": trainer.last_loss,
+        "val_bpc": trainer.last_val_bpc,
+        "skipped_steps": trainer.skipped_steps,
+        "preempted": bool(trainer.step < stop),
+    }
+    log(world, "result " + json.dumps(result))
+    return result
+
+
+def iter_progress(lines: Iterator[str]) -> Iterator[dict[str, float]]:
+    """The ``progress k=v …`` lines of a job's log, as dicts (for the flow's progress display)."""
+    for line in lines:
+        if line.startswith("progress "):
+            yield {k: float(v) for k, _, v in (part.partition("=") for part in line.split()[1:])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = TrainConfig.from_args(sys.argv[1:] if argv is None else argv)
+    world = World.from_env()
+    try:
+        result = fit(config, world, get_settings())
+    except (StreamError, ValueError) as error:
+        log(world, f"error: {error}")
+        return 2
+    finally:
+        world.close()
+    # A preempted launch exits non-zero, so launchers and the flow see an unfinished job.
+    return 143 if result["preempted"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

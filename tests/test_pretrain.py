@@ -1,0 +1,220 @@
+"""The pretraining job: the loss goes down, DDP and resuming change nothing, SIGTERM checkpoints,
+a crashed rank becomes a resuming retry, and bad settings fail before any process starts."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from corpus_helpers import build
+
+from tasks.checkpoint import load_checkpoint, read_latest
+from tasks.corpus import CorpusConfig
+from tasks.launch import JobSpec, LocalLauncher
+from tasks.store import LocalStore
+from tasks.train import TrainConfig, lr_factor
+
+CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
+# Small enough for two CPU cores: 8 rows of 32 bytes a step.
+FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--log-every", "5"]
+
+
+@pytest.fixture(scope="session")
+def amazon_manifest(amazon_complete: list[Path], tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("amazon-corpus")
+    manifest = build(amazon_complete, root / "store", CorpusConfig(split=(98, 1, 1)))
+    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+
+
+def job(args: list[str], env_home: Path, *, nproc: int = 1, name: str = "job") -> tuple[LocalLauncher, Any]:
+    """Start ``torchrun -m tasks.train`` with ``nproc`` CPU ranks."""
+    launcher = LocalLauncher()
+    spec = JobSpec(
+        name=name,
+        args=tuple(args),
+        nproc_per_node=nproc,
+        env={"MLSTM_HOME": str(env_home)},
+        workdir=env_home / "jobs",
+    )
+    return launcher, launcher.submit(spec)
+
+
+def run_job(args: list[str], home: Path, *, nproc: int = 1, name: str = "job") -> dict[str, Any]:
+    launcher, handle = job(args, home, nproc=nproc, name=name)
+    status = launcher.wait(handle, poll_seconds=0.2, timeout=300)
+    log = Path(handle.log_path).read_text()
+    assert status.exit_code == 0, log
+    return json.loads(log.rpartition("result ")[2].splitlines()[0])
+
+
+def test_schedule_warms_up_then_decays_linearly_to_zero() -> None:
+    factors = [lr_factor(step, warmup_steps=4, total_steps=20) for step in range(21)]
+    assert factors[:4] == pytest.approx([0.25, 0.5 * 19 / 20, 0.75 * 18 / 20, 17 / 20])
+    assert factors[10] == pytest.approx(0.5) and factors[20] == 0.0
+    assert all(a >= b for a, b in itertools.pairwise(factors[3:]))
+
+
+def test_job_flags_round_trip_and_scale_the_learning_rate() -> None:
+    config = TrainConfig(
+        corpus="s3://b/c/manifest.json", preset="small", run_name="r", batch_size=512, lr_scaling="sqrt"
+    )
+    assert TrainConfig.from_args(config.to_args()) == config
+    assert config.effective_lr() == pytest.approx(5e-4 * 2)  # sqrt(512 / 128)
+    with pytest.raises(ValueError, match="unknown preset 'huge': choose one of tiny, small"):
+        TrainConfig(corpus="c", preset="huge", run_name="r")
+
+
+@pytest.mark.slow
+def test_loss_goes_down_on_the_amazon_corpus(amazon_manifest: str, home: Path) -> None:
+    store = home / "store"
+    args = ["--corpus", amazon_manifest, "--store", str(store), "--run-name", "down", *FAST]
+    result = run_job([*args, "--max-steps", "150", "--val-every", "50", "--val-steps", "8"], home)
+    assert result["steps"] == 150 and result["preempted"] is False
+    # Uniform guessing over 256 bytes is 8 bits per character; English text is far below.
+    assert result["final_loss"] / math.log(2) < 4.5
+    assert result["val_bpc"] < 4.8
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
+    run = mlflow.get_run(result["run_id"])
+    assert run.data.params["preset"] == "tiny" and run.data.tags["stage"] == "pretrain"
+    assert run.data.tags["checkpoint_uri"] == result["checkpoint_uri"]
+    assert run.data.tags["manifest_uri"] == amazon_manifest
+    losses = [m.value for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 1.0
+    assert {"bpc", "val_bpc", "lr", "chars_per_s", "loss_scale"} <= set(run.data.metrics)
+    artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)]
+    assert "loss_curve.png" in artifacts
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(sample_manifest: str, home: Path) -> None:
+    common = ["--corpus", sample_manifest, "--store", str(home / "store"), *FAST, "--max-steps", "12"]
+    one = run_job([*common, "--run-name", "one"], home, nproc=1, name="one")
+    two = run_job([*common, "--run-name", "two"], home, nproc=2, name="two")
+    assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+    weights_one = load_checkpoint(one["checkpoint_uri"]).state["model"]
+    weights_two = load_checkpoint(two["checkpoint_uri"]).state["model"]
+    for name, tensor in weights_one.items():
+        torch.testing.assert_close(weights_two[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_resuming_reproduces_the_uninterrupted_run(sample_manifest: str, home: Path) -> None:
+    common = ["--corpus", sample_manifest, "--store", str(home / "store"), *FAST, "--checkpoint-every", "100"]
+    straight = run_job([*common, "--run-name", "straight", "--max-steps", "16"], home, nproc=2)
+    half = run_job([*common, "--run-name", "halves", "--max-steps", "8"], home, nproc=2)
+    assert half["steps"] == 8
+    resumed = run_job([*common, "--run-name", "halves", "--max-steps", "16"], home, nproc=2)
+    assert resumed["steps"] == 16 and resumed["run_id"] == half["run_id"]
+    assert abs(resumed["final_loss"] - straight["final_loss"]) <= 1e-6
+    a = load_checkpoint(straight["checkpoint_uri"]).state
+    b = load_checkpoint(resumed["checkpoint_uri"]).state
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(b["h"], a["h"], rtol=0, atol=1e-6)  # the carried state too
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_a_relaunch_resumes_there(sample_manifest: str, home: Path) -> None:
+    store = home / "store"
+    args = ["--corpus", sample_manifest, "--store", str(store), *FAST, "--run-name", "preempted"]
+    launcher, handle = job([*args, "--checkpoint-every", "100000", "--val-every", "100000"], home, nproc=2)
+    deadline = time.monotonic() + 120
+    while "progress step=20 " not in Path(handle.log_path).read_text():
+        assert time.monotonic() < deadline and not launcher.status(handle).state.finished
+        time.sleep(0.1)
+    launcher.cancel(handle)  # SIGTERM to torchrun, which passes it to the ranks
+    log = Path(handle.log_path).read_text()
+    latest = read_latest(LocalStore(store), "preempted")
+    assert latest is not None, log
+    assert 20 <= latest["step"] < latest["total_steps"]  # a checkpoint that no schedule asked for
+    assert f"SIGTERM: checkpointed at step {latest['step']}" in log
+    assert not _processes_matching("--run-name preempted")
+
+    result = run_job([*args, "--max-steps", str(latest["step"] + 5)], home, nproc=2, name="again")
+    assert result["steps"] == latest["step"] + 5
+
+
+def _processes_matching(marker: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", "--", marker], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in found if "pgrep" not in line]
+
+
+@pytest.fixture
+def cli_env(prefect_api_url: str, home: Path) -> dict[str, str]:
+    return {**os.environ, "PREFECT_API_URL": prefect_api_url, "MLSTM_HOME": str(home)}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch-size", "7", "--nproc", "2"], "batch size 7 is not divisible by 2 ranks"),
+        (["--preset", "huge"], "unknown preset 'huge': choose one of tiny, small, paper_4096, paper_8192"),
+        (["--corpus", "/nowhere/manifest.json"], "--corpus /nowhere/manifest.json: no corpus manifest there"),
+        (["--batch-size", "4096", "--seq-len", "256"], "use a smaller batch or sequence length"),
+        (["--nodes", "2"], "--nodes 2 needs --launcher slurm or kubernetes"),
+    ],
+)
+def test_bad_settings_fail_before_any_process_starts(
+    flags: list[str], message: str, sample_manifest: str, home: Path
+) -> None:
+    env = {**os.environ, "MLSTM_HOME": str(home), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    done = subprocess.run(
+        [CLI, "pretrain", "--corpus", sample_manifest, *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in " ".join(done.stderr.split()), done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (home / "jobs").exists()  # no job was started, and no Prefect API was needed to say so
+
+
+@pytest.mark.slow
+def test_the_flow_retries_a_crashed_job_from_latest(
+    cli_env: dict[str, str], sample_manifest: str, home: Path
+) -> None:
+    args = ["pretrain", "--corpus", sample_manifest, *FAST[:-2], "--nproc", "2", "--run", "crashy"]
+    args += [
+        "--max-steps",
+        "1000",
+        "--checkpoint-every",
+        "20",
+        "--val-every",
+        "100",
+        "--retries",
+        "1",
+        "--json",
+    ]
+    cli = subprocess.Popen(
+        [CLI, *args], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    log = home / "jobs" / "crashy.log"
+    deadline = time.monotonic() + 180
+    while not (log.exists() and "checkpoint step=40 " in log.read_text()):
+        assert time.monotonic() < deadline and cli.poll() is None, cli.communicate()
+        time.sleep(0.2)
+    rank = next(line.split()[0] for line in _processes_matching("-m tasks.train") if " -u " in line)
+    os.kill(int(rank), signal.SIGKILL)  # one rank dies: torchrun fails the job, the flow relaunches it
+    stdout, stderr = cli.communicate(timeout=300)
+    assert cli.returncode == 0, stderr
+    result = json.loads(stdout)
+    assert set(result) == {"run_id", "checkpoint_uri", "steps", "final_loss", "val_bpc"}
+    assert result["steps"] == 1000
+    text = log.read_text()
+    assert "resumed run crashy from step" in text
+    assert int(text.split("resumed run crashy from step ")[1].split()[0]) >= 40
