@@ -1,0 +1,480 @@
+#!/usr/bin/env python
+"""Pretraining step throughput and model FLOPs utilisation, against a step-by-step baseline in one run.
+
+Rows, each the real training step (``tasks.train.optimizer_step``: autocast, cross-entropy, GradScaler,
+gradient clipping, Adam) on random bytes with the hidden state carried from step to step:
+
+- fused: ``models.mlstm.MLSTM``, the model the job trains (weights normalised once per step, the input
+  projections of all time steps as one matrix product, only the recurrence in the loop);
+- baseline: the same cell and parameters written as a plain PyTorch loop (``StepwiseMLSTM``): every
+  time step embeds its bytes, normalises every weight, projects its input and reads out its logits.
+
+chars/s are bytes per second on one device (batch × sequence per step over the timed steps, warm-up
+excluded, the device synchronised around every step). MFU = 6 × num_params × chars/s ÷ the peak of a
+large matrix product measured in the same run, on the same device, in the precision the step ran in
+(bf16 is always measured too: the issue's reference). The reference rate is Puri et al. (2018):
+3 epochs of 40 GB in four hours on 128 V100s, about 65k chars/s per GPU.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/pretrain.py --json bench.json       # on a GPU: the defaults
+    PYTHONPATH=. .venv/bin/python benchmarks/pretrain.py --presets tiny,small --batch 32 --seq-len 64 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Benchmark the working tree, not whatever copy of the package the venv has installed.
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm  # noqa: E402
+from tasks.train import TrainConfig, optimizer_step, peak_flops, resolve_precision  # noqa: E402
+
+# 3 epochs × 40 GB of Amazon reviews in 4 hours on 128 V100s: 120e9 / 14,400 s / 128 ≈ 65k chars/s.
+PAPER_CHARS_PER_S = 65_000
+GOAL_PRESET = "paper_4096"
+GOAL_MFU = 0.50
+GOAL_VS_PAPER = 10.0
+# The job's defaults: the rate does not change a step's cost, but clipping is part of the step.
+LR: float = TrainConfig.model_fields["lr"].default
+CLIP: float = TrainConfig.model_fields["clip"].default
+# Fused and baseline agree to rounding on the same weights in fp32 (tests/test_mlstm.py checks 1e-10
+# in float64); anything near this is a wrong baseline, not rounding.
+PARITY_TOLERANCE = 1e-4
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class StepwiseMLSTM(MLSTM):
+    """The baseline: the same cell and parameters as a plain PyTorch loop would run them, one time step
+    at a time, with no fused input projections (``tests/test_mlstm.py::naive_forward``, trainable)."""
+
+    def forward(
+        self, bytes_BT: torch.Tensor, state: State | None = None
+    ) -> tuple[torch.Tensor, State, torch.Tensor]:
+        h_BH, c_BH = (
+            state if state is not None else self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
+        )
+        logits, cells = [], []
+        for t in range(bytes_BT.shape[1]):
+            x_BE = self.embed(bytes_BT[:, t])
+            W_x, W_h = weight_norm(self.w_x, self.g_x), weight_norm(self.w_h, self.g_h)
+            W_mx, W_mh = weight_norm(self.w_mx, self.g_mx), weight_norm(self.w_mh, self.g_mh)
+            m_BH = (x_BE @ W_mx) * (h_BH @ W_mh)
+            z_BG = x_BE @ W_x + m_BH @ W_h + self.b
+            i_BH, f_BH, o_BH, u_BH = z_BG.chunk(4, dim=1)
+            c_BH = torch.sigmoid(f_BH) * c_BH + torch.sigmoid(i_BH) * torch.tanh(u_BH)
+            h_BH = torch.sigmoid(o_BH) * torch.tanh(c_BH)
+            logits.append(self.out(h_BH))
+            cells.append(c_BH)
+        return torch.stack(logits, 1), (h_BH, c_BH), torch.stack(cells, 1)
+
+
+IMPLEMENTATIONS: dict[str, type[MLSTM]] = {"fused": MLSTM, "baseline": StepwiseMLSTM}
+
+
+# ---------------------------------------------------------------------------------------------
+# Device, memory and the matmul peak
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand freed memory back, so one row's leftovers do not count in the next row's peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        # glibc keeps freed blocks under its mmap threshold (up to 32 MiB) in the heap, still resident.
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    # Writing 5 to clear_refs resets VmHWM (Linux ≥ 4.0); without it the peak is the process's lifetime.
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as stream:
+        stream.write("5")
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the CUDA caching allocator's peak on a GPU, the process's peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with contextlib.suppress(OSError), open("/proc/self/status") as stream:
+        for line in stream:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, size: int) -> float:
+    """FLOP/s of the fastest of several timed [size, size] @ [size, size] products."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    # A GPU product takes about a millisecond: time a batch of them, so launch and sync do not count.
+    per_timing, timings = (20, 10) if device.type == "cuda" else (1, 3)
+    for _ in range(2):
+        a @ b
+    best = math.inf
+    for _ in range(timings):
+        synchronize(device)
+        started = time.perf_counter()
+        for _ in range(per_timing):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - started) / per_timing)
+    return 2 * size**3 / best
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+@dataclass
+class Row:
+    preset: str
+    impl: str  # "fused" or "baseline"
+    num_params: int
+    batch: int
+    seq_len: int
+    precision: str
+    status: str = "ok"  # or "out of memory"
+    step_seconds: list[float] = field(default_factory=list)
+    chars_per_s: float | None = None
+    mfu: float | None = None  # against the measured peak of the precision used
+    mfu_vs_bf16_peak: float | None = None
+    mfu_vs_datasheet: float | None = None  # tasks.train.GPU_PEAK_FLOPS, on a GPU it knows
+    vs_baseline: float | None = None  # fused chars/s over baseline chars/s (fused rows)
+    vs_paper: float | None = None  # chars/s over PAPER_CHARS_PER_S
+    peak_memory_bytes: int = 0
+    first_loss: float | None = None
+    last_loss: float | None = None
+    parity_max_abs_diff: float | None = None  # baseline rows: its logits against the fused forward's
+
+
+@torch.no_grad()
+def fused_difference(model: MLSTM) -> float:
+    """Largest |logit| difference between the fused forward and the model's own, on its weights, in fp32."""
+    bytes_BT = torch.randint(0, 256, (2, 8), device=model.b.device)
+    return (MLSTM.forward(model, bytes_BT)[0] - model(bytes_BT)[0]).abs().max().item()
+
+
+def train_row(
+    name: str, impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> Row:
+    config: MLSTMConfig = preset(name)
+    row = Row(name, impl, config.num_params, args.batch, args.seq_len, DTYPE_NAMES[dtype])
+    release_memory(device)
+    reset_peak_memory(device)
+    torch.manual_seed(0)  # both rows of a preset start from the same weights, on any device
+    model = IMPLEMENTATIONS[impl](config).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    state = model.zero_state(args.batch, device=device)
+    torch.manual_seed(1)  # and see the same batches
+    losses = []
+    try:
+        for step in range(args.warmup + args.steps):
+            bytes_BT = torch.randint(0, 256, (args.batch, args.seq_len + 1), device=device)
+            synchronize(device)
+            started = time.perf_counter()
+            loss, state, _ = optimizer_step(
+                model, optimizer, scaler, bytes_BT[:, :-1], bytes_BT[:, 1:], state, dtype=dtype, clip=CLIP
+            )
+            synchronize(device)
+            seconds = time.perf_counter() - started
+            losses.append(loss.item())  # after the clock: .item() waits for the device
+            if step >= args.warmup:
+                row.step_seconds.append(seconds)
+            _say(f"  {name} {impl} step {step + 1}/{args.warmup + args.steps}: {seconds:.3f} s")
+    except torch.OutOfMemoryError:
+        row.status = "out of memory"
+    row.peak_memory_bytes = peak_memory(device)
+    if losses:
+        row.first_loss, row.last_loss = losses[0], losses[-1]
+    if row.step_seconds:
+        row.chars_per_s = args.batch * args.seq_len * len(row.step_seconds) / sum(row.step_seconds)
+        row.vs_paper = row.chars_per_s / PAPER_CHARS_PER_S
+    if impl == "baseline" and row.status == "ok":
+        row.parity_max_abs_diff = fused_difference(model)
+    del model, optimizer, scaler, state
+    release_memory(device)
+    return row
+
+
+def add_utilisation(rows: list[Row], peaks: dict[str, float], datasheet: float | None) -> None:
+    for row in rows:
+        if row.chars_per_s is None:
+            continue
+        flops = 6 * row.num_params * row.chars_per_s
+        row.mfu = flops / peaks[row.precision]
+        row.mfu_vs_bf16_peak = flops / peaks["bf16"]
+        row.mfu_vs_datasheet = flops / datasheet if datasheet else None
+    baselines = {row.preset: row for row in rows if row.impl == "baseline"}
+    for row in rows:
+        baseline = baselines.get(row.preset)
+        if row.impl == "fused" and baseline and row.chars_per_s and baseline.chars_per_s:
+            row.vs_baseline = row.chars_per_s / baseline.chars_per_s
+
+
+def check(rows: list[Row]) -> list[str]:
+    problems = []
+    for row in rows:
+        if row.parity_max_abs_diff is not None and not row.parity_max_abs_diff < PARITY_TOLERANCE:
+            problems.append(
+                f"{row.preset}: the baseline's logits differ from the fused forward's by "
+                f"{row.parity_max_abs_diff:.2e} (tolerance {PARITY_TOLERANCE:g})"
+            )
+        if row.last_loss is not None and not math.isfinite(row.last_loss):
+            problems.append(f"{row.preset} {row.impl}: the loss is {row.last_loss}")
+    return problems
+
+
+def evaluate_goal(rows: list[Row], device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    """The issue's goal, judged only where it applies: paper_4096 in bf16 on a GPU at 256 × 256."""
+    row = next((r for r in rows if r.preset == GOAL_PRESET and r.impl == "fused"), None)
+    applies = (
+        row is not None
+        and device.type == "cuda"
+        and row.precision == "bf16"
+        and (args.batch, args.seq_len) == (256, 256)
+    )
+    mfu = row.mfu if row else None
+    vs_paper = row.vs_paper if row else None
+    return {
+        "preset": GOAL_PRESET,
+        "applies": applies,
+        "mfu": mfu,
+        "mfu_goal": GOAL_MFU,
+        "mfu_met": bool(applies and mfu is not None and mfu >= GOAL_MFU),
+        "vs_paper": vs_paper,
+        "vs_paper_goal": GOAL_VS_PAPER,
+        "vs_paper_met": bool(applies and vs_paper is not None and vs_paper >= GOAL_VS_PAPER),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    model = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as stream:
+        model = next((ln.partition(":")[2].strip() for ln in stream if ln.startswith("model name")), model)
+    mem_kib = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as stream:
+        mem_kib = int(stream.readline().split()[1])
+    info: dict[str, Any] = {
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "ram_gib": round(mem_kib / 2**20, 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info |= {
+            "gpu": torch.cuda.get_device_name(device),
+            "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1),
+            "cuda": torch.version.cuda,
+            "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        }
+    return info
+
+
+def _rate(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _memory(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def print_report(
+    rows: list[Row], peaks: dict[str, float], datasheet: float | None, info: dict[str, Any]
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    where = info.get("gpu") or f"{info['cores']} cores ({info['cpu']}), {info['torch_threads']} torch threads"
+    console.print(f"{where}, {info['ram_gib']} GiB RAM, torch {info['torch']}", highlight=False)
+    console.print(
+        "measured matmul peak: "
+        + ", ".join(f"{name} {flops / 1e12:.3g} TFLOP/s" for name, flops in peaks.items())
+        + (f"; datasheet {datasheet / 1e12:.3g} TFLOP/s (dense bf16)" if datasheet else ""),
+        highlight=False,
+    )
+    memory = "peak GPU memory" if info["device"].startswith("cuda") else "peak RSS"
+    table = Table(title="Pretraining step: chars/s per device and MFU (6 × params × chars/s ÷ measured peak)")
+    columns = ("preset", "code", "params", "batch × seq", "precision", "s/step", "chars/s", "MFU")
+    for column in (*columns, "vs baseline", "vs paper", memory, "loss first → last"):
+        table.add_column(column, justify="left" if column in ("preset", "code") else "right", no_wrap=True)
+    for row in rows:
+        seconds = sum(row.step_seconds) / len(row.step_seconds) if row.step_seconds else None
+        table.add_row(
+            row.preset,
+            row.impl if row.status == "ok" else f"{row.impl} ({row.status})",
+            f"{row.num_params / 1e6:.2f}M",
+            f"{row.batch} × {row.seq_len}",
+            row.precision,
+            _rate(seconds, 3),
+            _rate(row.chars_per_s, 0),
+            "—" if row.mfu is None else f"{row.mfu:.2%}",
+            _rate(row.vs_baseline),
+            "—" if row.vs_paper is None else f"{row.vs_paper:.3g}",
+            _memory(row.peak_memory_bytes),
+            "—" if row.first_loss is None else f"{row.first_loss:.3f} → {row.last_loss:.3f}",
+        )
+    table.add_row(
+        "Puri et al. 2018", "per V100 (reference)", "86M", "", "fp16 mixed", "", f"{PAPER_CHARS_PER_S:,}"
+    )
+    console.print(table)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=(
+            "Benchmark the pretraining step (chars/s per device, MFU against a matmul peak measured in "
+            "the same run) against a step-by-step PyTorch loop of the same cell."
+        ),
+    )
+    parser.add_argument(
+        "--presets", default="tiny,small,paper_4096", help=f"Comma-separated, of {', '.join(PRESETS)}."
+    )
+    parser.add_argument("--batch", type=int, default=256, help="Rows per step on the device.")
+    parser.add_argument("--seq-len", type=int, default=256, help="Bytes per row per step (truncated BPTT).")
+    parser.add_argument("--steps", type=int, default=20, help="Timed steps per row.")
+    parser.add_argument("--warmup", type=int, default=3, help="Steps before the timed ones, not timed.")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp16", "fp32"),
+        default="auto",
+        help="As the job's --precision: auto is bf16 (fp16 without bf16) on a GPU, fp32 on a CPU.",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        help="Side of the peak's square matmul (default: 8192 on a GPU, 2048 on a CPU).",
+    )
+    parser.add_argument(
+        "--baseline", action=argparse.BooleanOptionalAction, default=True, help="Also time the baseline."
+    )
+    parser.add_argument("--json", type=Path, dest="json_path", help="Also write the numbers to this file.")
+    args = parser.parse_args(argv)
+    args.presets = [name.strip() for name in args.presets.split(",") if name.strip()]
+    for name in args.presets:
+        if name not in PRESETS:
+            parser.error(f"--presets: unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+    for flag in ("batch", "seq_len", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must not be negative")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = resolve_precision(args.precision, device)
+    info = machine(device)
+
+    size = args.matmul_size or (8192 if cuda else 2048)
+    peaks: dict[str, float] = {}
+    for peak_dtype in dict.fromkeys((torch.bfloat16, dtype)):  # bf16 always: the issue's reference
+        _say(f"matmul peak: {size} × {size} × {size} in {DTYPE_NAMES[peak_dtype]} …")
+        peaks[DTYPE_NAMES[peak_dtype]] = matmul_peak(peak_dtype, device, size)
+    release_memory(device)
+    datasheet = peak_flops(device)
+
+    rows: list[Row] = []
+    for name in args.presets:
+        for impl in IMPLEMENTATIONS if args.baseline else ("fused",):
+            _say(f"{name} {impl}: batch {args.batch} × {args.seq_len}, {DTYPE_NAMES[dtype]} on {device} …")
+            rows.append(train_row(name, impl, args, device, dtype))
+    add_utilisation(rows, peaks, datasheet)
+    print_report(rows, peaks, datasheet, info)
+
+    goal = evaluate_goal(rows, device, args)
+    if goal["applies"]:
+        print(
+            f"goal: {GOAL_PRESET} in bf16 on one GPU at ≥ {GOAL_MFU:.0%} MFU: {goal['mfu']:.1%} "
+            f"({'met' if goal['mfu_met'] else 'NOT met'}); ≥ {GOAL_VS_PAPER:g}× the paper's per-GPU rate: "
+            f"{goal['vs_paper']:.2f}× ({'met' if goal['vs_paper_met'] else 'NOT met'})"
+        )
+    else:
+        print(f"goal: judged for {GOAL_PRESET} in bf16 on a GPU at batch 256 × 256 only; not this run")
+    problems = check(rows)
+    for problem in problems:
+        print(f"CHECK FAILED: {problem}", file=sys.stderr)
+
+    if args.json_path:
+        report = {
+            "machine": info,
+            "command": shlex.join(
+                ["python", "benchmarks/pretrain.py", *(sys.argv[1:] if argv is None else argv)]
+            ),
+            "settings": {
+                "presets": args.presets,
+                "batch": args.batch,
+                "seq_len": args.seq_len,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "precision": DTYPE_NAMES[dtype],
+                "device": str(device),
+                "matmul_size": size,
+                "lr": LR,
+                "clip": CLIP,
+            },
+            "matmul_peak_flops": peaks,
+            "datasheet_peak_flops": datasheet,
+            "reference": {"paper_chars_per_s": PAPER_CHARS_PER_S, "source": "Puri et al. 2018, per V100"},
+            "rows": [asdict(row) for row in rows],
+            "goal": goal,
+            "checks_failed": problems,
+        }
+        args.json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The pretraining benchmark runs end to end on the tiny preset and writes the report it promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "pretrain.py"
+
+
+def test_the_pretrain_benchmark_writes_its_json_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # benchmarks/ is no package: load the script by path. It puts the checkout on sys.path; undo that after.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("pretrain_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+
+    out = tmp_path / "bench.json"
+    argv = ["--presets", "tiny", "--batch", "4", "--seq-len", "8", "--steps", "1", "--warmup", "1"]
+    code = module.main([*argv, "--device", "cpu", "--matmul-size", "256", "--json", str(out)])
+
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report) >= {"machine", "command", "settings", "matmul_peak_flops", "reference", "rows", "goal"}
+    assert set(report["matmul_peak_flops"]) == {"bf16", "fp32"}  # on a CPU: bf16 and the precision used
+    assert report["reference"]["paper_chars_per_s"] == 65_000
+    assert [(r["preset"], r["impl"]) for r in report["rows"]] == [("tiny", "fused"), ("tiny", "baseline")]
+    for row in report["rows"]:
+        assert row["status"] == "ok"
+        assert len(row["step_seconds"]) == 1
+        assert row["chars_per_s"] > 0 and row["mfu"] > 0 and row["peak_memory_bytes"] > 0
+    fused, baseline = report["rows"]
+    assert fused["vs_baseline"] == pytest.approx(fused["chars_per_s"] / baseline["chars_per_s"])
+    assert baseline["parity_max_abs_diff"] < 1e-4
+    assert fused["first_loss"] == pytest.approx(baseline["first_loss"], rel=1e-5)  # same weights, same bytes
+    assert report["goal"]["applies"] is False  # judged on a GPU in bf16 only
+    assert report["checks_failed"] == []
