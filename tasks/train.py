@@ -605,6 +605,10 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
         "preempted": bool(trainer.step < stop),
     }
     log(world, "result " + json.dumps(result))
+    # Every rank waits for rank 0's checkpoint and MLflow: a rank that tears its process group down
+    # while another still talks to it can abort the job (gloo: "terminate called without an active
+    # exception").
+    world.barrier()
     return result
 
 
