@@ -276,7 +276,7 @@ def pretrain(
     from pydantic import ValidationError
 
     from tasks.launch import LaunchError
-    from tasks.pretrain import PretrainParams
+    from tasks.pretrain import PretrainParams, flag_errors
 
     if store:
         os.environ["MLSTM_STORE_URI"] = store
@@ -289,9 +289,7 @@ def pretrain(
         )  # fmt: skip
         result = run_pretrain(params)
     except ValidationError as error:
-        raise _fail(
-            "; ".join(f"--{'-'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-        ) from None
+        raise _fail(flag_errors(error)) from None
     except (*_user_errors(), LaunchError) as error:
         raise _fail(str(error)) from None
     if as_json:

@@ -94,26 +94,16 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     total_steps = params.total_steps or plan.steps_per_epoch
     run = params.run or default_run_name(params.preset, manifest["corpus_id"])
     store_uri = absolute_uri(settings.resolved_store_uri)
+    # The fields both models have pass through as they are; the rest are the flow's to fill in.
+    shared = params.model_dump(include=TrainConfig.model_fields.keys() & PretrainParams.model_fields.keys())
     try:
         config = TrainConfig(
-            corpus=absolute_uri(params.corpus),
-            preset=params.preset,
+            **{**shared, "corpus": absolute_uri(params.corpus), "total_steps": total_steps},
             run_name=run,
             store=store_uri,
-            batch_size=params.batch_size,
-            seq_len=params.seq_len,
-            lr=params.lr,
-            lr_scaling=params.lr_scaling,
-            warmup_steps=params.warmup_steps,
-            total_steps=total_steps,
-            max_steps=params.max_steps,
-            precision=params.precision,
-            checkpoint_every=params.checkpoint_every,
-            val_every=params.val_every,
-            log_every=params.log_every,
         )
     except ValidationError as error:
-        raise ValueError("; ".join(_field_message(e) for e in error.errors())) from None
+        raise ValueError(flag_errors(error)) from None
     spec = JobSpec(
         name=run,
         args=tuple(config.to_args()),
@@ -129,9 +119,13 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     )
 
 
-def _field_message(error: Any) -> str:
-    field = ".".join(str(part) for part in error["loc"])
-    return f"--{field.replace('_', '-')}: {error['msg']}".replace("Value error, ", "")
+def flag_errors(error: ValidationError) -> str:
+    """A validation error in the words of the command line: ``--batch-size: …; --preset: …``."""
+    messages = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        messages.append(f"--{field.replace('_', '-')}: {item['msg']}".replace("Value error, ", ""))
+    return "; ".join(messages)
 
 
 def read_corpus_manifest(uri: str, **store_options: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from models.mlstm import MLSTM, PRESETS, State, preset
 from tasks import checkpoint
 from tasks.settings import Settings, get_settings
-from tasks.store import Store, open_store
+from tasks.store import Store, open_store, split_object_uri
 from tasks.stream import BatchPlan, ByteStream, StreamError, open_split
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -286,6 +286,8 @@ class Trainer:
             endpoint_url=settings.s3_endpoint_url,
             max_attempts=settings.s3_max_attempts,
         )
+        corpus_store, manifest_key = split_object_uri(config.corpus, endpoint_url=settings.s3_endpoint_url)
+        self.manifest: dict[str, Any] = json.loads(corpus_store.read_bytes(manifest_key))  # read once
         self.train = open_stream(world, config.corpus, "train", settings)
         self.val = open_stream(world, config.corpus, "val", settings)
         self.plan = BatchPlan(len(self.train), config.batch_size, config.seq_len, world.size, world.rank)
@@ -381,7 +383,7 @@ class Trainer:
             "preset": self.config.preset,
             "config": self.config.model_dump(),
             "corpus": self.config.corpus,
-            "cleaning": self._cleaning(),
+            "cleaning": self.manifest["cleaning"]["name"],
             "total_steps": self.total_steps,
             "skipped_steps": self.skipped_steps,
             "loss": self.last_loss,
@@ -393,19 +395,7 @@ class Trainer:
         log(self.world, f"checkpoint step={self.step} uri={uri}")
         return uri
 
-    def _cleaning(self) -> str:
-        store, key = self._manifest()
-        return json.loads(store.read_bytes(key))["cleaning"]["name"]
-
-    def _manifest(self) -> tuple[Store, str]:
-        from tasks.store import split_object_uri
-
-        return split_object_uri(self.config.corpus, endpoint_url=self.settings.s3_endpoint_url)
-
     # -- steps ---------------------------------------------------------------------------------------
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return autocast(self.world.device, self.dtype)
 
     def batch(self, plan: BatchPlan, stream: ByteStream, step: int) -> tuple[Tensor, Tensor]:
         rows = torch.from_numpy(plan.batch(stream, step).astype(np.int64)).to(self.world.device)
@@ -447,7 +437,7 @@ class Trainer:
         nats, count = 0.0, 0
         for step in range(min(self.config.val_steps, plan.steps_per_epoch)):
             inputs, targets = self.batch(plan, self.val, step)
-            with self.autocast():
+            with autocast(self.world.device, self.dtype):
                 logits, state, _ = self.model(inputs, state)
             state = (state[0].float(), state[1].float())
             nats += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
@@ -467,8 +457,7 @@ class Tracker:
         self.mlflow = mlflow
         self.trainer = trainer
         config = trainer.config
-        store, key = trainer._manifest()
-        corpus_id = json.loads(store.read_bytes(key))["corpus_id"]
+        corpus_id = trainer.manifest["corpus_id"]
         self.run = start_tracking(
             trainer.settings,
             run_id=trainer.mlflow_run_id,
