@@ -336,7 +336,9 @@ def demo(
         corpus=summary["manifest_uri"], preset="tiny", batch_size=16, seq_len=64, lr=3e-3,
         max_steps=steps, checkpoint_every=steps, val_every=steps, retries=0,
     )  # fmt: skip
-    err.print(f"3. pretraining a tiny mLSTM for {steps} steps with torchrun:")
+    err.print(
+        f"3. pretraining a tiny mLSTM with torchrun, for {steps} steps or one epoch, whichever ends first:"
+    )
     try:
         result = run_pretrain(params)
     except (*_user_errors(), LaunchError) as error:
