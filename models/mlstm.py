@@ -11,7 +11,9 @@ weights load without transposes. Per time step:
 
 Weight normalisation on the four matrices of the cell: ``W = g · v / ‖v‖`` per output unit (column).
 The input projections x W_x and x W_mx are one matrix product for all T steps; only the recurrence
-loops. Single device, no mixed precision or distribution here: the training job adds those.
+loops. ``final_cell_state`` is the feature of Radford et al.: the cell state after a text's last
+byte, with padding masked out. Single device, no mixed precision or distribution here: the training
+job adds those.
 """
 
 from __future__ import annotations
@@ -125,14 +127,31 @@ class MLSTM(nn.Module):
             torch.zeros(shape, device=device or like.device, dtype=like.dtype),
         )
 
+    def cell_weights(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """W_x, W_h, W_mx, W_mh after weight normalisation."""
+        return (
+            weight_norm(self.w_x, self.g_x),
+            weight_norm(self.w_h, self.g_h),
+            weight_norm(self.w_mx, self.g_mx),
+            weight_norm(self.w_mh, self.g_mh),
+        )
+
+    @staticmethod
+    def cell(xz_BG: Tensor, xm_BH: Tensor, state: State, W_h: Tensor, W_mh: Tensor) -> State:
+        """One time step, given the input's shares xz = x W_x + b and xm = x W_mx."""
+        h_BH, c_BH = state
+        m_BH = xm_BH * (h_BH @ W_mh)
+        z_BG = xz_BG + m_BH @ W_h
+        i_BH, f_BH, o_BH, u_BH = z_BG.chunk(4, dim=1)
+        c_BH = torch.sigmoid(f_BH) * c_BH + torch.sigmoid(i_BH) * torch.tanh(u_BH)
+        h_BH = torch.sigmoid(o_BH) * torch.tanh(c_BH)
+        return h_BH, c_BH
+
     def forward(self, bytes_BT: Tensor, state: State | None = None) -> tuple[Tensor, State, Tensor]:
         """Next-byte logits [B, T, V], the final state, and the cell state after every step [B, T, H]."""
-        h_BH, c_BH = (
-            state if state is not None else self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
-        )
+        state = state if state is not None else self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
         x_BTE = self.embed(bytes_BT)
-        W_x, W_h = weight_norm(self.w_x, self.g_x), weight_norm(self.w_h, self.g_h)
-        W_mx, W_mh = weight_norm(self.w_mx, self.g_mx), weight_norm(self.w_mh, self.g_mh)
+        W_x, W_h, W_mx, W_mh = self.cell_weights()
         xz_BTG = x_BTE @ W_x + self.b  # G = 4H: the input's share of every gate, all steps at once
         xm_BTH = x_BTE @ W_mx
         # Under autocast the products run in xz's dtype: cast the recurrent weights once, not every step
@@ -141,12 +160,39 @@ class MLSTM(nn.Module):
         hs, cs = [], []
         # unbind once: slicing x[:, t] inside the loop makes autograd allocate a full-size gradient per step.
         for xz_BG, xm_BH in zip(xz_BTG.unbind(1), xm_BTH.unbind(1), strict=True):
-            m_BH = xm_BH * (h_BH @ W_mh)
-            z_BG = xz_BG + m_BH @ W_h
-            i_BH, f_BH, o_BH, u_BH = z_BG.chunk(4, dim=1)
-            c_BH = torch.sigmoid(f_BH) * c_BH + torch.sigmoid(i_BH) * torch.tanh(u_BH)
-            h_BH = torch.sigmoid(o_BH) * torch.tanh(c_BH)
-            hs.append(h_BH)
-            cs.append(c_BH)
+            state = self.cell(xz_BG, xm_BH, state, W_h, W_mh)
+            hs.append(state[0])
+            cs.append(state[1])
         h_BTH, c_BTH = torch.stack(hs, dim=1), torch.stack(cs, dim=1)
-        return self.out(h_BTH), (h_BH, c_BH), c_BTH
+        return self.out(h_BTH), state, c_BTH
+
+    @torch.no_grad()
+    def final_cell_state(self, bytes_BT: Tensor, lengths_B: Tensor, *, chunk_len: int = 256) -> Tensor:
+        """The cell state [B, H] after each row's own first ``lengths_B[b]`` bytes, from a zero state.
+
+        Radford et al.'s feature. Bytes past a row's length (padding) never reach its state: the row's
+        state stops changing at its length. Rows are read longest first and leave the batch once read,
+        and the input projections are made ``chunk_len`` steps at a time, so memory stays bounded for
+        long texts.
+        """
+        if bytes_BT.shape[0] == 0:
+            return bytes_BT.new_zeros((0, self.config.hidden_size), dtype=self.b.dtype)
+        if int(lengths_B.min()) < 1 or int(lengths_B.max()) > bytes_BT.shape[1]:
+            raise ValueError("every length must be between 1 and the padded width")
+        order_B = lengths_B.argsort(descending=True, stable=True)
+        bytes_BT, lengths_B = bytes_BT[order_B], lengths_B[order_B]
+        W_x, W_h, W_mx, W_mh = self.cell_weights()
+        h_BH, c_BH = self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
+        for t0 in range(0, int(lengths_B[0]), chunk_len):
+            n = int((lengths_B > t0).sum())  # rows still reading: a prefix, since the longest come first
+            x_NTE = self.embed(bytes_BT[:n, t0 : t0 + chunk_len])
+            xz_NTG = x_NTE @ W_x + self.b
+            xm_NTH = x_NTE @ W_mx
+            W_h, W_mh = W_h.to(xz_NTG.dtype), W_mh.to(xz_NTG.dtype)  # once: a no-op after the first chunk
+            state = (h_BH[:n], c_BH[:n])
+            for t, (xz_NG, xm_NH) in enumerate(zip(xz_NTG.unbind(1), xm_NTH.unbind(1), strict=True)):
+                reading_N1 = (lengths_B[:n] > t0 + t).unsqueeze(1)
+                new_h, new_c = self.cell(xz_NG, xm_NH, state, W_h, W_mh)
+                state = (torch.where(reading_N1, new_h, state[0]), torch.where(reading_N1, new_c, state[1]))
+            h_BH[:n], c_BH[:n] = state
+        return c_BH[order_B.argsort()]

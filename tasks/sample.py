@@ -156,3 +156,25 @@ def _write(path: Path, records: list[dict[str, object]]) -> Path:
     ):
         gz.write(body)
     return path
+
+
+def write_labelled_sample(out: Path, *, num_reviews: int = 1500, seed: int = 1) -> Path:
+    """Write ``train.csv``, ``dev.csv`` and ``test.csv`` (``text,label``; 4–5 stars positive, 1–2
+    negative, 3 left out) of generated reviews: a labelled dataset for the demo's probe. Deterministic."""
+    import csv
+
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for _ in range(num_reviews):
+        stars, text, _summary = _review(rng, rng.choice(sorted(CATEGORIES)))
+        if stars != 3:
+            rows.append((text, int(stars >= 4)))
+    # 70:15:15 in generation order; a repeated text may fall in two splits, as in real review data.
+    cut_dev, cut_test = int(len(rows) * 0.70), int(len(rows) * 0.85)
+    for name, part in (("train", rows[:cut_dev]), ("dev", rows[cut_dev:cut_test]), ("test", rows[cut_test:])):
+        with (out / f"{name}.csv").open("w", newline="", encoding="utf-8") as file:
+            writer = csv.writer(file)
+            writer.writerow(["text", "label"])
+            writer.writerows(part)
+    return out

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
         default=None, description="MLflow tracking server. Default: sqlite:///<home>/mlflow.db."
     )
     mlflow_experiment: str = Field(default="mlstm-sentiment", description="MLflow experiment name.")
+    model_name: str = Field(
+        default="mlstm-sentiment", description="Registered model name of the sentiment classifier."
+    )
     prefect_api_url: str | None = Field(
         default=None,
         description="Prefect API (http://host:4200/api). Default: PREFECT_API_URL, else a "

@@ -170,3 +170,26 @@ def http_root() -> Iterator[tuple[str, Path]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server and model registry on loopback (SQLite, local artifacts)."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job workers on 2 cores
+    command = [
+        str(Path(sys.executable).parent / "mlflow"), "server", "--workers", "1",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination", str(root / "artifacts"),
+    ]  # fmt: skip
+    log = (root / "server.log").open("wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_for_port(port, timeout=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(timeout=30)
+        log.close()

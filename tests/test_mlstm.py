@@ -96,3 +96,23 @@ def test_the_tiny_preset_learns_a_repeating_text() -> None:
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_final_cell_state_ignores_padding_and_batch_company() -> None:
+    model = _model(hidden=12)
+    lengths = [7, 1, 300, 40, 40]  # longer than one chunk, shorter than one, equal lengths
+    texts = [torch.randint(0, 256, (n,)) for n in lengths]
+    alone = torch.stack([model(t[None])[1][1][0] for t in texts])
+    width = max(lengths) + 13
+    for pad in (0, 255):
+        batch_BT = torch.full((len(texts), width), pad)
+        for b, t in enumerate(texts):
+            batch_BT[b, : len(t)] = t
+        together = model.final_cell_state(batch_BT, torch.tensor(lengths), chunk_len=64)
+        torch.testing.assert_close(together, alone, rtol=1e-10, atol=1e-12)
+
+
+def test_final_cell_state_rejects_lengths_outside_the_batch() -> None:
+    model = _model(hidden=4)
+    with pytest.raises(ValueError, match="between 1 and the padded width"):
+        model.final_cell_state(torch.zeros(2, 5, dtype=torch.long), torch.tensor([3, 6]))

@@ -12,15 +12,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from corpus_helpers import build
+from train_helpers import job, run_job
 
 from tasks.checkpoint import load_checkpoint, read_latest
 from tasks.corpus import CorpusConfig
-from tasks.launch import JobSpec, LocalLauncher
 from tasks.store import LocalStore
 from tasks.train import TrainConfig, lr_factor
 
@@ -34,27 +33,6 @@ def amazon_manifest(amazon_complete: list[Path], tmp_path_factory: pytest.TempPa
     root = tmp_path_factory.mktemp("amazon-corpus")
     manifest = build(amazon_complete, root / "store", CorpusConfig(split=(98, 1, 1)))
     return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
-
-
-def job(args: list[str], env_home: Path, *, nproc: int = 1, name: str = "job") -> tuple[LocalLauncher, Any]:
-    """Start ``torchrun -m tasks.train`` with ``nproc`` CPU ranks."""
-    launcher = LocalLauncher()
-    spec = JobSpec(
-        name=name,
-        args=tuple(args),
-        nproc_per_node=nproc,
-        env={"MLSTM_HOME": str(env_home)},
-        workdir=env_home / "jobs",
-    )
-    return launcher, launcher.submit(spec)
-
-
-def run_job(args: list[str], home: Path, *, nproc: int = 1, name: str = "job") -> dict[str, Any]:
-    launcher, handle = job(args, home, nproc=nproc, name=name)
-    status = launcher.wait(handle, poll_seconds=0.2, timeout=300)
-    log = Path(handle.log_path).read_text()
-    assert status.exit_code == 0, log
-    return json.loads(log.rpartition("result ")[2].splitlines()[0])
 
 
 def test_schedule_warms_up_then_decays_linearly_to_zero() -> None:

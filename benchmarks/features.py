@@ -1,0 +1,593 @@
+#!/usr/bin/env python
+"""Feature extraction throughput against a per-text loop of the same model, and the served model's latency.
+
+Feature throughput, per preset, on the device at hand (CUDA when torch sees one, under the autocast
+``models.features.featurize`` uses; else the CPU in fp32), on real review text (SST-2 test sentences by
+default; ``--data`` takes any CSV with a ``sentence``, ``text`` or ``review`` column, ``.csv.gz`` too):
+
+- fast: ``models.features.featurize``, the code the features CLI and the served model run: texts read
+  longest first in length-sorted batches of ``--batch-size``, padding masked in ``final_cell_state``;
+- baseline: the same model, one text at a time (batch of 1, no sorting, no padding) through
+  ``model(bytes[None])``, the feature being the final cell state it returns.
+
+chars/s are the bytes the model reads (the cleaned text, UTF-8, with its "\\n " and " " pads) per second,
+warm-up excluded, encoding and copies back to the host included for both. The two paths see different
+numbers of texts (the baseline is slow), so compare rates. The weights are random (seed 0): speed does
+not depend on them. Every text the baseline read is also compared with the fast path's feature for it:
+max rel diff = the largest, over those texts, of max|fast − baseline| ÷ max|baseline| (fails above 1e-4
+in fp32).
+
+Served-model latency: a ``SentimentClassifier`` of ``--serve-preset`` with random probe weights is logged
+with ``tasks.registry.log_classifier`` to a temporary MLflow store (SQLite), served by
+``mlflow models serve --env-manager local --workers 1``, and timed over HTTP: ``--requests`` POSTs to
+``/invocations`` of one sentence and of ``--serve-batch`` sentences, after ``--warmup-requests`` each. The
+served model loads on the CPU (``models/serving.py``), whatever device the feature rows ran on.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/features.py                    # defaults picked by device
+    PYTHONPATH=. .venv/bin/python benchmarks/features.py --presets tiny --texts 32 --baseline-texts 8 \\
+        --requests 3 --serve-preset tiny --json                             # JSON on stdout, tables on stderr
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import gc
+import gzip
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# Benchmark the working tree, not whatever copy of the package the venv has installed.
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from models.features import autocast_for, featurize  # noqa: E402
+from models.mlstm import MLSTM, PRESETS, preset  # noqa: E402
+from models.text import encode  # noqa: E402
+
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "sst2" / "test_binary_sent.csv"
+TEXT_COLUMNS = ("sentence", "text", "review")
+# (texts for the fast path, texts for the baseline) per preset, when --texts / --baseline-texts are not
+# given. The CPU ones finish in a few minutes in all on 2 cores (paper_4096 is ~170 MFLOP per byte): 64
+# texts make one full batch, where batching starts to pay on a CPU.
+CPU_COUNTS = {"tiny": (512, 64), "small": (256, 32), "paper_4096": (64, 4), "paper_8192": (16, 1)}
+GPU_COUNTS = {"tiny": (2048, 256), "small": (2048, 256), "paper_4096": (2048, 128), "paper_8192": (2048, 64)}
+CPU_BATCH, GPU_BATCH = 64, 256
+CPU_REQUESTS, GPU_REQUESTS = 20, 50  # a request of 64 texts of `small` takes seconds on 2 CPU cores
+# The fast path and the baseline run the same weights on the same bytes: in fp32 they differ only by
+# summation order. Under bf16/fp16 autocast the recurrence rounds differently in a batch and alone.
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
+SERVE_TIMEOUT_S = 300  # for the server to answer /ping: it imports MLflow and torch, loads the model
+
+
+# ---------------------------------------------------------------------------------------------
+# Texts
+
+
+def load_texts(path: Path) -> list[str]:
+    """The non-empty texts of a CSV (``.csv`` or ``.csv.gz``) with a ``sentence``, ``text`` or ``review`` column."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="", encoding="utf-8") as stream:
+        reader = csv.DictReader(stream)
+        column = next((c for c in TEXT_COLUMNS if c in (reader.fieldnames or [])), None)
+        if column is None:
+            raise ValueError(
+                f"{path}: no column named one of {', '.join(TEXT_COLUMNS)} ({reader.fieldnames})"
+            )
+        return [row[column] for row in reader if row[column] and row[column].strip()]
+
+
+def generated_texts() -> list[str]:
+    """The project's generated labelled sample (``tasks.sample.write_labelled_sample``), all splits."""
+    from tasks.sample import write_labelled_sample
+
+    with tempfile.TemporaryDirectory(prefix="mlstm-bench-sample-") as scratch:
+        folder = write_labelled_sample(Path(scratch) / "reviews")
+        return [text for split in ("train", "dev", "test") for text in load_texts(folder / f"{split}.csv")]
+
+
+def take(pool: list[str], n: int) -> list[str]:
+    """The first ``n`` texts of the pool, going round again when it has fewer."""
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature throughput
+
+
+@dataclass
+class FeatureRow:
+    preset: str
+    num_params: int
+    device: str
+    precision: str  # "fp32", or the autocast dtype on a GPU
+    batch_size: int
+    texts: int
+    chars: int  # bytes the model read
+    seconds: float
+    chars_per_s: float
+    baseline_texts: int
+    baseline_chars: int
+    baseline_seconds: float
+    baseline_chars_per_s: float
+    ratio: float  # fast chars/s ÷ baseline chars/s
+    max_rel_diff: float  # over the baseline's texts: max|fast − baseline| ÷ max|baseline|, the largest
+    tolerance: float
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def precision_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+@torch.no_grad()
+def baseline_features(model: MLSTM, texts: list[str], device: torch.device) -> np.ndarray:
+    """The named baseline: each text alone, batch of 1, through ``model(bytes[None])``; its final c."""
+    features_NH = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
+    for n, text in enumerate(texts):
+        bytes_T = torch.frombuffer(bytearray(encode(text)), dtype=torch.uint8).long().to(device)
+        with autocast_for(device):
+            _, (_, c_1H), _ = model(bytes_T[None])
+        features_NH[n] = c_1H[0].float().cpu().numpy()
+    return features_NH
+
+
+def max_relative_difference(fast_NH: np.ndarray, baseline_NH: np.ndarray) -> float:
+    scale_N = np.abs(baseline_NH).max(axis=1)
+    return float((np.abs(fast_NH - baseline_NH).max(axis=1) / np.maximum(scale_N, 1e-30)).max())
+
+
+def feature_row(
+    name: str, pool: list[str], n_fast: int, n_baseline: int, batch_size: int, device: torch.device
+) -> FeatureRow:
+    torch.manual_seed(0)
+    model = MLSTM(preset(name)).to(device).eval()
+    fast_texts, baseline_texts = take(pool, n_fast), take(pool, n_baseline)
+    # Warm-up for both (kernels, autocast, allocator): the two shortest texts, not timed.
+    warm = sorted(pool[: max(n_fast, n_baseline)], key=len)[:2]
+    featurize(model, warm, batch_size=batch_size, device=device)
+    baseline_features(model, warm, device)
+
+    _say(f"  {name}: fast path, {n_fast} texts in batches of {batch_size} …")
+    synchronize(device)
+    started = time.perf_counter()
+    fast_NH = featurize(model, fast_texts, batch_size=batch_size, device=device)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+
+    _say(f"  {name}: baseline, {n_baseline} texts one at a time …")
+    synchronize(device)
+    started = time.perf_counter()
+    baseline_NH = baseline_features(model, baseline_texts, device)
+    synchronize(device)
+    baseline_seconds = time.perf_counter() - started
+
+    # Parity on every text the baseline read; the fast path's feature of a text does not depend on its batch.
+    compare = min(n_fast, n_baseline)
+    extra = featurize(model, baseline_texts[compare:], batch_size=batch_size, device=device)
+    diff = max_relative_difference(np.concatenate([fast_NH[:compare], extra]), baseline_NH)
+
+    chars = sum(len(encode(t)) for t in fast_texts)
+    baseline_chars = sum(len(encode(t)) for t in baseline_texts)
+    precision = precision_of(device)
+    row = FeatureRow(
+        preset=name,
+        num_params=model.config.num_params,
+        device=str(device),
+        precision=precision,
+        batch_size=batch_size,
+        texts=n_fast,
+        chars=chars,
+        seconds=seconds,
+        chars_per_s=chars / seconds,
+        baseline_texts=n_baseline,
+        baseline_chars=baseline_chars,
+        baseline_seconds=baseline_seconds,
+        baseline_chars_per_s=baseline_chars / baseline_seconds,
+        ratio=(chars / seconds) / (baseline_chars / baseline_seconds),
+        max_rel_diff=diff,
+        tolerance=TOLERANCE[precision],
+    )
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Served-model latency
+
+
+@dataclass
+class ServeRow:
+    preset: str
+    batch: int  # texts per request
+    requests: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    per_text_ms: float  # p50 ÷ batch
+    device: str = "cpu"  # models/serving.py loads the classifier on the CPU
+    latencies_ms: list[float] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def served_model(name: str, scratch: Path) -> Iterator[str]:
+    """Log a random-weight classifier of the preset to a temporary store, serve it; yields its base URL."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import httpx
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from models.classifier import SentimentClassifier
+    from tasks.registry import log_classifier
+
+    tracking_uri = f"sqlite:///{scratch}/mlflow.db"
+    mlflow.set_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.create_experiment(
+        "features-benchmark", artifact_location=(scratch / "artifacts").as_uri()
+    )
+    run_id = client.create_run(experiment_id, run_name=f"serve-{name}").info.run_id
+    torch.manual_seed(0)
+    model = MLSTM(preset(name))
+    coef_H = np.random.default_rng(0).normal(0, model.config.hidden_size**-0.5, model.config.hidden_size)
+    classifier = SentimentClassifier(model, coef_H, 0.0, {"benchmark": "random weights"})
+    _say(f"serving: logging a {name} classifier (random weights) to {tracking_uri} …")
+    model_uri = log_classifier(run_id, classifier, "classifier")
+    client.set_terminated(run_id)
+    del classifier, model
+
+    bin_dir = Path(sys.executable).parent  # the venv's bin: `mlflow models serve` runs uvicorn by name
+    mlflow_cli = bin_dir / "mlflow"
+    port = free_port()
+    command = [str(mlflow_cli) if mlflow_cli.exists() else "mlflow", "models", "serve", "-m", model_uri]
+    command += ["--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    log_path = scratch / "server.log"
+    _say(f"serving: {shlex.join(command)}")
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the model server exited ({server.returncode}):\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the model server did not answer /ping in {SERVE_TIMEOUT_S} s:\n{_tail(log_path)}"
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def time_requests(url: str, texts: list[str], requests: int, warmup: int) -> list[float]:
+    """Milliseconds of each timed POST /invocations of these texts (one request each time)."""
+    import httpx
+
+    body = {"dataframe_records": [{"text": text} for text in texts]}
+    latencies = []
+    with httpx.Client(timeout=600) as client:
+        for i in range(warmup + requests):
+            started = time.perf_counter()
+            response = client.post(f"{url}/invocations", json=body)
+            elapsed = time.perf_counter() - started
+            if response.status_code != 200:
+                raise RuntimeError(f"POST /invocations: {response.status_code} {response.text[:500]}")
+            predictions = response.json()["predictions"]
+            if len(predictions) != len(texts):
+                raise RuntimeError(
+                    f"POST /invocations: {len(predictions)} predictions for {len(texts)} texts"
+                )
+            if i >= warmup:
+                latencies.append(elapsed * 1000)
+    return latencies
+
+
+def serve_rows(args: argparse.Namespace, pool: list[str]) -> list[ServeRow]:
+    rows = []
+    with (
+        tempfile.TemporaryDirectory(prefix="mlstm-bench-serve-") as scratch,
+        served_model(args.serve_preset, Path(scratch)) as url,
+    ):
+        for batch in (1, args.serve_batch):
+            _say(
+                f"serving: {args.requests} requests of {batch} text(s), after {args.warmup_requests} warm-up …"
+            )
+            latencies = time_requests(url, take(pool, batch), args.requests, args.warmup_requests)
+            p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99]))
+            rows.append(
+                ServeRow(
+                    preset=args.serve_preset,
+                    batch=batch,
+                    requests=args.requests,
+                    p50_ms=p50,
+                    p99_ms=p99,
+                    mean_ms=float(np.mean(latencies)),
+                    per_text_ms=p50 / batch,
+                    latencies_ms=latencies,
+                )
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    model = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as stream:
+        model = next((ln.partition(":")[2].strip() for ln in stream if ln.startswith("model name")), model)
+    info: dict[str, Any] = {
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info |= {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    return info
+
+
+def print_report(
+    features: list[FeatureRow], serving: list[ServeRow], info: dict[str, Any], source: str, file: Any
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file, width=None if file.isatty() else 200)
+    where = info.get("gpu") or f"{info['cores']} cores ({info['cpu']}), {info['torch_threads']} torch threads"
+    console.print(f"{where}, torch {info['torch']}; texts: {source}; random-init weights", highlight=False)
+    table = Table(title="Feature extraction: featurize (length-sorted batches) vs one text at a time")
+    columns = ("preset", "device", "precision", "batch", "texts", "chars", "fast chars/s")
+    columns += ("baseline texts", "baseline chars/s", "fast ÷ baseline", "max rel diff")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("preset", "device", "precision") else "right")
+    for r in features:
+        table.add_row(
+            r.preset,
+            r.device,
+            r.precision,
+            str(r.batch_size),
+            str(r.texts),
+            f"{r.chars:,}",
+            f"{r.chars_per_s:,.0f}",
+            str(r.baseline_texts),
+            f"{r.baseline_chars_per_s:,.0f}",
+            f"{r.ratio:.2f}",
+            f"{r.max_rel_diff:.1e}",
+        )
+    console.print(table)
+    if serving:
+        table = Table(title="Served model: POST /invocations (mlflow models serve, 1 worker, CPU)")
+        for column in ("preset", "batch", "requests", "p50 ms", "p99 ms", "mean ms", "ms per text (p50)"):
+            table.add_column(column, justify="left" if column == "preset" else "right")
+        for s in serving:
+            table.add_row(
+                s.preset,
+                str(s.batch),
+                str(s.requests),
+                f"{s.p50_ms:,.1f}",
+                f"{s.p99_ms:,.1f}",
+                f"{s.mean_ms:,.1f}",
+                f"{s.per_text_ms:,.2f}",
+            )
+        console.print(table)
+
+
+def check(features: list[FeatureRow]) -> list[str]:
+    return [
+        f"{r.preset}: fast and baseline features differ by {r.max_rel_diff:.2e} (relative; tolerance "
+        f"{r.tolerance:g} in {r.precision})"
+        for r in features
+        if not r.max_rel_diff <= r.tolerance
+    ]
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=(
+            "Benchmark feature extraction (chars/s of featurize against one text at a time through the "
+            "same model) and the served model's latency (p50/p99 of POST /invocations)."
+        ),
+    )
+    parser.add_argument(
+        "--presets", default="small,paper_4096", help=f"Comma-separated, of {', '.join(PRESETS)}."
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help=(
+            f"CSV (or .csv.gz) of texts: a sentence, text or review column (default: {DEFAULT_DATA}; "
+            "the project's generated sample when that is absent)."
+        ),
+    )
+    parser.add_argument("--texts", type=int, help="Texts for the fast path (default: by preset and device).")
+    parser.add_argument(
+        "--baseline-texts", type=int, help="Texts for the baseline (default: by preset and device)."
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"featurize's batch size (default: {GPU_BATCH} on a GPU, {CPU_BATCH} on a CPU).",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--serve-preset", default="small", help="Preset of the served classifier.")
+    parser.add_argument("--serve-batch", type=int, default=64, help="Texts per request of the batch row.")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help=f"Timed requests per batch size (default: {GPU_REQUESTS} with a GPU, {CPU_REQUESTS} without).",
+    )
+    parser.add_argument("--warmup-requests", type=int, default=2, help="Requests before the timed ones.")
+    parser.add_argument(
+        "--serve", action=argparse.BooleanOptionalAction, default=True, help="Also time the served model."
+    )
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        dest="json_path",
+        metavar="PATH",
+        help="Print the results as JSON on stdout (the tables then go to stderr), or write them to PATH.",
+    )
+    args = parser.parse_args(argv)
+    args.presets = _names(args.presets)
+    for name in (*args.presets, args.serve_preset):
+        if name not in PRESETS:
+            parser.error(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+    for flag in ("texts", "baseline_texts", "batch_size", "serve_batch", "requests"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.warmup_requests < 0:
+        parser.error("--warmup-requests must not be negative")
+    if args.data is not None and not args.data.exists():
+        parser.error(f"--data: {args.data} does not exist")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return args
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    info = machine(device)
+    data = args.data or DEFAULT_DATA
+    if data.exists():
+        pool, source = load_texts(data), str(data)
+    else:
+        _say(f"{data} is absent: using the project's generated sample (tasks.sample.write_labelled_sample)")
+        pool, source = generated_texts(), f"generated sample (tasks.sample; {data} absent)"
+    random.Random(0).shuffle(pool)  # files are often sorted by label; the same order every run
+    counts = GPU_COUNTS if cuda else CPU_COUNTS
+    batch_size = args.batch_size or (GPU_BATCH if cuda else CPU_BATCH)
+
+    features = []
+    for name in args.presets:
+        n_fast = args.texts or counts[name][0]
+        n_baseline = args.baseline_texts or counts[name][1]
+        _say(f"{name} on {device} ({precision_of(device)}): {n_fast} texts, baseline {n_baseline} …")
+        features.append(feature_row(name, pool, n_fast, n_baseline, batch_size, device))
+    args.requests = args.requests or (GPU_REQUESTS if cuda else CPU_REQUESTS)
+    serving = serve_rows(args, pool) if args.serve else []
+    return {
+        "machine": info,
+        "command": shlex.join(
+            ["python", "benchmarks/features.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "settings": {
+            "presets": args.presets,
+            "device": str(device),
+            "batch_size": batch_size,
+            "serve_preset": args.serve_preset if args.serve else None,
+            "serve_batch": args.serve_batch,
+            "requests": args.requests,
+            "warmup_requests": args.warmup_requests,
+        },
+        "texts_source": source,
+        "texts_available": len(pool),
+        "weights": "random init (torch seed 0; probe numpy seed 0)",
+        "features": [asdict(row) for row in features],
+        "serving": [asdict(row) for row in serving],
+        "checks_failed": check(features),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    to_stdout = args.json_path == "-"
+    # With JSON on stdout, anything else printed (ours, MLflow's) goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+        report = run(args, argv)
+        print_report(
+            [FeatureRow(**r) for r in report["features"]],
+            [ServeRow(**r) for r in report["serving"]],
+            report["machine"],
+            report["texts_source"],
+            sys.stdout,
+        )
+        for problem in report["checks_failed"]:
+            print(f"CHECK FAILED: {problem}", file=sys.stderr)
+    text = json.dumps(report, indent=2) + "\n"
+    if to_stdout:
+        sys.stdout.write(text)
+    elif args.json_path:
+        Path(args.json_path).write_text(text)
+    return 1 if report["checks_failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

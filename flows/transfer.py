@@ -1,0 +1,118 @@
+"""The transfer flow: features of each dataset → L1 probes → MLflow → the registered classifier.
+
+Features are cached in the store by weights and data, so a rerun (another C range, another seed)
+skips straight to the probes. Tasks pass store URIs and small reports, never features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlflow.tracking import MlflowClient
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+
+from flows import progress
+from tasks import registry
+from tasks.datasets import dataset_name
+from tasks.settings import get_settings
+from tasks.transfer import TransferParams, accuracy_on_test, classifier_of, extract, probe, summary_table
+
+
+@task(name="features", cache_policy=NO_CACHE)
+def features_task(params: TransferParams, spec: str) -> dict[str, Any]:
+    """One dataset's features (train, dev, test), from the cache or the model."""
+    logger = get_run_logger()
+    sink = progress.current()
+    extracted = extract(
+        params,
+        spec,
+        get_settings(),
+        on_start=lambda rows: sink.stage(f"features {dataset_name(spec)}", total=rows),
+        on_batch=lambda rows, _bytes: sink.advance(rows),
+    )
+    for split, info in extracted["splits"].items():
+        state = "cached" if info["cached"] else "computed"
+        logger.info("%s %s: %d rows, %s: %s", extracted["name"], split, info["rows"], state, info["uri"])
+    return extracted
+
+
+@task(name="probe", cache_policy=NO_CACHE)
+def probe_task(extracted: dict[str, Any], params: TransferParams, run_id: str) -> dict[str, Any]:
+    """The C sweep, the refit, the sentiment neuron and the plots, recorded under the MLflow run."""
+    logger = get_run_logger()
+    settings = get_settings()
+    sink = progress.current()
+    sink.stage(f"probe {extracted['name']}", total=len(params.Cs))
+
+    def on_fit(point: Any) -> None:
+        sink.advance(1)
+        logger.info(
+            "%s C=%g: dev %.4f, %d non-zero", extracted["name"], point.C, point.dev_accuracy, point.nonzero
+        )
+
+    report = probe(extracted, params, settings, on_fit=on_fit)
+    registry.log_report(run_id, report, settings)
+    return report
+
+
+@task(name="register", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def register_task(report: dict[str, Any], params: TransferParams, run_id: str) -> dict[str, Any]:
+    """Log the classifier as a pyfunc, register it, and promote it if it beats the champion."""
+    settings = get_settings()
+    model_uri = registry.log_classifier(
+        run_id, classifier_of(report, settings), f"classifier-{report['name']}"
+    )
+    outcome = registry.register(
+        model_uri, report, settings, score_on_test=lambda uri: accuracy_on_test(uri, report["spec"], params)
+    )
+    get_run_logger().info("registered %s v%s: %s", outcome["name"], outcome["version"], outcome["reason"])
+    return outcome
+
+
+@flow(name="transfer")
+def transfer(params: TransferParams) -> dict[str, Any]:
+    """Probe a checkpoint's features on labelled datasets; register the classifier in MLflow."""
+    settings = get_settings()
+    extracted = [features_task(params, spec) for spec in params.datasets]
+    flow_run = get_run_context().flow_run  # type: ignore[union-attr]
+    run_id = registry.open_transfer_run(
+        extracted[0]["checkpoint_run_id"],
+        settings,
+        run_name=f"transfer-{extracted[0]['weights']}",
+        tags={
+            "stage": "transfer",
+            "checkpoint_uri": extracted[0]["checkpoint_uri"],
+            "prefect_flow_run_id": str(flow_run.id) if flow_run else "",
+        },
+    )
+    try:
+        reports = [probe_task(e, params, run_id) for e in extracted]
+        wanted = params.registered_dataset
+        registered = (
+            register_task(next(r for r in reports if r["name"] == wanted), params, run_id) if wanted else None
+        )
+    except BaseException:
+        MlflowClient().set_terminated(run_id, status="FAILED")
+        raise
+    MlflowClient().set_terminated(run_id)
+    create_table_artifact(
+        key="probe-report",
+        table=[{"dataset": name, **values} for name, values in summary_table(reports).items()],
+        description="L1 logistic-regression probes on the mLSTM's final cell state",
+    )
+    create_markdown_artifact(
+        key="transfer-result",
+        markdown=f"# Transfer of `{extracted[0]['checkpoint_uri']}`\n\n"
+        f"{registry.report_markdown(reports, registered)}\n"
+        f"MLflow run `{run_id}` at {settings.resolved_mlflow_tracking_uri}\n",
+        description="The probes beside the papers' numbers, and the registered classifier",
+    )
+    return {
+        "run_id": run_id,
+        "datasets": summary_table(reports),
+        "reports": reports,
+        "registered": registered,
+    }

@@ -1,0 +1,93 @@
+"""The sentiment classifier: the mLSTM featurizer and a logistic-regression probe on its features.
+
+    p(positive | text) = σ(c_T · w + b)      c_T: the final cell state after reading the cleaned text
+
+Saved as two files with no pickled code: ``classifier.npz`` (every weight as a named array, loaded
+with ``allow_pickle=False``) and ``classifier.json`` (the model config, the cleaning, the probe's
+provenance). The served MLflow model (``models/serving.py``) is a thin wrapper around this class.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.features import OnBatch, featurize
+from models.mlstm import MLSTM, MLSTMConfig
+from models.text import CLEANING
+
+WEIGHTS_FILE = "classifier.npz"
+CONFIG_FILE = "classifier.json"
+LABELS = ("negative", "positive")  # label 0 and label 1
+_PROBE_PREFIX = "probe."
+
+
+@dataclass
+class SentimentClassifier:
+    model: MLSTM
+    coef_H: np.ndarray
+    intercept: float
+    info: dict[str, Any] = field(default_factory=dict)  # where it came from: checkpoint, dataset, C, …
+
+    def __post_init__(self) -> None:
+        self.coef_H = np.asarray(self.coef_H, dtype=np.float32).reshape(-1)
+        if self.coef_H.shape != (self.model.config.hidden_size,):
+            raise ValueError(
+                f"probe has {self.coef_H.shape[0]} weights but the mLSTM has "
+                f"{self.model.config.hidden_size} units"
+            )
+        self.model.eval()
+
+    def predict_proba(
+        self, texts: list[str], *, batch_size: int = 64, on_batch: OnBatch | None = None
+    ) -> np.ndarray:
+        """P(positive) for each text, in input order."""
+        features_NH = featurize(self.model, texts, batch_size=batch_size, on_batch=on_batch)
+        return probability(features_NH, self.coef_H, self.intercept)
+
+    def predict(self, texts: list[str], *, batch_size: int = 64) -> tuple[list[str], np.ndarray]:
+        """Labels ("negative"/"positive") and P(positive) for each text."""
+        p_N = self.predict_proba(texts, batch_size=batch_size)
+        return [LABELS[int(p >= 0.5)] for p in p_N], p_N
+
+    def save(self, folder: Path) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays = {name: t.detach().cpu().float().numpy() for name, t in self.model.state_dict().items()}
+        arrays[f"{_PROBE_PREFIX}coef"] = self.coef_H
+        arrays[f"{_PROBE_PREFIX}intercept"] = np.array([self.intercept], dtype=np.float32)
+        np.savez(folder / WEIGHTS_FILE, **arrays)
+        config = {"model": asdict(self.model.config), "cleaning": CLEANING, "labels": LABELS, **self.info}
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        return folder
+
+    @classmethod
+    def load(cls, folder: Path, *, device: torch.device | str = "cpu") -> SentimentClassifier:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+        if config.get("cleaning") != CLEANING:
+            raise ValueError(
+                f"{folder / CONFIG_FILE}: the classifier was saved with cleaning {config.get('cleaning')!r}, "
+                f"this code applies {CLEANING!r}"
+            )
+        with np.load(folder / WEIGHTS_FILE, allow_pickle=False) as arrays:
+            state = {k: torch.from_numpy(arrays[k]) for k in arrays.files if not k.startswith(_PROBE_PREFIX)}
+            coef_H = arrays[f"{_PROBE_PREFIX}coef"]
+            intercept = float(arrays[f"{_PROBE_PREFIX}intercept"][0])
+        model = MLSTM(MLSTMConfig(**config.pop("model")))
+        model.load_state_dict(state)
+        info = {k: v for k, v in config.items() if k not in ("cleaning", "labels")}
+        return cls(model.to(device), coef_H, intercept, info)
+
+
+def probability(features_NH: np.ndarray, coef_H: np.ndarray, intercept: float) -> np.ndarray:
+    """P(positive) = σ(features · w + b) [N], in float64 so it matches scikit-learn's predict_proba."""
+    logits_N = np.asarray(features_NH, dtype=np.float64) @ np.asarray(coef_H, dtype=np.float64) + float(
+        intercept
+    )
+    # σ(z) written so that exp never overflows: exp(-|z|) ≤ 1 on both branches.
+    e_N = np.exp(-np.abs(logits_N))
+    return np.where(logits_N >= 0, 1.0 / (1.0 + e_N), e_N / (1.0 + e_N))

@@ -1,0 +1,231 @@
+"""The L1 logistic-regression probe on mLSTM features, and the "sentiment neuron" it singles out.
+
+Radford et al. (2017) fit an L1-regularised logistic regression on the final cell states of a review,
+choosing the inverse regularisation strength C on a dev split (their ``train_with_reg_cv``); the L1
+penalty drives most of the 4096 weights to zero, and the one with the largest magnitude is a single
+unit that alone classifies sentiment almost as well as the whole probe. This module is that recipe on
+numpy arrays: ``fit_probe`` sweeps C, refits, and reports the probe and its top unit; ``predict_proba``
+is the probe's formula with numpy alone, which the served classifier shares; two plots show the sweep
+and the top unit's activations by class (their Fig. 3).
+
+Features are raw cell states, not standardised, as in the paper: the weights then read as per-unit
+evidence, and the top unit is the paper's unit. Labels are 0 (negative) and 1 (positive).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib.figure import Figure
+from sklearn.linear_model import LogisticRegression
+
+from models.classifier import probability
+
+# 2^-8 … 2^2: from a probe with no non-zero weight to one that overfits 4096 features on 25k reviews.
+DEFAULT_CS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 3))
+
+# liblinear's default of 100 Newton steps is short for raw, unscaled cell states at the large-C end.
+MAX_ITER = 1000
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One C of the sweep: the probe fitted on train, scored on dev."""
+
+    C: float
+    dev_accuracy: float
+    nonzero: int
+
+
+# eq=False: a generated __eq__ would compare the coef arrays elementwise and fail on the truth value.
+@dataclass(frozen=True, eq=False)
+class ProbeResult:
+    """The probe at the C chosen on dev, its top unit, and the sweep that chose it."""
+
+    C: float
+    dev_accuracy: float
+    test_accuracy: float
+    nonzero: int  # non-zero weights of the refit probe
+    top_unit: int  # index of the feature with the largest |weight|
+    top_unit_accuracy: float  # test accuracy of that unit alone (1-d logistic fitted on train)
+    top_unit_sign: int  # +1 if a high activation means positive
+    coef: np.ndarray  # float32 [H]
+    intercept: float
+    sweep: tuple[SweepPoint, ...]
+
+    def summary(self) -> dict[str, float | int]:
+        """The headline numbers as plain Python types, ready for ``json.dumps`` or MLflow metrics."""
+        return {
+            "test_accuracy": float(self.test_accuracy),
+            "dev_accuracy": float(self.dev_accuracy),
+            "C": float(self.C),
+            "nonzero": int(self.nonzero),
+            "top_unit": int(self.top_unit),
+            "top_unit_accuracy": float(self.top_unit_accuracy),
+        }
+
+
+def fit_probe(
+    train_X: np.ndarray,
+    train_y: np.ndarray,
+    dev_X: np.ndarray,
+    dev_y: np.ndarray,
+    test_X: np.ndarray,
+    test_y: np.ndarray,
+    *,
+    Cs: Sequence[float] = DEFAULT_CS,
+    seed: int = 0,
+    on_fit: Callable[[SweepPoint], None] | None = None,
+) -> ProbeResult:
+    """Sweeps C on dev, keeps the best probe, and finds its top unit.
+
+    Args:
+        train_X, dev_X, test_X: features [N, H] of each split.
+        train_y, dev_y, test_y: labels [N] of each split, 0 (negative) or 1 (positive).
+        Cs: inverse L1 strengths to try; swept in ascending order whatever the order given.
+        seed: liblinear's random_state, so that the same inputs give the same probe.
+        on_fit: called with each C's sweep point as soon as it is scored, for progress.
+
+    Raises:
+        ValueError: naming the split, for mismatched shapes, labels other than 0/1, a split holding
+            one class only, or non-finite features; or for an empty or non-positive ``Cs``.
+    """
+    splits = {
+        "train": _checked("train", train_X, train_y),
+        "dev": _checked("dev", dev_X, dev_y),
+        "test": _checked("test", test_X, test_y),
+    }
+    widths = {name: X.shape[1] for name, (X, _) in splits.items()}
+    if len(set(widths.values())) != 1:
+        raise ValueError(f"the splits have different numbers of features: {widths}")
+    Cs = _checked_cs(Cs)
+    (X_tr, y_tr), (X_dev, y_dev), (X_te, y_te) = splits["train"], splits["dev"], splits["test"]
+
+    sweep: list[SweepPoint] = []
+    models: list[LogisticRegression] = []
+    for C in Cs:
+        model = _l1_logistic(C, seed).fit(X_tr, y_tr)
+        point = SweepPoint(C=C, dev_accuracy=float(model.score(X_dev, y_dev)), nonzero=_nonzero(model))
+        sweep.append(point)
+        models.append(model)
+        if on_fit is not None:
+            on_fit(point)
+
+    # argmax returns the first maximum and Cs ascend, so a tie goes to the smaller C: the more
+    # regularised, sparser probe, which is the one more likely to hold up on test.
+    best = int(np.argmax([p.dev_accuracy for p in sweep]))
+    # The refit on train with the chosen C would repeat this very fit (same data, same random_state,
+    # and liblinear is deterministic), so the sweep's model is the refit probe.
+    probe = models[best]
+    coef = probe.coef_.ravel()
+
+    top_unit = int(np.argmax(np.abs(coef)))
+    # No L1 for one feature: the 1-d fit is a learned threshold on the unit's activation.
+    alone = LogisticRegression().fit(X_tr[:, [top_unit]], y_tr)
+    alone_weight = float(alone.coef_.ravel()[0])
+    # The unit's own direction; the probe's weight decides only if the 1-d fit found none.
+    top_unit_sign = 1 if (alone_weight if alone_weight != 0.0 else coef[top_unit]) > 0 else -1
+
+    coef32 = coef.astype(np.float32)
+    coef32.setflags(write=False)  # the result is frozen; so is its array
+    return ProbeResult(
+        C=float(sweep[best].C),
+        dev_accuracy=sweep[best].dev_accuracy,
+        test_accuracy=float(probe.score(X_te, y_te)),
+        nonzero=sweep[best].nonzero,
+        top_unit=top_unit,
+        top_unit_accuracy=float(alone.score(X_te[:, [top_unit]], y_te)),
+        top_unit_sign=top_unit_sign,
+        coef=coef32,
+        intercept=float(probe.intercept_.ravel()[0]),
+        sweep=tuple(sweep),
+    )
+
+
+def predict_proba(coef: np.ndarray, intercept: float, X: np.ndarray) -> np.ndarray:
+    """P(positive) for each row of X [N, H] under the probe (coef [H], intercept), float64 [N]:
+    the served classifier's own formula."""
+    return probability(X, coef, intercept)
+
+
+def plot_sweep(result: ProbeResult, title: str) -> Figure:
+    """Dev accuracy against C (log2 axis), the non-zero weight count on a twin axis, the chosen C marked."""
+    Cs = [p.C for p in result.sweep]
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(Cs, [p.dev_accuracy for p in result.sweep], "o-", color="tab:blue", label="dev accuracy")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("C (inverse L1 strength)")
+    ax.set_ylabel("dev accuracy", color="tab:blue")
+    ax.axvline(result.C, color="tab:gray", linestyle="--", label=f"chosen C = {result.C:g}")
+    twin = ax.twinx()
+    twin.plot(Cs, [p.nonzero for p in result.sweep], "s:", color="tab:orange", label="non-zero weights")
+    twin.set_ylabel("non-zero weights", color="tab:orange")
+    handles, labels = ax.get_legend_handles_labels()
+    twin_handles, twin_labels = twin.get_legend_handles_labels()
+    ax.legend(handles + twin_handles, labels + twin_labels, loc="lower right")
+    ax.set_title(title)
+    return fig
+
+
+def plot_top_unit(result: ProbeResult, X: np.ndarray, y: np.ndarray, title: str) -> Figure:
+    """Histogram of the top unit's activation over X [N, H], negatives and positives apart (Fig. 3)."""
+    X, y = _checked("plotted", X, y)
+    if X.shape[1] != result.coef.shape[0]:
+        raise ValueError(f"X has {X.shape[1]} features but the probe has {result.coef.shape[0]}")
+    activation = X[:, result.top_unit].astype(np.float64)
+    # Shared bins, so the two classes' bars line up and their overlap reads directly.
+    bins = np.histogram_bin_edges(activation, bins=50)
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    ax.hist(activation[y == 0], bins=bins, alpha=0.6, color="tab:red", label="negative")
+    ax.hist(activation[y == 1], bins=bins, alpha=0.6, color="tab:blue", label="positive")
+    ax.set_xlabel(f"unit {result.top_unit} activation")
+    ax.set_ylabel("number of reviews")
+    ax.legend()
+    ax.set_title(title)
+    return fig
+
+
+def _l1_logistic(C: float, seed: int) -> LogisticRegression:
+    # l1_ratio=1 is pure L1; scikit-learn 1.8 deprecated penalty="l1" for it (FutureWarning).
+    # liblinear, as the paper's code used: exact coordinate descent whose only randomness is seeded,
+    # so a fit is reproducible, and fast on 25k × 4096 dense features without any rescaling, which
+    # saga would need to converge on raw cell states.
+    return LogisticRegression(C=C, l1_ratio=1.0, solver="liblinear", max_iter=MAX_ITER, random_state=seed)
+
+
+def _nonzero(model: LogisticRegression) -> int:
+    return int(np.count_nonzero(model.coef_))
+
+
+def _checked(name: str, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    X = np.asarray(X)
+    y = np.asarray(y)
+    if X.ndim != 2:
+        raise ValueError(f"{name} features must be 2-d [N, H], got shape {X.shape}")
+    if y.ndim != 1:
+        raise ValueError(f"{name} labels must be 1-d [N], got shape {y.shape}")
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(f"{name} has {X.shape[0]} feature rows but {y.shape[0]} labels")
+    if not np.issubdtype(X.dtype, np.number) or np.issubdtype(X.dtype, np.complexfloating):
+        raise ValueError(f"{name} features must be real numbers, got dtype {X.dtype}")
+    if not np.isfinite(X).all():
+        raise ValueError(f"{name} features hold NaN or inf ({int((~np.isfinite(X)).sum())} values)")
+    classes = np.unique(y)
+    if not np.isin(classes, [0, 1]).all():
+        raise ValueError(f"{name} labels must be 0 or 1, got {classes[:10].tolist()}")
+    if classes.size < 2:
+        raise ValueError(f"{name} holds one class only ({classes.tolist()}); a probe needs both")
+    return X, y.astype(np.int64)
+
+
+def _checked_cs(Cs: Sequence[float]) -> tuple[float, ...]:
+    values = sorted({float(C) for C in Cs})
+    if not values:
+        raise ValueError("Cs is empty; give at least one C")
+    if not all(np.isfinite(C) and C > 0 for C in values):
+        raise ValueError(f"every C must be finite and positive, got {values}")
+    return tuple(values)

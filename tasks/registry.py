@@ -1,0 +1,204 @@
+"""MLflow for the transfer stage: the run, what it records, the served model, and who is champion.
+
+The classifier is logged as an MLflow pyfunc built from code (``models/mlflow_model.py``) with the
+``models`` package as its code and an ``.npz`` of weights as its artifact: nothing is pickled. A new
+version becomes ``@champion`` only when its test accuracy beats the champion's on the same test set:
+read from the champion's tags when it was scored on the same data, else measured by running it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import models
+from models.classifier import LABELS, SentimentClassifier
+from models.serving import ARTIFACT
+from tasks.settings import Settings
+from tasks.store import split_object_uri
+from tasks.tracking import connect
+
+CHAMPION = "champion"
+MODEL_CODE = Path(models.__file__).parent / "mlflow_model.py"
+EXAMPLE_TEXTS = ["A warm, funny and beautifully acted film.", "Dull, predictable and far too long."]
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def open_transfer_run(
+    parent_run_id: str | None, settings: Settings, *, run_name: str, tags: dict[str, str]
+) -> str:
+    """A run for this transfer: a child of the run that trained the checkpoint, when this server has it."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    experiment_id = connect(settings).experiment_id
+    client = MlflowClient()
+    if parent_run_id:
+        try:
+            experiment_id = client.get_run(parent_run_id).info.experiment_id
+            tags = {**tags, "mlflow.parentRunId": parent_run_id}
+        except MlflowException:
+            pass  # trained against another tracking server: a run of its own here
+    return str(client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id)
+
+
+def log_report(run_id: str, report: dict[str, Any], settings: Settings) -> None:
+    """One dataset's probe under the run: inputs, params, metrics, the sweep, plots and the report."""
+    import mlflow
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types import ColSpec, Schema
+
+    name = report["name"]
+    schema = Schema([ColSpec("string", "text"), ColSpec("long", "label")])
+    with mlflow.start_run(run_id=run_id):
+        for split, context in (("train", "training"), ("dev", "validation"), ("test", "testing")):
+            with warnings.catch_warnings():
+                # Two of MLflow's local-file source types claim a path; either records it the same way.
+                warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+                source = resolve_dataset_source(report["source"])
+            dataset = MetaDataset(
+                source, name=f"{name}-{split}", digest=report["checksum"][:16], schema=schema
+            )
+            mlflow.log_input(dataset, context=context, tags={"rows": str(report["rows"][split])})
+        mlflow.log_params(
+            {f"{name}.{k}": report[k] for k in ("kind", "checksum", "C", "top_unit")}
+            | {f"{name}.dev_from_train": report["dev_from_train"] or "-"}
+        )
+        metrics = {f"{name}_{k}": float(report[k]) for k in ("test_accuracy", "dev_accuracy", "nonzero")}
+        metrics[f"{name}_top_unit_accuracy"] = float(report["top_unit_accuracy"])
+        mlflow.log_metrics(metrics)
+        for step, point in enumerate(report["sweep"]):
+            mlflow.log_metrics(
+                {
+                    f"{name}_sweep_dev_accuracy": point["dev_accuracy"],
+                    f"{name}_sweep_nonzero": point["nonzero"],
+                },
+                step=step,
+            )
+        mlflow.log_dict(report, f"{name}/report.json")
+        for uri in report["plots"].values():
+            store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
+            with store.local_copy(key) as path:
+                mlflow.log_artifact(str(path), artifact_path=name)
+
+
+def pip_requirements() -> list[str]:
+    """What serving the model needs, pinned to what made it. A CPU build of torch is found on its index."""
+    import mlflow
+    import numpy
+    import pandas
+    import torch
+
+    requirements = [
+        f"mlflow=={mlflow.__version__}",
+        f"torch=={torch.__version__}",
+        f"numpy=={numpy.__version__}",
+        f"pandas=={pandas.__version__}",
+    ]
+    if "+cpu" in torch.__version__:
+        requirements.insert(0, f"--extra-index-url {PYTORCH_CPU_INDEX}")
+    return requirements
+
+
+def log_classifier(run_id: str, classifier: SentimentClassifier, name: str) -> str:
+    """Log the classifier as a pyfunc under the run; returns its model URI."""
+    import mlflow
+    import pandas as pd
+    from mlflow.models import infer_signature
+
+    example = pd.DataFrame({"text": EXAMPLE_TEXTS})
+    output = pd.DataFrame({"label": list(LABELS[::-1]), "probability": [0.9, 0.1]})
+    signature = infer_signature(example, output, params={"batch_size": 64})
+    with tempfile.TemporaryDirectory(prefix="mlstm-classifier-") as scratch, mlflow.start_run(run_id=run_id):
+        folder = classifier.save(Path(scratch) / "classifier")
+        info = mlflow.pyfunc.log_model(
+            name=name,
+            python_model=str(MODEL_CODE),
+            artifacts={ARTIFACT: str(folder)},
+            code_paths=[str(MODEL_CODE.parent)],
+            signature=signature,
+            input_example=example,
+            pip_requirements=pip_requirements(),
+        )
+    return str(info.model_uri)
+
+
+def register(
+    model_uri: str,
+    report: dict[str, Any],
+    settings: Settings,
+    *,
+    score_on_test: Callable[[str], float],
+) -> dict[str, Any]:
+    """Register a version; make it ``@champion`` only if it beats the champion on this test set.
+
+    ``score_on_test(model_uri)`` measures a model's accuracy on this report's test set; it is called
+    only when the champion was scored on other data (its tags then say nothing comparable).
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    connect(settings)
+    client = MlflowClient()
+    name = settings.model_name
+    tags = {
+        "dataset": report["name"],
+        "dataset_checksum": report["checksum"],
+        "test_accuracy": f"{report['test_accuracy']:.6f}",
+        "checkpoint_uri": report["checkpoint_uri"],
+    }
+    version = mlflow.register_model(model_uri, name, tags=tags)
+    try:
+        champion = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        champion = None
+    outcome: dict[str, Any] = {"name": name, "version": int(version.version), "model_uri": model_uri}
+    if champion is None:
+        promoted, reason, champion_accuracy = True, "there was no champion", None
+    else:
+        if champion.tags.get("dataset_checksum") == report["checksum"]:
+            champion_accuracy = float(champion.tags["test_accuracy"])
+        else:
+            champion_accuracy = score_on_test(f"models:/{name}@{CHAMPION}")
+        promoted = report["test_accuracy"] > champion_accuracy
+        verdict = "beats" if promoted else "does not beat"
+        reason = (
+            f"test accuracy {report['test_accuracy']:.4f} {verdict} champion v{champion.version}'s "
+            f"{champion_accuracy:.4f} on {report['name']}"
+        )
+        outcome["champion_version"] = int(champion.version)
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+    client.set_model_version_tag(name, version.version, "promotion", reason)
+    return {
+        **outcome,
+        "promoted": promoted,
+        "reason": reason,
+        "champion_accuracy": champion_accuracy,
+        "champion_uri": f"models:/{name}@{CHAMPION}",
+    }
+
+
+def report_markdown(reports: list[dict[str, Any]], registered: dict[str, Any] | None) -> str:
+    """The probe report as markdown: ours beside the papers' and the n-gram baseline's numbers."""
+    lines = [
+        "| dataset | test acc | dev acc | C | non-zero | top unit | its acc | paper (4096) | TF-IDF LR |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in reports:
+        ref = r.get("reference", {})
+        paper = ref.get("radford_2017_mlstm_4096")
+        tfidf = ref.get("tfidf_word_char_logreg")
+        lines.append(
+            f"| {r['name']} | {r['test_accuracy']:.2%} | {r['dev_accuracy']:.2%} | {r['C']:g} | {r['nonzero']} "
+            f"| {r['top_unit']} | {r['top_unit_accuracy']:.2%} | {f'{paper:.2%}' if paper else '-'} "
+            f"| {f'{tfidf:.2%}' if tfidf else '-'} |"
+        )
+    if registered:
+        lines += ["", f"Registered `{registered['name']}` v{registered['version']}: {registered['reason']}."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,234 @@
+"""The transfer stage without Prefect: features → L1 probe → MLflow → the registered classifier.
+
+Each step takes and returns small JSON-able records that point at files in the store, so a flow can
+pass them between tasks (and processes) without moving features around:
+
+    extract(params, spec)  → ``features/<weights>/<dataset>/{train,dev,test}.arrow`` (cached)
+    probe(extracted)       → ``transfer/<weights>/<dataset>/{probe.npz,report.json,*.png}``
+    record(...)            → MLflow params, metrics, inputs and plots; the pyfunc, registered
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from models.classifier import SentimentClassifier
+from models.features import OnBatch
+from tasks.checkpoint import Checkpoint, load_checkpoint
+from tasks.datasets import dataset_name, load_dataset
+from tasks.features import cached_features, features_of, read_table, weights_fingerprint
+from tasks.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
+from tasks.settings import Settings
+from tasks.store import Store, open_store, split_object_uri
+
+SPLITS = ("train", "dev", "test")
+# What the papers report and what a bag-of-n-grams baseline reaches on the same splits, for reports.
+REFERENCE = {
+    "sst2": {"radford_2017_mlstm_4096": 0.918, "tfidf_word_char_logreg": 0.828},
+    "imdb": {"radford_2017_mlstm_4096": 0.9288, "tfidf_word_char_logreg": 0.902},
+}
+SUMMARY_KEYS = ("test_accuracy", "dev_accuracy", "C", "nonzero", "top_unit", "top_unit_accuracy")
+
+
+class TransferParams(BaseModel):
+    """The transfer stage's parameters: what the CLI's flags and the Prefect UI's form set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(description="Checkpoint URI: a step folder, a run folder or its latest.json.")
+    datasets: list[str] = Field(
+        min_length=1, description="NAME=PATH, one per dataset: an SST or IMDB layout, or a CSV/JSONL table."
+    )
+    text_column: str | None = Field(default=None, description="Text column of CSV/JSONL tables.")
+    label_column: str | None = Field(default=None, description="Label column of CSV/JSONL tables.")
+    batch_size: int = Field(default=64, ge=1, description="Texts per feature batch.")
+    c_min_log2: int = Field(default=-8, description="Smallest C of the sweep, as a power of 2.")
+    c_max_log2: int = Field(default=2, description="Largest C of the sweep, as a power of 2.")
+    register_dataset: str | None = Field(
+        default=None,
+        description="Dataset whose classifier is registered in MLflow. Default: the first; 'none': none.",
+    )
+    seed: int = Field(default=0, description="Seed of the probe's solver.")
+
+    @field_validator("datasets")
+    @classmethod
+    def _names_unique(cls, specs: list[str]) -> list[str]:
+        names = [dataset_name(spec) for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataset names must differ, got {', '.join(names)}: write NAME=PATH")
+        return specs
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TransferParams:
+        if self.c_min_log2 > self.c_max_log2:
+            raise ValueError(f"c_min_log2 {self.c_min_log2} is above c_max_log2 {self.c_max_log2}")
+        names = [dataset_name(spec) for spec in self.datasets]
+        if (
+            self.register_dataset
+            and self.register_dataset.lower() != "none"
+            and self.register_dataset not in names
+        ):
+            raise ValueError(
+                f"--register {self.register_dataset!r} is not one of the datasets ({', '.join(names)})"
+            )
+        return self
+
+    @property
+    def Cs(self) -> tuple[float, ...]:
+        return tuple(2.0**k for k in range(self.c_min_log2, self.c_max_log2 + 1))
+
+    @property
+    def registered_dataset(self) -> str | None:
+        """The dataset whose classifier is registered, or None."""
+        if self.register_dataset and self.register_dataset.lower() == "none":
+            return None
+        return self.register_dataset or dataset_name(self.datasets[0])
+
+
+def _store(settings: Settings) -> Store:
+    return open_store(
+        settings.resolved_store_uri,
+        endpoint_url=settings.s3_endpoint_url,
+        max_attempts=settings.s3_max_attempts,
+    )
+
+
+def load_checkpoint_of(uri: str, settings: Settings) -> Checkpoint:
+    return load_checkpoint(uri, endpoint_url=settings.s3_endpoint_url)
+
+
+def extract(
+    params: TransferParams,
+    spec: str,
+    settings: Settings,
+    *,
+    on_start: Callable[[int], None] | None = None,
+    on_batch: OnBatch | None = None,
+) -> dict[str, Any]:
+    """The features of one dataset's three splits, computed or found in the store's cache.
+
+    ``on_start`` hears the number of rows once the data is read; ``on_batch`` after every batch.
+    """
+    checkpoint = load_checkpoint_of(params.checkpoint, settings)
+    model = checkpoint.model()
+    dataset = load_dataset(spec, text_column=params.text_column, label_column=params.label_column)
+    if on_start is not None:
+        on_start(sum(len(split.texts) for split in dataset.splits().values()))
+    store = _store(settings)
+    splits = {}
+    for split, data in dataset.splits().items():
+        found = cached_features(
+            store,
+            model,
+            data.texts,
+            data_checksum=dataset.checksum[:16],
+            name=split,
+            columns={"label": data.labels},
+            batch_size=params.batch_size,
+            on_batch=on_batch,
+        )
+        splits[split] = {"uri": found.uri, "rows": len(data.texts), "cached": found.cached}
+    return {
+        "name": dataset.name,
+        "spec": spec,
+        "source": dataset.source,
+        "kind": dataset.kind,
+        "checksum": dataset.checksum,
+        "dev_from_train": dataset.dev_from_train,
+        "checkpoint_uri": checkpoint.uri,
+        "checkpoint_run_id": checkpoint.meta.get("mlflow_run_id"),
+        "weights": weights_fingerprint(model),
+        "hidden_size": model.config.hidden_size,
+        "splits": splits,
+    }
+
+
+def _read_split(uri: str, settings: Settings) -> tuple[np.ndarray, np.ndarray]:
+    store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
+    table = read_table(store, key)
+    return features_of(table), table.column("label").to_numpy()
+
+
+def probe(
+    extracted: dict[str, Any],
+    params: TransferParams,
+    settings: Settings,
+    *,
+    on_fit: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """Fit the L1 probe on one dataset's features; write its weights, report and plots to the store."""
+    data = {split: _read_split(extracted["splits"][split]["uri"], settings) for split in SPLITS}
+    result = fit_probe(
+        *data["train"], *data["dev"], *data["test"], Cs=params.Cs, seed=params.seed, on_fit=on_fit
+    )
+    store = _store(settings)
+    prefix = f"transfer/{extracted['weights']}/{extracted['checksum'][:16]}"
+    with tempfile.TemporaryDirectory(prefix="mlstm-probe-") as scratch:
+        np.savez(
+            Path(scratch) / "probe.npz",
+            coef=result.coef,
+            intercept=np.array([result.intercept], dtype=np.float32),
+        )
+        store.put_file(Path(scratch) / "probe.npz", f"{prefix}/probe.npz")
+        plots = {}
+        for name, figure in _figures(result, extracted["name"], *data["test"]).items():
+            figure.savefig(Path(scratch) / name, dpi=110, bbox_inches="tight")
+            store.put_file(Path(scratch) / name, f"{prefix}/{name}")
+            plots[name] = store.url(f"{prefix}/{name}")
+    report = {
+        **{
+            key: extracted[key]
+            for key in ("name", "spec", "source", "kind", "checksum", "checkpoint_uri", "dev_from_train")
+        },
+        "rows": {split: extracted["splits"][split]["rows"] for split in SPLITS},
+        **result.summary(),
+        "top_unit_sign": result.top_unit_sign,
+        "sweep": [asdict(point) for point in result.sweep],
+        "reference": REFERENCE.get(extracted["name"], {}),
+        "probe_uri": store.url(f"{prefix}/probe.npz"),
+        "plots": plots,
+    }
+    store.write_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())
+    return {**report, "report_uri": store.url(f"{prefix}/report.json")}
+
+
+def _figures(result: ProbeResult, name: str, test_X: np.ndarray, test_y: np.ndarray) -> dict[str, Any]:
+    return {
+        "accuracy_vs_C.png": plot_sweep(result, f"{name}: L1 logistic regression on mLSTM features"),
+        "top_unit.png": plot_top_unit(
+            result, test_X, test_y, f"{name}: unit {result.top_unit} on the test set, by class"
+        ),
+    }
+
+
+def classifier_of(report: dict[str, Any], settings: Settings) -> SentimentClassifier:
+    """The featurizer of the report's checkpoint with its probe on top."""
+    model = load_checkpoint_of(report["checkpoint_uri"], settings).model()
+    store, key = split_object_uri(report["probe_uri"], endpoint_url=settings.s3_endpoint_url)
+    with store.local_copy(key) as path, np.load(path, allow_pickle=False) as arrays:
+        coef_H, intercept = arrays["coef"], float(arrays["intercept"][0])
+    info = {key: report[key] for key in ("name", "checksum", "checkpoint_uri", "C", "test_accuracy")}
+    return SentimentClassifier(model, coef_H, intercept, {"dataset": info.pop("name"), **info})
+
+
+def summary_table(reports: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The --json output: {dataset: {test_accuracy, dev_accuracy, C, nonzero, top_unit, top_unit_accuracy}}."""
+    return {report["name"]: {key: report[key] for key in SUMMARY_KEYS} for report in reports}
+
+
+def accuracy_on_test(model_uri: str, spec: str, params: TransferParams) -> float:
+    """Accuracy of any registered classifier (a champion, say) on a dataset's test split."""
+    import mlflow.pyfunc
+    import pandas as pd
+
+    test = load_dataset(spec, text_column=params.text_column, label_column=params.label_column).test
+    predicted = mlflow.pyfunc.load_model(model_uri).predict(pd.DataFrame({"text": test.texts}))
+    return float(((predicted["probability"].to_numpy() >= 0.5) == test.labels).mean())

@@ -1,0 +1,52 @@
+"""The feature benchmark runs end to end on the tiny preset, serving included, and prints the JSON it promises.
+
+Timings never decide pass or fail: only that every number is there, positive and consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "features.py"
+
+
+@pytest.mark.slow
+def test_the_features_benchmark_prints_its_json_report() -> None:
+    argv = ["--presets", "tiny", "--texts", "32", "--baseline-texts", "8", "--batch-size", "16"]
+    argv += ["--requests", "3", "--warmup-requests", "1", "--serve-preset", "tiny", "--serve-batch", "64"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--device", "cpu", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)  # JSON alone on stdout: the tables and MLflow's logs went to stderr
+    assert "Feature extraction" in done.stderr and "Served model" in done.stderr
+
+    assert set(report) >= {"machine", "command", "settings", "texts_source", "weights", "features", "serving"}
+    assert report["checks_failed"] == []
+    assert report["weights"].startswith("random")
+    [row] = report["features"]
+    assert (row["preset"], row["device"], row["precision"]) == ("tiny", "cpu", "fp32")
+    assert (row["texts"], row["baseline_texts"], row["batch_size"]) == (32, 8, 16)
+    assert row["chars"] > 32 * 3 and row["baseline_chars"] > 8 * 3  # every text has its 3 pad bytes
+    assert row["chars_per_s"] > 0 and row["baseline_chars_per_s"] > 0 and row["ratio"] > 0
+    assert row["ratio"] == pytest.approx(row["chars_per_s"] / row["baseline_chars_per_s"])
+    assert row["max_rel_diff"] < 1e-4  # the fast path and the per-text loop read the same features
+
+    assert [(s["preset"], s["batch"]) for s in report["serving"]] == [("tiny", 1), ("tiny", 64)]
+    for serve in report["serving"]:
+        assert serve["requests"] == 3 and len(serve["latencies_ms"]) == 3
+        assert 0 < serve["p50_ms"] <= serve["p99_ms"]
+        assert serve["per_text_ms"] == pytest.approx(serve["p50_ms"] / serve["batch"])

@@ -1,0 +1,291 @@
+"""The transfer stage end to end: features from a trained checkpoint, probes, a real MLflow server,
+the registry and its champion alias, the served model, and the classifier's behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from conftest import free_port
+from train_helpers import run_job
+
+from models.classifier import SentimentClassifier
+from models.features import featurize
+from tasks.checkpoint import load_checkpoint
+from tasks.features import features_of
+from tasks.registry import CHAMPION, register
+from tasks.sample import write_labelled_sample
+from tasks.settings import get_settings
+
+BIN = Path(sys.executable).parent
+CLI = str(BIN / "mlstm-sentiment")
+# In the generated reviews' own words: a tiny mLSTM trained for seconds knows little else (a reworded
+# "Terrible, do not buy this." fools it), so these check the pipeline's behaviour, not the model's reach.
+POSITIVE = "Absolutely love it! I would buy this tuner again in a heartbeat."
+NEGATIVE = "Very disappointed. I returned the tuner immediately."
+
+
+@pytest.fixture(scope="module")
+def trained(
+    sample_manifest: str, mlflow_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """A tiny mLSTM trained for one epoch of the generated corpus (about 30 s on two cores), logged to
+    the MLflow server."""
+    home = tmp_path_factory.mktemp("transfer-home")
+    args = ["--corpus", sample_manifest, "--preset", "tiny", "--batch-size", "16", "--seq-len", "64"]
+    args += ["--lr", "0.003", "--checkpoint-every", "1000", "--val-every", "1000", "--run-name", "t"]
+    result = run_job(args, home, env={"MLSTM_MLFLOW_TRACKING_URI": mlflow_server})
+    return {"home": home, "checkpoint": result["checkpoint_uri"]}
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_labelled_sample(tmp_path_factory.mktemp("labelled") / "reviews")
+
+
+def cli(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def env(trained: dict[str, Any], mlflow_server: str, prefect_api_url: str, tmp_path: Path) -> dict[str, str]:
+    """A CLI environment: the trained run's store, a real MLflow server, a registered-model name of its own."""
+    return {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api_url,
+        "MLSTM_HOME": str(trained["home"]),
+        "MLSTM_MLFLOW_TRACKING_URI": mlflow_server,
+        "MLSTM_MODEL_NAME": f"sentiment-{tmp_path.name[-24:]}",
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",  # `mlflow models serve` runs uvicorn by name
+    }
+
+
+def test_features_cli_writes_one_row_per_input_row_and_caches(
+    trained: dict[str, Any], shared_data: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    dev = shared_data / "sst2" / "dev_binary_sent.csv"
+    args = ["features", "--checkpoint", trained["checkpoint"], "--input", str(dev)]
+    args += ["--text-column", "sentence", "--label-column", "label", "--output", str(tmp_path / "dev.arrow")]
+    first = cli(args, env)
+    assert first.returncode == 0, first.stderr
+    assert "872 rows × 64 features (computed)" in first.stdout
+
+    table = pa.ipc.open_file(pa.memory_map(str(tmp_path / "dev.arrow"))).read_all()
+    assert table.schema.field("features").type == pa.list_(pa.float32(), 64)
+    import csv
+
+    with dev.open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert table.column("label").to_pylist() == [int(r["label"]) for r in rows]
+    model = load_checkpoint(trained["checkpoint"]).model()
+    # Alone, one text per batch, no padding at all: the batched, length-sorted file must agree row by row.
+    alone = featurize(model, [r["sentence"] for r in rows[:40]], batch_size=1)
+    np.testing.assert_allclose(features_of(table)[:40], alone, rtol=1e-5, atol=1e-6)
+
+    again = cli(args, env)
+    assert again.returncode == 0, again.stderr
+    assert "(from the cache)" in again.stdout
+    cached = sorted((trained["home"] / "store" / "features").rglob("*.arrow"))
+    assert len(cached) == 1
+
+
+def test_features_cli_names_the_file_and_line_of_bad_input(
+    env: dict[str, str], trained: dict[str, Any], tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": \n')
+    result = cli(
+        ["features", "--checkpoint", trained["checkpoint"], "--input", str(bad), "--output", "x.arrow"], env
+    )
+    assert result.returncode == 2
+    assert "bad.jsonl" in result.stderr and "line 2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_transfer_registers_a_champion_that_serves_and_behaves(
+    trained: dict[str, Any], labelled: Path, shared_data: Path, env: dict[str, str]
+) -> None:
+    datasets = ["--dataset", f"reviews={labelled}", "--dataset", f"sst2={shared_data / 'sst2'}"]
+    result = cli(["transfer", "--checkpoint", trained["checkpoint"], *datasets, "--json"], env)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert set(summary) == {"reviews", "sst2"}
+    for values in summary.values():
+        assert set(values) == {
+            "test_accuracy",
+            "dev_accuracy",
+            "C",
+            "nonzero",
+            "top_unit",
+            "top_unit_accuracy",
+        }
+        assert 2**-8 <= values["C"] <= 4 and 0 <= values["top_unit"] < 64 and 0 < values["nonzero"] <= 64
+    # The generated reviews' tone follows their stars, so even a tiny mLSTM's state separates them.
+    assert summary["reviews"]["test_accuracy"] > 0.9, summary
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(env["MLSTM_MLFLOW_TRACKING_URI"])
+    client = MlflowClient()
+    name = env["MLSTM_MODEL_NAME"]
+    champion = client.get_model_version_by_alias(name, CHAMPION)
+    assert champion.version == "1" and champion.tags["dataset"] == "reviews"
+    run = client.get_run(champion.run_id)
+    # Under the run that trained the checkpoint.
+    checkpoint = load_checkpoint(trained["checkpoint"])
+    assert run.data.tags["mlflow.parentRunId"] == checkpoint.meta["mlflow_run_id"]
+    assert run.data.metrics["reviews_test_accuracy"] == pytest.approx(summary["reviews"]["test_accuracy"])
+    assert {i.dataset.name for i in run.inputs.dataset_inputs} >= {"sst2-train", "sst2-dev", "sst2-test"}
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "sst2")}
+    assert {"sst2/accuracy_vs_C.png", "sst2/top_unit.png", "sst2/report.json"} <= artifacts
+
+    # The logged model holds no pickle: weights as .npz, code as files.
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@{CHAMPION}"))
+    assert not list(local.rglob("*.pkl")) and list(local.rglob("classifier.npz"))
+    requirements = (local / "requirements.txt").read_text()
+    assert f"torch=={torch.__version__}" in requirements
+
+    # Loaded by alias, it behaves: clearly positive and clearly negative texts get opposite labels.
+    loaded = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
+    import pandas as pd
+
+    predicted = loaded.predict(pd.DataFrame({"text": [POSITIVE, NEGATIVE]}))
+    assert list(predicted["label"]) == ["positive", "negative"], predicted
+
+    # The same transfer again does not beat the champion: a new version, the alias stays.
+    again = cli(["transfer", "--checkpoint", trained["checkpoint"], "--dataset", f"reviews={labelled}"], env)
+    assert again.returncode == 0, again.stderr
+    assert "does not beat champion v1" in again.stdout
+    assert client.get_model_version_by_alias(name, CHAMPION).version == "1"
+    assert client.get_model_version(name, "2").tags["promotion"].startswith("test accuracy")
+
+    # `mlstm-sentiment predict` scores with the champion by default.
+    scored = cli(["predict", POSITIVE, NEGATIVE, "--json"], env)
+    assert scored.returncode == 0, scored.stderr
+    lines = [json.loads(line) for line in scored.stdout.splitlines()]
+    assert [line["label"] for line in lines] == ["positive", "negative"]
+    assert lines[0]["probability"] > 0.5 > lines[1]["probability"]
+
+    _serve_and_post(env, f"models:/{name}@{CHAMPION}")
+
+
+def _serve_and_post(env: dict[str, str], model_uri: str) -> None:
+    """`mlflow models serve` as a user runs it, then POST /invocations."""
+    port = free_port()
+    serve_env = {**env, "MLFLOW_TRACKING_URI": env["MLSTM_MLFLOW_TRACKING_URI"]}
+    command = [str(BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    server = subprocess.Popen(
+        command, env=serve_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
+                time.sleep(0.5)
+        body = {"dataframe_records": [{"text": POSITIVE}, {"text": NEGATIVE}]}
+        response = httpx.post(f"http://127.0.0.1:{port}/invocations", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        predictions = response.json()["predictions"]
+        assert [p["label"] for p in predictions] == ["positive", "negative"]
+        assert predictions[0]["probability"] > 0.5 > predictions[1]["probability"]
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
+    mlflow_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The promotion rule alone, on registered versions of a small logged model."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLSTM_MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("MLSTM_MODEL_NAME", "promotion-rule")
+    settings = get_settings()
+    mlflow.set_tracking_uri(mlflow_server)
+
+    def echo(model_input: list[str]) -> list[str]:
+        return model_input
+
+    with mlflow.start_run():
+        model_uri = mlflow.pyfunc.log_model(
+            name="model", python_model=echo, pip_requirements=["mlflow"]
+        ).model_uri
+
+    def report(accuracy: float, checksum: str = "a" * 64) -> dict[str, Any]:
+        return {"name": "sst2", "checksum": checksum, "test_accuracy": accuracy, "checkpoint_uri": "x"}
+
+    scored: list[str] = []
+
+    def score(uri: str) -> float:
+        scored.append(uri)
+        return 0.80
+
+    first = register(model_uri, report(0.70), settings, score_on_test=score)
+    assert first["promoted"] and first["reason"] == "there was no champion"
+    worse = register(model_uri, report(0.69), settings, score_on_test=score)
+    tie = register(model_uri, report(0.70), settings, score_on_test=score)
+    better = register(model_uri, report(0.71), settings, score_on_test=score)
+    assert [worse["promoted"], tie["promoted"], better["promoted"]] == [False, False, True]
+    assert scored == []  # same test set: the champion's recorded accuracy is compared, nothing re-run
+    # Another test set: the champion is scored on ours (0.80 here), and 0.75 does not beat it.
+    other = register(model_uri, report(0.75, checksum="b" * 64), settings, score_on_test=score)
+    assert scored == ["models:/promotion-rule@champion"] and not other["promoted"]
+    assert MlflowClient().get_model_version_by_alias("promotion-rule", CHAMPION).version == str(
+        better["version"]
+    )
+
+
+def test_saved_classifier_loads_without_pickles_and_predicts_the_same(tmp_path: Path) -> None:
+    from models.mlstm import MLSTM, tiny
+
+    torch.manual_seed(0)
+    classifier = SentimentClassifier(
+        MLSTM(tiny()), np.random.default_rng(0).normal(size=64), 0.1, {"dataset": "x"}
+    )
+    folder = classifier.save(tmp_path / "c")
+    with np.load(folder / "classifier.npz", allow_pickle=False) as arrays:
+        assert "probe.coef" in arrays.files
+    loaded = SentimentClassifier.load(folder)
+    texts = ["short", "a somewhat longer text &amp; more", ""]
+    np.testing.assert_allclose(loaded.predict_proba(texts), classifier.predict_proba(texts), rtol=1e-6)
+    assert loaded.info == {"dataset": "x"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dataset", "sst2=/nowhere"], "/nowhere: no such file or folder"),
+        (["--dataset", "a={labelled}", "--dataset", "a={labelled}"], "dataset names must differ"),
+        (["--dataset", "a={labelled}", "--register", "b"], "--register 'b' is not one of the datasets (a)"),
+        (["--dataset", "a={labelled}", "--c-min-log2", "3"], "c_min_log2 3 is above c_max_log2 2"),
+    ],
+)
+def test_bad_transfer_flags_fail_before_any_work(
+    flags: list[str], message: str, labelled: Path, home: Path, tmp_path: Path
+) -> None:
+    flags = [f.format(labelled=labelled) for f in flags]
+    result = cli(
+        ["transfer", "--checkpoint", str(tmp_path / "none"), *flags], {**os.environ, "MLSTM_HOME": str(home)}
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (home / "store").exists()
