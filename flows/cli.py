@@ -331,7 +331,7 @@ def features(
 ) -> None:
     """Write the mLSTM's final cell state for every row of a file (cached in the store)."""
     from tasks.checkpoint import load_checkpoint
-    from tasks.datasets import DatasetError, read_table
+    from tasks.datasets import read_table
     from tasks.features import cached_features, features_table, write_output
     from tasks.store import open_store
 
@@ -353,7 +353,7 @@ def features(
         uri = write_output(
             features_table(found.features, **columns), output, endpoint_url=settings.s3_endpoint_url
         )
-    except (*_user_errors(), DatasetError) as error:
+    except _user_errors() as error:  # DatasetError is a ValueError
         raise _fail(str(error)) from None
     state = "from the cache" if found.cached else "computed"
     out.print(f"{len(texts):,} rows × {found.features.shape[1]} features ({state}): {uri}", highlight=False)
@@ -424,7 +424,6 @@ def transfer(
     """Fit L1 logistic-regression probes on the mLSTM's features; find the sentiment neuron; register."""
     from pydantic import ValidationError
 
-    from tasks.datasets import DatasetError
     from tasks.pretrain import flag_errors
     from tasks.transfer import TransferParams
 
@@ -438,7 +437,7 @@ def transfer(
         result = run_transfer(params)
     except ValidationError as error:
         raise _fail(flag_errors(error)) from None
-    except (*_user_errors(), DatasetError) as error:
+    except _user_errors() as error:  # DatasetError is a ValueError
         raise _fail(str(error)) from None
     if as_json:
         print(json.dumps(result["datasets"]))
@@ -496,7 +495,7 @@ def predict(
     ] = False,
 ) -> None:
     """Score texts with a registered classifier (the champion by default)."""
-    from tasks.datasets import DatasetError, read_table
+    from tasks.datasets import read_table
     from tasks.tracking import connect
 
     settings = get_settings()
@@ -518,7 +517,7 @@ def predict(
                 f"cannot load {uri} from {settings.resolved_mlflow_tracking_uri}: {error.message}"
             ) from None
         predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
-    except (*_user_errors(), DatasetError) as error:
+    except _user_errors() as error:  # DatasetError is a ValueError
         raise _fail(str(error)) from None
     rows = zip(texts, predicted["label"], predicted["probability"], strict=True)
     if as_json:

@@ -91,13 +91,16 @@ def cached_features(
     data_checksum: str | None = None,
     name: str = "rows",
     columns: dict[str, Sequence[object] | np.ndarray] | None = None,
+    weights: str | None = None,
     batch_size: int = 64,
     device: torch.device | None = None,
     on_batch: OnBatch | None = None,
 ) -> Extracted:
     """The features of ``texts`` under ``model``: read from the store's cache, or computed and cached
-    (with ``columns`` beside them, labels say, so a reader of the file needs nothing else)."""
-    key = f"{CACHE_PREFIX}/{weights_fingerprint(model)}/{data_checksum or texts_checksum(texts)}/{name}.arrow"
+    (with ``columns`` beside them, labels say, so a reader of the file needs nothing else).
+    ``weights`` is the model's ``weights_fingerprint`` when the caller has it already."""
+    weights = weights or weights_fingerprint(model)
+    key = f"{CACHE_PREFIX}/{weights}/{data_checksum or texts_checksum(texts)}/{name}.arrow"
     if store.exists(key):
         features_NH = features_of(read_table(store, key))
         if features_NH.shape == (len(texts), model.config.hidden_size):

@@ -54,12 +54,12 @@ def log_report(run_id: str, report: dict[str, Any], settings: Settings) -> None:
 
     name = report["name"]
     schema = Schema([ColSpec("string", "text"), ColSpec("long", "label")])
+    with warnings.catch_warnings():
+        # Two of MLflow's local-file source types claim a path; either records it the same way.
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+        source = resolve_dataset_source(report["source"])
     with mlflow.start_run(run_id=run_id):
         for split, context in (("train", "training"), ("dev", "validation"), ("test", "testing")):
-            with warnings.catch_warnings():
-                # Two of MLflow's local-file source types claim a path; either records it the same way.
-                warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
-                source = resolve_dataset_source(report["source"])
             dataset = MetaDataset(
                 source, name=f"{name}-{split}", digest=report["checksum"][:16], schema=schema
             )

@@ -123,6 +123,7 @@ def extract(
     if on_start is not None:
         on_start(sum(len(split.texts) for split in dataset.splits().values()))
     store = _store(settings)
+    weights = weights_fingerprint(model)  # hashes every weight: once, not once per split
     splits = {}
     for split, data in dataset.splits().items():
         found = cached_features(
@@ -132,6 +133,7 @@ def extract(
             data_checksum=dataset.checksum[:16],
             name=split,
             columns={"label": data.labels},
+            weights=weights,
             batch_size=params.batch_size,
             on_batch=on_batch,
         )
@@ -145,7 +147,7 @@ def extract(
         "dev_from_train": dataset.dev_from_train,
         "checkpoint_uri": checkpoint.uri,
         "checkpoint_run_id": checkpoint.meta.get("mlflow_run_id"),
-        "weights": weights_fingerprint(model),
+        "weights": weights,
         "hidden_size": model.config.hidden_size,
         "splits": splits,
     }
