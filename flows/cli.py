@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -65,6 +64,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tasks.tracking import TrackingUnavailable
 
     return (SourceError, StoreError, PrefectUnavailable, TrackingUnavailable, ValueError)
+
+
+def _check_datasets(specs: list[str]) -> None:
+    """Every dataset path exists here: a typo fails now, not after the corpus and the training."""
+    from tasks.datasets import dataset_name
+
+    for spec in specs:
+        dataset_name(spec)
 
 
 def run_corpus_build(
@@ -225,24 +232,31 @@ def corpus_sample(
         out.print(str(path), highlight=False)
 
 
-def run_pretrain(params: Any, *, show_progress: bool = True) -> dict[str, Any]:
-    """Train as a Prefect flow run (the job itself under torchrun, Slurm or Kubernetes)."""
+def _run_flow(flow: Any, *, unit: str = "percent", show_progress: bool = True, **parameters: Any) -> Any:
+    """Run a flow in this process against the configured Prefect API (or a temporary one), with a
+    progress bar per stage on stderr."""
     from flows import progress
-    from flows.pretrain import pretrain as pretrain_flow
     from flows.runtime import prefect_api
-    from tasks.pretrain import plan_job
 
     settings = get_settings()
-    plan_job(params, settings)  # bad settings fail here, before a Prefect API or a process starts
-    columns = (
-        TextColumn("{task.description:<24}"),
-        BarColumn(),
-        TextColumn("step {task.completed:,.0f}/{task.total:,.0f}"),
-        TimeElapsedColumn(),
+    counter = (
+        TaskProgressColumn()
+        if unit == "percent"
+        else TextColumn(f"{unit} {{task.completed:,.0f}}/{{task.total:,.0f}}")
     )
+    columns = (TextColumn("{task.description:<24}"), BarColumn(), counter, TimeElapsedColumn())
     bar = Progress(*columns, console=err, disable=not show_progress)
     with prefect_api(settings), bar, progress.reporting_to(_RichSink(bar)):
-        return pretrain_flow(params=params)  # type: ignore[no-any-return]
+        return flow(**parameters)
+
+
+def run_pretrain(params: Any, *, show_progress: bool = True) -> dict[str, Any]:
+    """Train as a Prefect flow run (the job itself under torchrun, Slurm or Kubernetes)."""
+    from flows.pretrain import pretrain as pretrain_flow
+    from tasks.pretrain import plan_job
+
+    plan_job(params, get_settings())  # bad settings fail here, before a Prefect API or a process starts
+    return _run_flow(pretrain_flow, unit="step", show_progress=show_progress, params=params)  # type: ignore[no-any-return]
 
 
 @app.command()
@@ -384,15 +398,9 @@ def import_weights_command(
 
 def run_transfer(params: Any, *, show_progress: bool = True) -> dict[str, Any]:
     """Probe a checkpoint as a Prefect flow run."""
-    from flows import progress
-    from flows.runtime import prefect_api
     from flows.transfer import transfer as transfer_flow
 
-    settings = get_settings()
-    columns = (TextColumn("{task.description:<24}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn())
-    bar = Progress(*columns, console=err, disable=not show_progress)
-    with prefect_api(settings), bar, progress.reporting_to(_RichSink(bar)):
-        return transfer_flow(params=params)  # type: ignore[no-any-return]
+    return _run_flow(transfer_flow, show_progress=show_progress, params=params)  # type: ignore[no-any-return]
 
 
 @app.command()
@@ -434,6 +442,7 @@ def transfer(
             checkpoint=checkpoint, datasets=dataset, text_column=text_column, label_column=label_column,
             batch_size=batch_size, c_min_log2=c_min_log2, c_max_log2=c_max_log2, register_dataset=register, seed=seed,
         )  # fmt: skip
+        _check_datasets(params.datasets)
         result = run_transfer(params)
     except ValidationError as error:
         raise _fail(flag_errors(error)) from None
@@ -533,6 +542,266 @@ def predict(
     out.print(table)
 
 
+def _pipeline_values(**flags: Any) -> dict[str, Any]:
+    """Default pipeline parameters as a plain dict, for flags and ``--set`` to change."""
+    from tasks.pipeline import PipelineParams
+
+    return PipelineParams.model_construct().model_dump(mode="json") | flags
+
+
+def run_pipeline(params: Any, *, show_progress: bool = True) -> dict[str, Any]:
+    """The whole pipeline (or the stages ``params.stages`` names) as a Prefect flow run, here."""
+    from flows.pipeline import pipeline as pipeline_flow
+    from tasks.tracking import connect
+
+    connect(get_settings())  # MLflow down: one clear error before any flow run or MLflow run exists
+    return _run_flow(pipeline_flow, show_progress=show_progress, params=params)  # type: ignore[no-any-return]
+
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="key=value, repeatable: pretrain.max_steps=500, transfer.c_max_log2=4, corpus.shard_mb=64.",
+    ),
+]
+
+
+@app.command("pipeline")
+def pipeline_command(
+    sources: Annotated[
+        list[str], typer.Argument(help="Raw reviews: files, folders, globs, s3:// or http(s)://.")
+    ],
+    dataset: Annotated[
+        list[str] | None, typer.Option(help="NAME=PATH for the probes, repeatable (SST, IMDB, a table).")
+    ] = None,
+    preset: Annotated[str, typer.Option(help="tiny, small, paper_4096 or paper_8192.")] = "tiny",
+    launcher: Annotated[str, typer.Option(help="local (torchrun here), slurm or kubernetes.")] = "local",
+    max_steps: Annotated[int | None, typer.Option(min=1, help="End pretraining at this step.")] = None,
+    force: Annotated[
+        list[str] | None, typer.Option(help="Run this stage even if its inputs are unchanged; repeatable.")
+    ] = None,
+    set_: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    """Run corpus → pretrain → transfer → register under one MLflow run; unchanged stages are skipped."""
+    from tasks.pipeline import apply_overrides, validated
+
+    try:
+        values = _pipeline_values(sources=sources, force=force or [])
+        values["pretrain"].update(preset=preset, launcher=launcher, max_steps=max_steps)
+        values["transfer"]["datasets"] = dataset or []
+        params = validated(apply_overrides(values, set_ or []))
+        _check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
+        result = run_pipeline(params)
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    _print_pipeline(result, as_json=as_json)
+
+
+def _print_pipeline(result: dict[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        keep = {"run_id", "stages", "corpus", "pretrain"}
+        summary = {k: v for k, v in result.items() if k in keep}
+        if "transfer" in result:
+            summary["transfer"] = {k: result["transfer"][k] for k in ("run_id", "datasets", "registered")}
+        print(json.dumps(summary, default=str))
+        return
+    table = Table(title=f"pipeline run {result['run_id']}")
+    for column in ("stage", "state", "result", "MLflow run"):
+        table.add_column(column, no_wrap=column != "result")
+    outputs = {
+        "corpus": lambda r: f"{r['rows']:,} rows",
+        "pretrain": lambda r: f"step {r['steps']:,}, val {r['val_bpc']:.2f} bits/byte",
+        "transfer": lambda r: ", ".join(
+            f"{n} test {v['test_accuracy']:.2%}" for n, v in r["datasets"].items()
+        ),
+    }
+    for stage, info in result["stages"].items():
+        color = {"ran": "green", "skipped": "cyan"}.get(info.get("state", ""), "red")
+        output = outputs[stage](result[stage]) if stage in result else "-"
+        table.add_row(stage, f"[{color}]{info.get('state')}[/]", output, str(info.get("run_id") or "-")[:12])
+    out.print(table)
+    if "corpus" in result:
+        out.print(f"manifest: {result['corpus']['manifest_uri']}", highlight=False)
+    if "pretrain" in result:
+        out.print(f"checkpoint: {result['pretrain']['checkpoint_uri']}", highlight=False)
+    registered = (result.get("transfer") or {}).get("registered")
+    if registered and result["stages"]["transfer"].get("state") == "skipped":
+        out.print(f"model: {registered['name']} v{registered['version']}, unchanged", highlight=False)
+    elif registered:
+        out.print(
+            f"registered {registered['name']} v{registered['version']}: {registered['reason']}",
+            highlight=False,
+        )
+
+
+StageArgument = Annotated[str, typer.Argument(help="corpus, pretrain or transfer.")]
+
+
+@app.command("run")
+def run_stage(
+    stage: StageArgument,
+    from_: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="A pipeline's MLflow run id (its parameters and outputs are reused), or a manifest URI "
+            "(pretrain) or checkpoint URI (transfer). [default: the newest pipeline run, if any]",
+        ),
+    ] = None,
+    set_: SetOption = None,
+    rest: Annotated[bool, typer.Option("--rest", help="Run the later stages too.")] = False,
+    deployment: Annotated[
+        str | None,
+        typer.Option(
+            help="Run through this deployment (e.g. pipeline/pipeline-weekly) on a worker, not here."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    """Rerun one stage (or, with --rest, the rest of the pipeline) on demand, here or on a worker."""
+    from tasks.pipeline import STAGES, apply_overrides, stages_from, validated
+
+    if stage not in STAGES:
+        raise _fail(f"unknown stage {stage!r}: choose corpus, pretrain or transfer")
+    try:
+        values = _rerun_values(stage, from_)
+        values.update(stages=stages_from(stage, rest=rest), force=[stage])  # type: ignore[arg-type]
+        params = validated(apply_overrides(values, set_ or []))
+        if deployment:  # dataset paths are the worker's
+            result = run_through_deployment(deployment, params)
+        else:
+            _check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
+            result = run_pipeline(params)
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    _print_pipeline(result, as_json=as_json)
+
+
+def _rerun_values(stage: str, origin: str | None) -> dict[str, Any]:
+    """The parameters a rerun starts from: a past pipeline run's (the newest by default) or a URI's."""
+    from tasks.pipeline import pipeline_params_of, recent_pipelines
+
+    settings = get_settings()
+    if origin and ("/" in origin or ":" in origin):
+        if stage == "corpus":
+            raise ValueError("--from URI is a manifest (for pretrain) or a checkpoint (for transfer); "
+                             "the corpus stage reads --set sources=…")  # fmt: skip
+        key = "manifest_uri" if stage == "pretrain" else "checkpoint_uri"
+        return _pipeline_values(**{key: origin})
+    if origin is None:
+        newest = recent_pipelines(settings, 1)
+        if not newest:  # a fresh install: the defaults, and --set says the rest
+            return _pipeline_values()
+        origin = newest[0]["run_id"]
+    values, tags = pipeline_params_of(origin, settings)
+    values["manifest_uri"] = tags.get("manifest_uri") or values.get("manifest_uri")
+    values["checkpoint_uri"] = tags.get("checkpoint_uri") or values.get("checkpoint_uri")
+    return values
+
+
+def run_through_deployment(name: str, params: Any) -> dict[str, Any]:
+    """Create a run of a pipeline deployment, follow its state and logs until it ends; its result is
+    read back from the MLflow run it made."""
+    from flows.runtime import follow_flow_run, prefect_api, submit_deployment
+    from tasks.pipeline import pipeline_result_of
+
+    settings = get_settings()
+    if not (settings.prefect_api_url or os.environ.get("PREFECT_API_URL")):
+        raise ValueError(
+            "--deployment needs a Prefect server: set PREFECT_API_URL (or MLSTM_PREFECT_API_URL)"
+        )
+    with prefect_api(settings):
+        flow_run_id = submit_deployment(name, {"params": params.model_dump(mode="json")})
+        err.print(f"flow run {flow_run_id} of {name}: waiting for a worker", highlight=False)
+        state = follow_flow_run(
+            flow_run_id, on_log=lambda line: err.print(line, style="dim", highlight=False)
+        )
+    if state != "COMPLETED":
+        raise ValueError(f"flow run {flow_run_id} of {name} ended {state}; its logs are in the Prefect UI")
+    return pipeline_result_of(flow_run_id, settings)
+
+
+@app.command()
+def status(
+    limit: Annotated[int, typer.Option(min=1, help="How many runs.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
+) -> None:
+    """Recent pipeline runs: their stages, metrics and model versions (from MLflow)."""
+    from tasks.pipeline import recent_pipelines
+
+    try:
+        runs = recent_pipelines(get_settings(), limit)
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    if as_json:
+        for run in runs:
+            print(json.dumps(run))
+        return
+    table = Table(title=f"pipeline runs ({get_settings().resolved_mlflow_tracking_uri})")
+    for column in (
+        "started (UTC)",
+        "status",
+        "corpus",
+        "pretrain",
+        "transfer",
+        "metrics",
+        "model",
+        "MLflow run",
+    ):
+        table.add_column(column, overflow="fold")
+    for run in runs:
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(run["metrics"].items()) if k != "corpus_rows")
+        table.add_row(
+            run["started"].replace("T", " ").removesuffix("+00:00"), run["status"],
+            *run["stages"].values(), metrics or "-", f"v{run['model_version']}" if run["model_version"] else "-",
+            run["run_id"],
+        )  # fmt: skip
+    out.print(table)
+
+
+@app.command()
+def deploy(
+    file: Annotated[Path, typer.Option(help="The Prefect deployment file.")] = Path("infra/prefect.yaml"),
+    name: Annotated[list[str] | None, typer.Option(help="Only this deployment; repeatable.")] = None,
+) -> None:
+    """Create the work pools and concurrency limits infra/prefect.yaml names, then deploy every deployment."""
+    from flows.deploy import DeployError
+    from flows.deploy import deploy as deploy_file
+    from flows.runtime import prefect_api
+
+    settings = get_settings()
+    if not (settings.prefect_api_url or os.environ.get("PREFECT_API_URL")):
+        raise _fail("deploy needs a Prefect server: set PREFECT_API_URL (or MLSTM_PREFECT_API_URL)")
+    try:
+        with prefect_api(settings) as url:
+            lines = deploy_file(file, name)
+    except (*_user_errors(), DeployError) as error:
+        raise _fail(str(error)) from None
+    for line in lines:
+        out.print(line, highlight=False)
+    out.print(f"at {url}; start workers with `prefect worker start --pool NAME`", highlight=False)
+
+
+@app.command()
+def promote(
+    version: Annotated[int, typer.Argument(help="The model version to make @champion.")],
+    reason: Annotated[
+        str, typer.Option(help="Why (kept in the version's promotion tag).")
+    ] = "promoted by hand",
+) -> None:
+    """Point @champion at a version by hand: a promotion, or a rollback to an earlier version."""
+    from tasks.registry import promote as promote_version
+
+    try:
+        done = promote_version(version, get_settings(), reason=reason)
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    before = f"v{done['previous']}" if done["previous"] else "no champion"
+    out.print(f"{done['name']}@champion: {before} → v{done['version']}", highlight=False)
+
+
 # In the generated reviews' words: the demo's tiny mLSTM has read nothing else.
 DEMO_POSITIVE = "Absolutely love it! I would buy this tuner again in a heartbeat."
 DEMO_NEGATIVE = "Very disappointed. I returned the tuner immediately."
@@ -543,78 +812,59 @@ def demo(
     reviews: Annotated[int, typer.Option(help="Reviews in the generated sample.")] = 3000,
     steps: Annotated[int, typer.Option(min=1, help="Pretraining steps of the tiny mLSTM.")] = 300,
 ) -> None:
-    """Run the whole job on embedded defaults: a generated sample, its corpus, a tiny mLSTM, its probe,
-    the registered classifier."""
+    """Run the whole pipeline on embedded defaults: a generated sample, its corpus, a tiny mLSTM, its
+    probe, the registered classifier, served and asked for two predictions."""
     from tasks.corpus import CorpusConfig
-    from tasks.launch import LaunchError
-    from tasks.sample import write_sample
+    from tasks.pipeline import PipelineParams, PretrainStage, TransferStage
+    from tasks.sample import write_labelled_sample, write_sample
+    from tasks.serve import invoke, served
 
     settings = get_settings()
     err.print(f"[bold]mlstm-sentiment demo[/] · home {settings.home.resolve()}")
     sample = write_sample(settings.home / "sample", num_reviews=reviews)
-    err.print(
-        f"1. generated {reviews:,} reviews in the 2014, 2018 and 2023 Amazon formats: {sample[0].parent}"
-    )
-    # A sample this small needs bigger held-out splits than the paper's 1000:1:1 to be useful.
-    config = CorpusConfig(split=(90, 5, 5))
-    try:
-        summary = run_corpus_build([str(sample[0].parent)], store=None, config=config)
-    except _user_errors() as error:
-        raise _fail(str(error)) from None
-    err.print("2. built the corpus:")
-    _print_summary(summary)
-    from tasks.pretrain import PretrainParams
-
-    # A tiny mLSTM for a few hundred steps: enough for the loss to fall well below 8 bits a byte.
-    params = PretrainParams(
-        corpus=summary["manifest_uri"], preset="tiny", batch_size=16, seq_len=64, lr=3e-3,
-        max_steps=steps, checkpoint_every=steps, val_every=steps, retries=0,
-    )  # fmt: skip
-    err.print(
-        f"3. pretraining a tiny mLSTM with torchrun, for {steps} steps or one epoch, whichever ends first:"
-    )
-    try:
-        result = run_pretrain(params)
-    except (*_user_errors(), LaunchError) as error:
-        raise _fail(str(error)) from None
-    out.print(
-        f"[bold green]run {result['run']}[/]: {result['steps']} steps, "
-        f"{result['final_loss'] / math.log(2):.2f} bits per byte (val {result['val_bpc']:.2f})"
-    )
-    out.print(f"checkpoint: {result['checkpoint_uri']}", highlight=False)
-
-    from tasks.sample import write_labelled_sample
-    from tasks.transfer import TransferParams
-
     labelled = write_labelled_sample(settings.home / "sample-labelled")
-    err.print(f"4. probing its features on {labelled} (generated reviews labelled by their stars):")
+    err.print(
+        f"1. generated {reviews:,} reviews in the 2014, 2018 and 2023 Amazon formats ({sample[0].parent}), "
+        f"and held-out reviews labelled by their stars ({labelled})"
+    )
+    err.print(f"2. the pipeline: corpus → a tiny mLSTM ({steps} steps or one epoch) → probe → registry")
+    params = PipelineParams(
+        sources=[str(sample[0].parent)],
+        # A sample this small needs bigger held-out splits than the paper's 1000:1:1 to be useful.
+        corpus=CorpusConfig(split=(90, 5, 5)),
+        pretrain=PretrainStage(
+            preset="tiny", batch_size=16, seq_len=64, lr=3e-3, max_steps=steps,
+            checkpoint_every=steps, val_every=steps, retries=0,
+        ),
+        transfer=TransferStage(datasets=[f"reviews={labelled}"]),
+    )  # fmt: skip
     try:
-        transferred = run_transfer(
-            TransferParams(checkpoint=result["checkpoint_uri"], datasets=[f"reviews={labelled}"])
-        )
+        result = run_pipeline(params)
     except _user_errors() as error:
         raise _fail(str(error)) from None
-    _print_transfer(transferred)
-    err.print("5. scoring two reviews with the champion (`mlstm-sentiment predict`):")
-    predict(
-        texts=[DEMO_POSITIVE, DEMO_NEGATIVE],
-        model=None,
-        input=None,
-        text_column="text",
-        batch_size=64,
-        as_json=False,
-    )
+    _print_pipeline(result, as_json=False)
+    model_uri = f"models:/{settings.model_name}@champion"
+    err.print(f"3. serving {model_uri} with `mlflow models serve` and POSTing two reviews:")
+    try:
+        with served(model_uri, settings, log=settings.home / "logs" / "serve.log") as url:
+            predictions = invoke(url, [DEMO_POSITIVE, DEMO_NEGATIVE])
+    except RuntimeError as error:
+        raise _fail(str(error)) from None
+    for text, prediction in zip((DEMO_POSITIVE, DEMO_NEGATIVE), predictions, strict=True):
+        color = "green" if prediction["label"] == "positive" else "red"
+        out.print(f"  [{color}]{prediction['label']:>8}[/] {prediction['probability']:.3f}  {text}")
     out.print("\nLook at it:")
-    out.print(f"  mlstm-sentiment corpus show {summary['manifest_uri']}", highlight=False)
+    out.print("  mlstm-sentiment status            # pipeline runs, their stages and models", highlight=False)
     out.print(
         f"  mlflow ui --backend-store-uri {settings.resolved_mlflow_tracking_uri}",
         highlight=False,
         soft_wrap=True,
     )
     out.print("  prefect server start    # then open http://127.0.0.1:4200: flow runs and their artifacts")
+    out.print(f'  model: {model_uri}  (`mlstm-sentiment predict "…"`)', highlight=False)
     out.print(
         f"  MLFLOW_TRACKING_URI={settings.resolved_mlflow_tracking_uri} "
-        f"mlflow models serve -m models:/{settings.model_name}@champion --env-manager local -p 5001",
+        f"mlflow models serve -m {model_uri} --env-manager local -p 5001",
         highlight=False,
         soft_wrap=True,
     )

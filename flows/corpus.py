@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.context import get_run_context
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner
 
@@ -23,7 +24,7 @@ from tasks.corpus import (
 )
 from tasks.settings import get_settings
 from tasks.store import open_store
-from tasks.tracking import log_corpus
+from tasks.tracking import experiment_id, log_corpus, run_link
 
 
 # Pieces run in worker processes by default (the CLI picks the runner from the settings).
@@ -32,6 +33,8 @@ def build_corpus(
     sources: list[str],
     store: str | None = None,
     config: CorpusConfig | None = None,
+    force: bool = False,
+    parent_run_id: str | None = None,
 ) -> dict[str, Any]:
     """Build (or find) the corpus of ``sources`` in ``store``; returns the --json summary.
 
@@ -39,6 +42,8 @@ def build_corpus(
         sources: Files, folders, globs, s3:// prefixes or http(s):// URLs of raw reviews.
         store: Store URI (folder or s3://bucket/prefix); default from the settings.
         config: Split proportions, shard size and the work sizes.
+        force: Build and publish again even when this corpus is already built (same bytes).
+        parent_run_id: MLflow run (a pipeline's) that the corpus run is a child of.
     """
     settings = get_settings(store_uri=store)
     config = config or CorpusConfig()
@@ -55,7 +60,7 @@ def build_corpus(
         s3_endpoint_url=settings.s3_endpoint_url,
         cache_path=settings.home / "cache" / "fingerprints.json",
     )
-    if target.exists(plan.manifest_key):
+    if target.exists(plan.manifest_key) and not force:
         logger.info("corpus %s is already built: %s", plan.corpus_id, target.url(plan.manifest_key))
         return summary_of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
     logger.info(
@@ -86,13 +91,16 @@ def build_corpus(
     manifest = build_manifest(plan, target, pieces, buckets)
     manifest_uri = publish_manifest(plan, target, manifest)
     seconds = time.perf_counter() - started
-    run_id = log_corpus(settings, manifest, manifest_uri, seconds)
-    _publish_artifacts(manifest, manifest_uri, run_id)
+    tags = {"prefect_flow_run_id": str(get_run_context().flow_run.id)}  # type: ignore[union-attr]
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run_id = log_corpus(settings, manifest, manifest_uri, seconds, tags)
+    _publish_artifacts(manifest, manifest_uri, run_link(settings, experiment_id(settings), run_id))
     logger.info("corpus %s published: %s (%.1f s)", plan.corpus_id, manifest_uri, seconds)
     return summary_of(manifest, manifest_uri)
 
 
-def _publish_artifacts(manifest: dict[str, Any], manifest_uri: str, mlflow_run_id: str) -> None:
+def _publish_artifacts(manifest: dict[str, Any], manifest_uri: str, mlflow_run: str) -> None:
     """What a user sees on the flow run's page in the Prefect UI."""
     rows = [
         {
@@ -117,7 +125,7 @@ def _publish_artifacts(manifest: dict[str, Any], manifest_uri: str, mlflow_run_i
             f"- {totals['records']:,} records: {totals['kept']:,} kept, "
             f"{totals['duplicates']:,} duplicates, {totals['rejected']:,} rejected "
             f"(kept under `{manifest['rejected_uri']}`)\n"
-            f"- MLflow run: `{mlflow_run_id}`\n"
+            f"- MLflow run: {mlflow_run}\n"
         ),
         description="The published corpus",
     )

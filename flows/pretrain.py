@@ -22,32 +22,54 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
+from prefect.exceptions import TerminationSignal
 
 from flows import progress
 from tasks.launch import JobHandle, Launcher, launcher_for
 from tasks.pretrain import Job, PretrainParams, job_result, open_mlflow_run, plan_job, watch
 from tasks.settings import get_settings
-
-
-class FlowTerminated(BaseException):
-    """SIGTERM reached the flow run's process (a cancelled deployment run, a stopped worker)."""
+from tasks.tracking import experiment_id, run_link
 
 
 @contextlib.contextmanager
 def terminate_raises() -> Iterator[None]:
-    """Turn SIGTERM into an exception, so the ``finally`` that cancels the job runs."""
+    """Turn SIGTERM into Prefect's TerminationSignal, so the ``finally`` that cancels the job runs, and a
+    cancelled deployment run (the worker's SIGTERM) ends Cancelled, not Crashed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: object) -> None:
-        raise FlowTerminated("SIGTERM")
+        raise TerminationSignal(signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def gpu_slot(limit: str) -> Iterator[None]:
+    """Hold a slot of the global concurrency limit ``limit`` (made by `mlstm-sentiment deploy`), so two
+    pretraining jobs never share the GPUs, whichever deployment or user started them. Without the
+    limit (the embedded API of a laptop run) nothing is held."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(limit)
+        except ObjectNotFound:
+            get_run_logger().info(
+                "no concurrency limit %r on this Prefect server: not waiting for one", limit
+            )
+            yield
+            return
+    get_run_logger().info("waiting for a slot of concurrency limit %r", limit)
+    with concurrency(limit, occupy=1, strict=True):
+        yield
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -91,8 +113,13 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
 
 
 @flow(name="pretrain")
-def pretrain(params: PretrainParams) -> dict[str, Any]:
-    """Train the mLSTM on a corpus: local torchrun, Slurm or Kubernetes; resumable by run name."""
+def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> dict[str, Any]:
+    """Train the mLSTM on a corpus: local torchrun, Slurm or Kubernetes; resumable by run name.
+
+    Args:
+        params: What to train and how.
+        parent_run_id: MLflow run (a pipeline's) that a new training run is a child of.
+    """
     settings = get_settings()
     job = plan_job(params, settings)  # fails here, before any process, on bad settings
     flow_run_id = str(get_run_context().flow_run.id)  # type: ignore[union-attr]
@@ -103,18 +130,19 @@ def pretrain(params: PretrainParams) -> dict[str, Any]:
         "manifest_uri": job.config.corpus,
         "prefect_flow_run_id": flow_run_id,
     }
-    job = job.tracked_by(open_mlflow_run(job, settings, tags))
+    job = job.tracked_by(open_mlflow_run(job, settings, tags, parent_run_id))
     progress.current().stage(f"training {job.config.preset}", total=job.stop_step)
-    result = train.with_options(retries=params.retries, retry_delay_seconds=5)(
-        job, launcher_for(params.launcher)
-    )
+    with gpu_slot(settings.pretrain_concurrency_limit):
+        result = train.with_options(retries=params.retries, retry_delay_seconds=5)(
+            job, launcher_for(params.launcher)
+        )
     create_markdown_artifact(
         key="pretrain-result",
         markdown=(
             f"# Pretraining run `{result['run']}`\n\n"
             f"- step {result['steps']} of {result['total_steps']}, loss {result['final_loss']:.4f}, "
             f"val bpc {result['val_bpc']}\n- checkpoint: `{result['checkpoint_uri']}`\n"
-            f"- MLflow run: `{result['run_id']}` at {settings.resolved_mlflow_tracking_uri}\n"
+            f"- MLflow run: {run_link(settings, experiment_id(settings), result['run_id'])}\n"
         ),
         description="Where the checkpoint and the MLflow run are",
     )

@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +142,60 @@ def task_runner(settings: Settings) -> Any:
     except ImportError as error:
         raise RuntimeError("MLSTM_TASK_RUNNER=ray needs `pip install prefect-ray`") from error
     return RayTaskRunner(address=settings.task_runner_address)
+
+
+def submit_deployment(name: str, parameters: dict[str, Any]) -> str:
+    """Create a flow run of deployment ``flow/deployment`` for a worker to pick up; returns its id."""
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    if "/" not in name:
+        raise ValueError(f"--deployment {name}: write FLOW/DEPLOYMENT, e.g. pipeline/pipeline-weekly")
+    try:
+        flow_run = run_deployment(name, parameters=parameters, timeout=0)
+    except ObjectNotFound:
+        raise ValueError(
+            f"no deployment {name} on the Prefect server: `mlstm-sentiment deploy` creates those in "
+            "infra/prefect.yaml; `prefect deployment ls` lists what is there"
+        ) from None
+    return str(flow_run.id)
+
+
+def follow_flow_run(flow_run_id: str, *, on_log: Callable[[str], None], poll_seconds: float = 2.0) -> str:
+    """Pass on a flow run's logs until it ends; returns its final state type (COMPLETED, FAILED, …).
+    Ctrl-C cancels the flow run, as it would a local one."""
+    import time
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.states import Cancelling
+
+    run_id = UUID(flow_run_id)
+    seen = 0
+    with get_client(sync_client=True) as client:
+
+        def drain() -> None:
+            nonlocal seen
+            logs = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                offset=seen,
+                sort=LogSort.TIMESTAMP_ASC,
+            )
+            for log in logs:
+                on_log(f"{log.timestamp:%H:%M:%S} {log.message}")
+            seen += len(logs)
+
+        try:
+            while True:
+                state = client.read_flow_run(run_id).state
+                drain()
+                if state is not None and state.is_final():
+                    time.sleep(poll_seconds)  # the last lines reach the API after the state does
+                    drain()
+                    return state.type.value
+                time.sleep(poll_seconds)
+        except KeyboardInterrupt:
+            client.set_flow_run_state(run_id, Cancelling(message="cancelled from the CLI"), force=True)
+            raise

@@ -18,6 +18,7 @@ from flows import progress
 from tasks import registry
 from tasks.datasets import dataset_name
 from tasks.settings import get_settings
+from tasks.tracking import model_link, run_link
 from tasks.transfer import TransferParams, accuracy_on_test, classifier_of, extract, probe, summary_table
 
 
@@ -58,41 +59,76 @@ def probe_task(extracted: dict[str, Any], params: TransferParams, run_id: str) -
     return report
 
 
-@task(name="register", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def register_task(report: dict[str, Any], params: TransferParams, run_id: str) -> dict[str, Any]:
-    """Log the classifier as a pyfunc, register it, and promote it if it beats the champion."""
+@flow(name="register")
+def register(
+    report: dict[str, Any], params: TransferParams, run_id: str, lineage: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Log the classifier as a pyfunc, register it with its lineage, and promote it if it beats the
+    champion on the same test set."""
     settings = get_settings()
     model_uri = registry.log_classifier(
         run_id, classifier_of(report, settings), f"classifier-{report['name']}"
     )
     outcome = registry.register(
-        model_uri, report, settings, score_on_test=lambda uri: accuracy_on_test(uri, report["spec"], params)
+        model_uri,
+        report,
+        settings,
+        score_on_test=lambda uri: accuracy_on_test(uri, report["spec"], params),
+        lineage={
+            **(lineage or {}),
+            "transfer_run_id": run_id,
+            "register_prefect_flow_run_id": _flow_run_id(),
+        },
     )
     get_run_logger().info("registered %s v%s: %s", outcome["name"], outcome["version"], outcome["reason"])
+    create_markdown_artifact(
+        key="registered-model",
+        markdown=f"# Registered {model_link(settings, outcome['name'], outcome['version'])}\n\n{outcome['reason']}.\n\n"
+        f"Champion: `{outcome['champion_uri']}`\n",
+        description="The model version this run registered",
+    )
     return outcome
 
 
+def _flow_run_id() -> str:
+    flow_run = get_run_context().flow_run  # type: ignore[union-attr]
+    return str(flow_run.id) if flow_run else ""
+
+
 @flow(name="transfer")
-def transfer(params: TransferParams) -> dict[str, Any]:
-    """Probe a checkpoint's features on labelled datasets; register the classifier in MLflow."""
+def transfer(
+    params: TransferParams, parent_run_id: str | None = None, lineage: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Probe a checkpoint's features on labelled datasets; register the classifier in MLflow.
+
+    Args:
+        params: The checkpoint, the datasets and the probe's settings.
+        parent_run_id: MLflow run (a pipeline's) to file this run under. Default: the run that
+            trained the checkpoint.
+        lineage: Tags for the registered version beyond what the checkpoint's run records.
+    """
     settings = get_settings()
     extracted = [features_task(params, spec) for spec in params.datasets]
-    flow_run = get_run_context().flow_run  # type: ignore[union-attr]
+    checkpoint_run_id = extracted[0]["checkpoint_run_id"]
+    lineage = {**registry.lineage_of(checkpoint_run_id, settings), **(lineage or {})}
     run_id = registry.open_transfer_run(
-        extracted[0]["checkpoint_run_id"],
+        parent_run_id or checkpoint_run_id,
         settings,
         run_name=f"transfer-{extracted[0]['weights']}",
         tags={
             "stage": "transfer",
             "checkpoint_uri": extracted[0]["checkpoint_uri"],
-            "prefect_flow_run_id": str(flow_run.id) if flow_run else "",
+            "prefect_flow_run_id": _flow_run_id(),
+            **{k: v for k, v in lineage.items() if k in ("pretrain_run_id", "corpus_id", "manifest_uri")},
         },
     )
     try:
         reports = [probe_task(e, params, run_id) for e in extracted]
         wanted = params.registered_dataset
         registered = (
-            register_task(next(r for r in reports if r["name"] == wanted), params, run_id) if wanted else None
+            register(next(r for r in reports if r["name"] == wanted), params, run_id, lineage)
+            if wanted
+            else None
         )
     except BaseException:
         MlflowClient().set_terminated(run_id, status="FAILED")
@@ -103,11 +139,17 @@ def transfer(params: TransferParams) -> dict[str, Any]:
         table=[{"dataset": name, **values} for name, values in summary_table(reports).items()],
         description="L1 logistic-regression probes on the mLSTM's final cell state",
     )
+    experiment = MlflowClient().get_run(run_id).info.experiment_id
     create_markdown_artifact(
         key="transfer-result",
         markdown=f"# Transfer of `{extracted[0]['checkpoint_uri']}`\n\n"
         f"{registry.report_markdown(reports, registered)}\n"
-        f"MLflow run `{run_id}` at {settings.resolved_mlflow_tracking_uri}\n",
+        f"MLflow run: {run_link(settings, experiment, run_id)}\n"
+        + (
+            f"\nModel version: {model_link(settings, registered['name'], registered['version'])}\n"
+            if registered
+            else ""
+        ),
         description="The probes beside the papers' numbers, and the registered classifier",
     )
     return {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,14 @@ def save_checkpoint(store: Store, run: str, step: int, state: dict[str, Any], me
         torch.save(state, file)
     store.write_bytes(f"{prefix}/meta.json", json.dumps(meta, indent=2).encode())
     uri = store.url(prefix)
-    latest = {"step": step, "checkpoint": f"checkpoints/step-{step:07d}", "checkpoint_uri": uri, **meta}
+    saved_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    latest = {
+        "step": step,
+        "checkpoint": f"checkpoints/step-{step:07d}",
+        "checkpoint_uri": uri,
+        "saved_at": saved_at,
+        **meta,
+    }
     store.write_bytes(f"{run_prefix(run)}/{LATEST}", json.dumps(latest, indent=2).encode())
     return uri
 
@@ -70,6 +78,17 @@ def read_latest(store: Store, run: str) -> dict[str, Any] | None:
     """The run's ``latest.json``, or None for a run that has no checkpoint yet."""
     key = f"{run_prefix(run)}/{LATEST}"
     return json.loads(store.read_bytes(key)) if store.exists(key) else None
+
+
+def newest_checkpoint(store: Store) -> str | None:
+    """The checkpoint of the run saved last in the store (what a nightly re-evaluation reads)."""
+    newest: tuple[str, str] | None = None
+    for key in store.list("runs"):
+        if key.endswith(f"/{LATEST}") and key.count("/") == 2:
+            latest = json.loads(store.read_bytes(key))
+            candidate = (latest.get("saved_at", ""), latest["checkpoint_uri"])
+            newest = max(newest, candidate) if newest else candidate
+    return newest[1] if newest else None
 
 
 def load_from(store: Store, prefix: str, *, map_location: str | torch.device = "cpu") -> Checkpoint:

@@ -170,6 +170,12 @@ def dataset_name(spec: str) -> str:
     return _locate(spec)[0]
 
 
+def declared_name(spec: str) -> str:
+    """The NAME of ``NAME=PATH`` without looking at the path (it may live on another machine, a
+    worker's); a bare path is named as ``dataset_name`` names it."""
+    return _parse_spec(spec)[0] or dataset_name(spec)
+
+
 def _locate(spec: str) -> tuple[str, str, str, Path]:
     """(name, source, kind, root) of a spec: NAME, else ``sst2``/``imdb`` or the file's stem or folder's name."""
     name, source = _parse_spec(spec)

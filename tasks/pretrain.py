@@ -33,7 +33,9 @@ class PretrainParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    corpus: str = Field(description="URI of the corpus manifest.json (printed by `corpus build`).")
+    corpus: str = Field(
+        description="URI of the corpus manifest.json (printed by `corpus build`); newest: the last built."
+    )
     preset: str = Field(default="tiny", description="Model size: tiny, small, paper_4096, paper_8192.")
     launcher: LauncherName = Field(default="local", description="local (torchrun here), slurm or kubernetes.")
     nodes: int = Field(default=1, ge=1, description="Nodes (slurm, kubernetes).")
@@ -88,7 +90,8 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
         raise ValueError(f"--nodes {params.nodes} needs --launcher slurm or kubernetes; local runs one node")
     world_size = params.nodes * nproc
     store_options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
-    manifest = read_corpus_manifest(params.corpus, **store_options)
+    corpus = resolve_corpus(params.corpus, settings)
+    manifest = read_corpus_manifest(corpus, **store_options)
     # BatchPlan raises for a batch that ranks cannot share, or a split too short for it.
     plan = BatchPlan(manifest["splits"]["train"]["text_bytes"], params.batch_size, params.seq_len, world_size)
     total_steps = params.total_steps or plan.steps_per_epoch
@@ -98,7 +101,7 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     shared = params.model_dump(include=TrainConfig.model_fields.keys() & PretrainParams.model_fields.keys())
     try:
         config = TrainConfig(
-            **{**shared, "corpus": absolute_uri(params.corpus), "total_steps": total_steps},
+            **{**shared, "corpus": absolute_uri(corpus), "total_steps": total_steps},
             run_name=run,
             store=store_uri,
         )
@@ -126,6 +129,19 @@ def flag_errors(error: ValidationError) -> str:
         field = ".".join(str(part) for part in item["loc"])
         messages.append(f"--{field.replace('_', '-')}: {item['msg']}".replace("Value error, ", ""))
     return "; ".join(messages)
+
+
+def resolve_corpus(uri: str, settings: Settings) -> str:
+    """``newest`` is the corpus published last in the store; any other URI is itself."""
+    if uri != "newest":
+        return uri
+    from tasks.corpus import newest_manifest
+
+    store = open_store(settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
+    found = newest_manifest(store)
+    if found is None:
+        raise ValueError(f"--corpus newest: no corpus is published in {settings.resolved_store_uri}")
+    return found
 
 
 def read_corpus_manifest(uri: str, **store_options: Any) -> dict[str, Any]:
@@ -169,8 +185,11 @@ def job_environment(settings: Settings, launcher: LauncherName = "local") -> dic
     return env
 
 
-def open_mlflow_run(job: Job, settings: Settings, tags: dict[str, str]) -> str:
-    """The MLflow run the job logs into: the run's own when it resumes, else a new one."""
+def open_mlflow_run(
+    job: Job, settings: Settings, tags: dict[str, str], parent_run_id: str | None = None
+) -> str:
+    """The MLflow run the job logs into: the run's own when it resumes, else a new one (a child of
+    ``parent_run_id``, a pipeline's run, when given)."""
     from mlflow.tracking import MlflowClient
 
     from tasks.tracking import connect
@@ -183,6 +202,8 @@ def open_mlflow_run(job: Job, settings: Settings, tags: dict[str, str]) -> str:
         for key, value in tags.items():
             client.set_tag(latest["mlflow_run_id"], key, value)
         return str(latest["mlflow_run_id"])
+    if parent_run_id:
+        tags = {**tags, "mlflow.parentRunId": parent_run_id}
     run = client.create_run(experiment.experiment_id, run_name=f"pretrain-{job.config.run_name}", tags=tags)
     return str(run.info.run_id)
 

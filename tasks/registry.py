@@ -8,6 +8,8 @@ read from the champion's tags when it was scored on the same data, else measured
 
 from __future__ import annotations
 
+import contextlib
+import io
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -133,11 +135,13 @@ def register(
     settings: Settings,
     *,
     score_on_test: Callable[[str], float],
+    lineage: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Register a version; make it ``@champion`` only if it beats the champion on this test set.
 
     ``score_on_test(model_uri)`` measures a model's accuracy on this report's test set; it is called
     only when the champion was scored on other data (its tags then say nothing comparable).
+    ``lineage`` tags lead from the version back to its corpus, pretraining run and flow runs.
     """
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -150,9 +154,11 @@ def register(
         "dataset": report["name"],
         "dataset_checksum": report["checksum"],
         "test_accuracy": f"{report['test_accuracy']:.6f}",
+        **(lineage or {}),
         "checkpoint_uri": report["checkpoint_uri"],
     }
-    version = mlflow.register_model(model_uri, name, tags=tags)
+    with contextlib.redirect_stderr(io.StringIO()):  # MLflow prints "Successfully registered …" there
+        version = mlflow.register_model(model_uri, name, tags=tags)
     try:
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
@@ -182,6 +188,53 @@ def register(
         "champion_accuracy": champion_accuracy,
         "champion_uri": f"models:/{name}@{CHAMPION}",
     }
+
+
+# Tags of the pretraining run that a registered model's lineage carries on, under these names.
+LINEAGE_FROM_PRETRAIN = {
+    "corpus_id": "corpus_id",
+    "manifest_uri": "manifest_uri",
+    "prefect_flow_run_id": "pretrain_prefect_flow_run_id",
+}
+
+
+def lineage_of(checkpoint_run_id: str | None, settings: Settings) -> dict[str, str]:
+    """Where a checkpoint came from, read from the MLflow run that trained it (empty when unknown)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if not checkpoint_run_id:
+        return {}
+    connect(settings)
+    try:
+        tags = MlflowClient().get_run(checkpoint_run_id).data.tags
+    except MlflowException:
+        return {}  # trained against another tracking server
+    found = {ours: tags[theirs] for theirs, ours in LINEAGE_FROM_PRETRAIN.items() if theirs in tags}
+    return {"pretrain_run_id": checkpoint_run_id, **found}
+
+
+def promote(version: int, settings: Settings, *, reason: str) -> dict[str, Any]:
+    """Point ``@champion`` at ``version`` by hand (a promotion, or a rollback); returns who was before."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    connect(settings)
+    client = MlflowClient()
+    name = settings.model_name
+    try:
+        client.get_model_version(name, str(version))
+    except MlflowException as error:
+        raise ValueError(
+            f"{name} has no version {version} at {settings.resolved_mlflow_tracking_uri}"
+        ) from error
+    try:
+        previous: int | None = int(client.get_model_version_by_alias(name, CHAMPION).version)
+    except MlflowException:
+        previous = None
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    client.set_model_version_tag(name, str(version), "promotion", reason)
+    return {"name": name, "version": version, "previous": previous}
 
 
 def report_markdown(reports: list[dict[str, Any]], registered: dict[str, Any] | None) -> str:

@@ -47,6 +47,10 @@ class Settings(BaseSettings):
         description="Prefect API (http://host:4200/api). Default: PREFECT_API_URL, else a "
         "temporary local server for the length of the command.",
     )
+    pretrain_concurrency_limit: str = Field(
+        default="pretrain-gpus",
+        description="Prefect global concurrency limit a pretraining job holds a slot of, when it exists.",
+    )
     task_runner: TaskRunnerName = Field(
         default="process", description="How a flow runs its pieces: process, thread, dask or ray."
     )

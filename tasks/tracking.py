@@ -22,6 +22,7 @@ def connect(settings: Settings) -> Any:
     uri = settings.resolved_mlflow_tracking_uri
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri.removeprefix("sqlite:///")) or ".", exist_ok=True)
+    check_server(uri)
     mlflow.set_tracking_uri(uri)
     try:
         return mlflow.set_experiment(settings.mlflow_experiment)
@@ -29,6 +30,60 @@ def connect(settings: Settings) -> Any:
         raise TrackingUnavailable(
             f"MLflow at {uri} cannot be used ({error}); fix MLSTM_MLFLOW_TRACKING_URI"
         ) from error
+
+
+def check_server(uri: str) -> None:
+    """A tracking server that does not answer is one quick, clear error, not minutes of MLflow's retries."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import httpx
+
+    try:
+        httpx.get(f"{uri.rstrip('/')}/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as error:
+        raise TrackingUnavailable(
+            f"the MLflow tracking server at {uri} does not answer ({error}); start it, or fix "
+            "MLSTM_MLFLOW_TRACKING_URI"
+        ) from error
+
+
+def experiment_id(settings: Settings) -> str:
+    return str(connect(settings).experiment_id)
+
+
+def find_run(settings: Settings, tags: dict[str, str]) -> Any | None:
+    """The newest finished run of the experiment with all of ``tags``, or None."""
+    from mlflow.tracking import MlflowClient
+
+    query = " and ".join(
+        [f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
+    )
+    experiment = experiment_id(settings)  # connects first: a client made before would use the default URI
+    runs = MlflowClient().search_runs(
+        [experiment], query, max_results=1, order_by=["attributes.start_time DESC"]
+    )
+    return runs[0] if runs else None
+
+
+def ui_base(settings: Settings) -> str | None:
+    """Where the MLflow UI is: the tracking server itself, or None for a local database."""
+    uri = settings.resolved_mlflow_tracking_uri
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else None
+
+
+def run_link(settings: Settings, experiment_id: str, run_id: str) -> str:
+    """A markdown link to a run in the MLflow UI, or how to open it when MLflow is a local file."""
+    base = ui_base(settings)
+    if base is None:
+        return f"`{run_id}` (`mlflow ui --backend-store-uri {settings.resolved_mlflow_tracking_uri}`)"
+    return f"[{run_id}]({base}/#/experiments/{experiment_id}/runs/{run_id})"
+
+
+def model_link(settings: Settings, name: str, version: int | str) -> str:
+    base = ui_base(settings)
+    if base is None:
+        return f"`models:/{name}/{version}`"
+    return f"[{name} v{version}]({base}/#/models/{name}/versions/{version})"
 
 
 @contextlib.contextmanager
@@ -53,11 +108,22 @@ def start_tracking(settings: Settings, *, run_id: str | None, run_name: str, tag
     return mlflow.start_run(run_name=run_name, tags=tags)
 
 
-def log_corpus(settings: Settings, manifest: dict[str, Any], manifest_uri: str, seconds: float) -> str:
+def log_corpus(
+    settings: Settings,
+    manifest: dict[str, Any],
+    manifest_uri: str,
+    seconds: float,
+    tags: dict[str, str] | None = None,
+) -> str:
     """Log a built corpus: its settings, counts and manifest. Returns the MLflow run id."""
     import mlflow
 
-    tags = {"stage": "corpus", "corpus_id": manifest["corpus_id"], "manifest_uri": manifest_uri}
+    tags = {
+        "stage": "corpus",
+        "corpus_id": manifest["corpus_id"],
+        "manifest_uri": manifest_uri,
+        **(tags or {}),
+    }
     with mlflow_run(settings, run_name=f"corpus-{manifest['corpus_id']}", tags=tags) as run:
         config = manifest["config"]
         mlflow.log_params(

@@ -22,14 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from models.classifier import SentimentClassifier
 from models.features import OnBatch
-from tasks.checkpoint import Checkpoint, load_checkpoint
-from tasks.datasets import dataset_name, load_dataset
+from tasks.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
+from tasks.datasets import declared_name, load_dataset
 from tasks.features import cached_features, features_of, read_table, weights_fingerprint
 from tasks.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
 from tasks.settings import Settings
 from tasks.store import Store, open_store, split_object_uri
 
 SPLITS = ("train", "dev", "test")
+NEWEST = "newest"  # a checkpoint or corpus URI that means: the one saved last in the store
 # What the papers report and what a bag-of-n-grams baseline reaches on the same splits, for reports.
 REFERENCE = {
     "sst2": {"radford_2017_mlstm_4096": 0.918, "tfidf_word_char_logreg": 0.828},
@@ -43,7 +44,9 @@ class TransferParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint: str = Field(description="Checkpoint URI: a step folder, a run folder or its latest.json.")
+    checkpoint: str = Field(
+        description="Checkpoint URI: a step folder, a run folder or its latest.json; newest: the last saved."
+    )
     datasets: list[str] = Field(
         min_length=1, description="NAME=PATH, one per dataset: an SST or IMDB layout, or a CSV/JSONL table."
     )
@@ -61,7 +64,7 @@ class TransferParams(BaseModel):
     @field_validator("datasets")
     @classmethod
     def _names_unique(cls, specs: list[str]) -> list[str]:
-        names = [dataset_name(spec) for spec in specs]
+        names = [declared_name(spec) for spec in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must differ, got {', '.join(names)}: write NAME=PATH")
         return specs
@@ -70,7 +73,7 @@ class TransferParams(BaseModel):
     def _consistent(self) -> TransferParams:
         if self.c_min_log2 > self.c_max_log2:
             raise ValueError(f"c_min_log2 {self.c_min_log2} is above c_max_log2 {self.c_max_log2}")
-        names = [dataset_name(spec) for spec in self.datasets]
+        names = [declared_name(spec) for spec in self.datasets]
         if (
             self.register_dataset
             and self.register_dataset.lower() != "none"
@@ -90,7 +93,7 @@ class TransferParams(BaseModel):
         """The dataset whose classifier is registered, or None."""
         if self.register_dataset and self.register_dataset.lower() == "none":
             return None
-        return self.register_dataset or dataset_name(self.datasets[0])
+        return self.register_dataset or declared_name(self.datasets[0])
 
 
 def _store(settings: Settings) -> Store:
@@ -101,8 +104,20 @@ def _store(settings: Settings) -> Store:
     )
 
 
+def resolve_checkpoint(uri: str, settings: Settings) -> str:
+    """``newest`` is the checkpoint saved last in the store; any other URI is itself."""
+    if uri != NEWEST:
+        return uri
+    found = newest_checkpoint(_store(settings))
+    if found is None:
+        raise ValueError(
+            f"--checkpoint newest: no training run has a checkpoint in {settings.resolved_store_uri}"
+        )
+    return found
+
+
 def load_checkpoint_of(uri: str, settings: Settings) -> Checkpoint:
-    return load_checkpoint(uri, endpoint_url=settings.s3_endpoint_url)
+    return load_checkpoint(resolve_checkpoint(uri, settings), endpoint_url=settings.s3_endpoint_url)
 
 
 def extract(

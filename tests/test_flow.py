@@ -175,7 +175,7 @@ def test_a_killed_build_leaves_no_manifest_and_resumes(
 def test_demo_runs_cleanly_from_nothing(prefect_api_url: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")  # its own temporary server, as a newcomer gets
-    done = subprocess.run([CLI, "demo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([CLI, "demo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     output = done.stdout + done.stderr
     assert "manifest:" in output and "mlflow ui" in output and "checkpoint:" in output

@@ -1,0 +1,4 @@
+-- The two databases of a team install, in one Postgres server (infra/compose.yaml). The postgres image
+-- runs this once, on the first start with an empty data volume, as POSTGRES_USER, who owns both.
+CREATE DATABASE prefect;  -- the Prefect server (PREFECT_API_DATABASE_CONNECTION_URL)
+CREATE DATABASE mlflow;   -- the MLflow tracking server and model registry (MLFLOW_BACKEND_STORE_URI)

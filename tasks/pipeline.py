@@ -1,0 +1,326 @@
+"""The whole job as one: its parameters, what each stage's result depends on, and its record in MLflow.
+
+A stage is skipped when a finished result for the same inputs exists, found by a key computed from
+content, never from dates: the corpus by its ``corpus_id`` (sources' checksums and settings), the
+training run by the corpus and every setting that changes the weights, the transfer by the weights'
+sha256, the datasets' checksums and the probe's settings. ``force`` runs a stage anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.checkpoint import read_latest
+from tasks.corpus import CorpusConfig
+from tasks.datasets import load_dataset
+from tasks.features import weights_fingerprint
+from tasks.pretrain import PretrainParams
+from tasks.settings import Settings
+from tasks.store import Store, open_store
+from tasks.transfer import TransferParams, load_checkpoint_of
+
+Stage = Literal["corpus", "pretrain", "transfer"]
+STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer")
+# Settings of a training run that never change its weights: where and how wide it runs, how often it
+# reports (two ranks train the same model as one with the same global batch: tested), and max_steps,
+# a budget for one launch: raising it resumes the same run rather than starting another.
+PRETRAIN_KEY_IGNORES = {
+    "corpus",
+    "run",
+    "launcher",
+    "nodes",
+    "gpus_per_node",
+    "nproc",
+    "retries",
+    "max_steps",
+}
+PRETRAIN_KEY_IGNORES |= {"checkpoint_every", "val_every", "log_every"}
+TRANSFER_KEY_IGNORES = {"checkpoint", "datasets", "batch_size"}
+
+
+class PretrainStage(PretrainParams):
+    """The pretraining stage inside the pipeline: the corpus comes from the corpus stage."""
+
+    corpus: str = Field(default="", description="Filled in by the pipeline from the corpus stage.")
+
+
+class TransferStage(TransferParams):
+    """The transfer stage inside the pipeline: the checkpoint comes from the pretraining stage."""
+
+    checkpoint: str = Field(default="", description="Filled in by the pipeline from the pretraining stage.")
+    datasets: list[str] = Field(
+        default_factory=list,
+        description="NAME=PATH, one per dataset: an SST or IMDB layout, or a CSV/JSONL table.",
+    )
+
+
+class PipelineParams(BaseModel):
+    """The pipeline's parameters: the Prefect UI's form for a run of the `pipeline` deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[str] = Field(
+        default_factory=list, description="Raw reviews: files, folders, globs, s3:// or http(s):// URLs."
+    )
+    corpus: CorpusConfig = Field(default_factory=CorpusConfig, description="How the corpus is built.")
+    pretrain: PretrainStage = Field(default_factory=PretrainStage, description="How the mLSTM is trained.")
+    transfer: TransferStage = Field(default_factory=TransferStage, description="What the probes read.")
+    stages: list[Stage] = Field(
+        default_factory=lambda: list(STAGES), description="Stages to run, in pipeline order."
+    )
+    force: list[Stage] = Field(
+        default_factory=list, description="Stages to run even when their inputs have not changed."
+    )
+    manifest_uri: str | None = Field(
+        default=None, description="The corpus to train on when the corpus stage does not run."
+    )
+    checkpoint_uri: str | None = Field(
+        default=None, description="The checkpoint to probe when the pretraining stage does not run."
+    )
+
+    @model_validator(mode="after")
+    def _inputs_are_known(self) -> PipelineParams:
+        if not self.stages:
+            raise ValueError("stages: name at least one of corpus, pretrain, transfer")
+        self.stages = [stage for stage in STAGES if stage in self.stages]  # pipeline order, no repeats
+        if "corpus" in self.stages and not self.sources:
+            raise ValueError("sources: the corpus stage needs raw review files or URLs")
+        if "pretrain" in self.stages and "corpus" not in self.stages and not self.manifest_uri:
+            raise ValueError("manifest_uri: pretraining without the corpus stage needs a corpus manifest")
+        if "transfer" in self.stages:
+            if "pretrain" not in self.stages and not self.checkpoint_uri:
+                raise ValueError("checkpoint_uri: transfer without the pretraining stage needs a checkpoint")
+            if not self.transfer.datasets:
+                raise ValueError("transfer.datasets: the transfer stage needs at least one NAME=PATH")
+        return self
+
+
+def digest(values: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def pretrain_params(stage: PretrainStage, manifest_uri: str) -> PretrainParams:
+    return PretrainParams.model_validate({**stage.model_dump(), "corpus": manifest_uri})
+
+
+def transfer_params(stage: TransferStage, checkpoint_uri: str) -> TransferParams:
+    return TransferParams.model_validate({**stage.model_dump(), "checkpoint": checkpoint_uri})
+
+
+def pretrain_key(params: PretrainParams, corpus_id: str) -> str:
+    """What a training run's weights depend on: the corpus and the settings that change them."""
+    return digest({"corpus_id": corpus_id, **params.model_dump(exclude=PRETRAIN_KEY_IGNORES)})
+
+
+def pretrain_run_name(params: PretrainParams, corpus_id: str, *, force: bool) -> str:
+    """The user's run name, else one derived from the key (the same inputs find the same run, which
+    resumes or is already done); a forced run gets a fresh name and trains from scratch."""
+    if params.run:
+        return params.run
+    name = f"{params.preset}-{corpus_id[:8]}-{pretrain_key(params, corpus_id)[:8]}"
+    return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}" if force else name
+
+
+def finished_run(store: Store, run: str, stop_step: int) -> dict[str, Any] | None:
+    """The run's ``latest.json`` when it has reached ``stop_step``: nothing left to train."""
+    latest = read_latest(store, run)
+    return latest if latest is not None and latest["step"] >= stop_step else None
+
+
+def transfer_key(params: TransferParams, settings: Settings) -> str:
+    """What a transfer's result depends on: the weights, the datasets' content and the probe's settings."""
+    model = load_checkpoint_of(params.checkpoint, settings).model()
+    checksums = {
+        spec: load_dataset(spec, text_column=params.text_column, label_column=params.label_column).checksum
+        for spec in params.datasets
+    }
+    names = {spec.partition("=")[0]: checksum for spec, checksum in checksums.items()}
+    return digest(
+        {
+            "weights": weights_fingerprint(model),
+            "datasets": names,
+            **params.model_dump(exclude=TRANSFER_KEY_IGNORES),
+        }
+    )
+
+
+def transfer_record_key(key: str) -> str:
+    return f"pipeline/transfer/{key}.json"
+
+
+def store_of(settings: Settings) -> Store:
+    return open_store(
+        settings.resolved_store_uri,
+        endpoint_url=settings.s3_endpoint_url,
+        max_attempts=settings.s3_max_attempts,
+    )
+
+
+def apply_overrides(params: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """``--set key=value`` on a parameters dict: dotted keys reach into stages (``pretrain.lr=1e-3``);
+    values are JSON where they parse (numbers, lists, null), else strings; a list field takes a
+    comma-separated value too (``transfer.datasets=sst2=data/sst,imdb=data/imdb.csv``)."""
+    result = json.loads(json.dumps(params))
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {assignment!r}: write key=value, e.g. pretrain.max_steps=500")
+        *path, field = key.strip().split(".")
+        target = result
+        for part in path:
+            if not isinstance(target.get(part), dict):
+                raise ValueError(f"--set {key}: {part!r} is not a group of settings")
+            target = target[part]
+        if field not in target:
+            known = ", ".join(sorted(target))
+            raise ValueError(f"--set {key}: unknown setting {field!r}; known here: {known}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if isinstance(target[field], list) and not isinstance(value, list):
+            value = [part for part in str(raw).split(",") if part]
+        target[field] = value
+    return result
+
+
+def validated(values: dict[str, Any]) -> PipelineParams:
+    """PipelineParams from a dict, with errors in ``--set`` words (``pretrain.lr: …``)."""
+    try:
+        return PipelineParams.model_validate(values)
+    except ValidationError as error:
+        messages = []
+        for item in error.errors():
+            where = ".".join(str(part) for part in item["loc"])
+            messages.append(f"{where}: {item['msg']}".replace("Value error, ", "").lstrip(": "))
+        raise ValueError("; ".join(messages)) from None
+
+
+def stages_from(stage: Stage, *, rest: bool) -> list[Stage]:
+    return list(STAGES[STAGES.index(stage) :]) if rest else [stage]
+
+
+# --- The pipeline's record in MLflow: a parent run, one child run per stage that ran. ---------------
+
+PARAMS_ARTIFACT = "pipeline_params.json"
+
+
+def open_pipeline_run(settings: Settings, params: PipelineParams, tags: dict[str, str]) -> str:
+    """The parent run of the stages' runs; its parameters are kept whole, so a rerun can start from them."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import connect
+
+    experiment = connect(settings)  # an unreachable server fails here, before anything is logged
+    client = MlflowClient()
+    name = f"pipeline-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    run = client.create_run(experiment.experiment_id, run_name=name, tags={"stage": "pipeline", **tags})
+    run_id = str(run.info.run_id)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_dict(params.model_dump(mode="json"), PARAMS_ARTIFACT)
+        mlflow.log_params(
+            {
+                "stages": ",".join(params.stages),
+                "force": ",".join(params.force) or "-",
+                "sources": len(params.sources),
+                "preset": params.pretrain.preset,
+                "launcher": params.pretrain.launcher,
+                "datasets": ",".join(spec.partition("=")[0] for spec in params.transfer.datasets) or "-",
+            }
+        )
+    return run_id
+
+
+def close_pipeline_run(
+    run_id: str,
+    stages: dict[str, dict[str, Any]],
+    lineage: dict[str, str],
+    metrics: dict[str, float],
+    *,
+    failed: bool,
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    for stage, info in stages.items():
+        client.set_tag(run_id, f"stage.{stage}", info["state"])
+    for key, value in lineage.items():
+        client.set_tag(run_id, key, value)
+    for key, value in metrics.items():
+        client.log_metric(run_id, key, value)
+    client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+
+
+def pipeline_params_of(run_id: str, settings: Settings) -> tuple[dict[str, Any], dict[str, str]]:
+    """A past pipeline run's parameters and tags (its outputs: manifest_uri, checkpoint_uri, …)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import connect
+
+    connect(settings)
+    client = MlflowClient()
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as error:
+        raise ValueError(
+            f"--from {run_id}: no such MLflow run at {settings.resolved_mlflow_tracking_uri}"
+        ) from error
+    if run.data.tags.get("stage") != "pipeline":
+        raise ValueError(
+            f"--from {run_id}: that is a {run.data.tags.get('stage', 'non-pipeline')} run; give a pipeline "
+            "run id (`mlstm-sentiment status`) or a manifest/checkpoint URI"
+        )
+    import mlflow
+
+    params = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/{PARAMS_ARTIFACT}")
+    return params, dict(run.data.tags)
+
+
+def recent_pipelines(settings: Settings, limit: int) -> list[dict[str, Any]]:
+    """The newest pipeline runs, as `mlstm-sentiment status` shows them."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import experiment_id
+
+    experiment = experiment_id(settings)  # connects first: a client made before would use the default URI
+    runs = MlflowClient().search_runs(
+        [experiment],
+        "tags.stage = 'pipeline'",
+        max_results=limit,
+        order_by=["attributes.start_time DESC"],
+    )
+    return [
+        {
+            "run_id": run.info.run_id,
+            "started": datetime.fromtimestamp(run.info.start_time / 1000, UTC).isoformat(timespec="seconds"),
+            "status": run.info.status,
+            "stages": {stage: run.data.tags.get(f"stage.{stage}", "-") for stage in STAGES},
+            "metrics": dict(run.data.metrics),
+            "model_version": run.data.tags.get("model_version"),
+            "prefect_flow_run_id": run.data.tags.get("prefect_flow_run_id"),
+        }
+        for run in runs
+    ]
+
+
+def pipeline_result_of(flow_run_id: str, settings: Settings) -> dict[str, Any]:
+    """What a pipeline flow run (a deployment's, on a worker) recorded in MLflow, as the CLI prints it."""
+    from tasks.tracking import find_run
+
+    run = find_run(settings, {"stage": "pipeline", "prefect_flow_run_id": flow_run_id})
+    if run is None:
+        raise ValueError(f"flow run {flow_run_id} left no finished pipeline run in MLflow")
+    tags = run.data.tags
+    stages = {
+        stage: {"state": tags[f"stage.{stage}"], "run_id": tags.get(f"{stage}_run_id")}
+        for stage in STAGES
+        if f"stage.{stage}" in tags
+    }
+    return {"run_id": run.info.run_id, "stages": stages}

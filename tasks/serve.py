@@ -1,0 +1,82 @@
+"""A registered model served as users serve it: ``mlflow models serve``, then POST /invocations."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tasks.settings import Settings
+
+BIN = Path(sys.executable).parent
+
+
+class ServeError(RuntimeError):
+    """The scoring server did not come up."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def served(model_uri: str, settings: Settings, *, log: Path, timeout: float = 180) -> Iterator[str]:
+    """Run ``mlflow models serve`` on a free loopback port for the block; yields its base URL.
+
+    The server's output goes to ``log``; the whole process group is stopped at the end.
+    """
+    port = _free_port()
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": settings.resolved_mlflow_tracking_uri,
+        # It starts uvicorn by name: this environment's bin must come first on PATH.
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    command = [str(BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as output:
+        server = subprocess.Popen(
+            command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise ServeError(f"`{' '.join(command)}` did not start serving; its log: {log}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def invoke(url: str, texts: list[str]) -> list[dict[str, Any]]:
+    """POST texts to a scoring server's /invocations; returns its predictions, one per text."""
+    body = {"dataframe_records": [{"text": text} for text in texts]}
+    response = httpx.post(f"{url}/invocations", json=body, timeout=120)
+    if response.status_code != 200:
+        raise ServeError(f"POST {url}/invocations answered {response.status_code}: {response.text[:500]}")
+    return response.json()["predictions"]  # type: ignore[no-any-return]

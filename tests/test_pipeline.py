@@ -1,0 +1,275 @@
+"""The pipeline as users run it: every stage under one MLflow parent run against real servers, lineage
+from the registered version back to its corpus and flow runs, skips keyed by content, reruns and
+status from the CLI, and one clear error when a server is down."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import free_port
+
+from tasks.pipeline import (
+    PipelineParams,
+    apply_overrides,
+    pretrain_key,
+    pretrain_params,
+    pretrain_run_name,
+    validated,
+)
+from tasks.sample import write_labelled_sample, write_sample
+
+BIN = Path(sys.executable).parent
+CLI = str(BIN / "mlstm-sentiment")
+# A tiny mLSTM for a few dozen steps: enough for every stage to do real work in seconds.
+FAST = [
+    "--set", "corpus.split=[90,5,5]", "--set", "pretrain.batch_size=16", "--set", "pretrain.seq_len=64",
+    "--max-steps", "40", "--set", "pretrain.checkpoint_every=40", "--set", "pretrain.val_every=40",
+    "--set", "pretrain.retries=0", "--set", "pretrain.lr=0.003",
+]  # fmt: skip
+
+
+def cli(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pipeline-inputs")
+    sample = write_sample(root / "sample", num_reviews=1200)
+    return {"sample": sample[0].parent, "labelled": write_labelled_sample(root / "labelled", num_reviews=600)}
+
+
+@pytest.fixture
+def env(mlflow_server: str, prefect_api_url: str, tmp_path: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api_url,
+        "MLSTM_HOME": str(tmp_path / "home"),
+        "MLSTM_MLFLOW_TRACKING_URI": mlflow_server,
+        "MLSTM_MLFLOW_EXPERIMENT": f"pipeline-{tmp_path.name[-20:]}",
+        "MLSTM_MODEL_NAME": f"pipeline-{tmp_path.name[-20:]}",
+    }
+
+
+@pytest.mark.slow
+def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], env: dict[str, str]) -> None:
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    args = ["pipeline", str(inputs["sample"]), "--dataset", f"reviews={inputs['labelled']}", *FAST, "--json"]
+    first = cli(args, env)
+    assert first.returncode == 0, first.stderr
+    result = json.loads(first.stdout)
+    assert {s: i["state"] for s, i in result["stages"].items()} == {
+        "corpus": "ran",
+        "pretrain": "ran",
+        "transfer": "ran",
+    }
+
+    # One parent run in MLflow, each stage a child run of it.
+    client = MlflowClient(env["MLSTM_MLFLOW_TRACKING_URI"])
+    parent = client.get_run(result["run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["stage"] == "pipeline"
+    for stage, info in result["stages"].items():
+        child = client.get_run(info["run_id"])
+        assert child.data.tags["stage"] == stage
+        assert child.data.tags["mlflow.parentRunId"] == result["run_id"], stage
+    assert parent.data.metrics["reviews_test_accuracy"] > 0.5
+    assert {parent.data.tags[f"stage.{s}"] for s in ("corpus", "pretrain", "transfer")} == {"ran"}
+
+    # The registered version leads back to the corpus, the training run, the checkpoint, the flow runs.
+    registered = result["transfer"]["registered"]
+    version = client.get_model_version(registered["name"], str(registered["version"]))
+    tags = version.tags
+    assert tags["manifest_uri"] == result["corpus"]["manifest_uri"]
+    assert tags["corpus_id"] == result["corpus"]["corpus_id"]
+    assert tags["pretrain_run_id"] == result["pretrain"]["run_id"] == result["stages"]["pretrain"]["run_id"]
+    assert tags["checkpoint_uri"] == result["pretrain"]["checkpoint_uri"]
+    assert tags["transfer_run_id"] == result["transfer"]["run_id"]
+    assert tags["pipeline_run_id"] == result["run_id"]
+    flow_names = {
+        "pipeline_prefect_flow_run_id": "pipeline",
+        "corpus_prefect_flow_run_id": "build_corpus",
+        "pretrain_prefect_flow_run_id": "pretrain",
+        "register_prefect_flow_run_id": "register",
+    }
+    with get_client(sync_client=True) as prefect:
+        for tag, flow_name in flow_names.items():
+            flow_run = prefect.read_flow_run(tags[tag])
+            assert prefect.read_flow(flow_run.flow_id).name == flow_name, tag
+            assert flow_run.state is not None and flow_run.state.is_completed()
+            # Stages are subflows of the pipeline's flow run.
+            assert (flow_run.parent_task_run_id is None) == (flow_name == "pipeline")
+
+    # The same inputs again: nothing runs, no new model version.
+    second = cli(args, env)
+    assert second.returncode == 0, second.stderr
+    again = json.loads(second.stdout)
+    assert {i["state"] for i in again["stages"].values()} == {"skipped"}
+    assert again["pretrain"]["checkpoint_uri"] == result["pretrain"]["checkpoint_uri"]
+    assert again["transfer"]["registered"]["version"] == registered["version"]
+    assert len(client.search_model_versions(f"name = '{registered['name']}'")) == 1
+
+    # Rerun one stage on demand: the newest pipeline's parameters and outputs, the stage forced.
+    rerun = cli(["run", "transfer", "--json"], env)
+    assert rerun.returncode == 0, rerun.stderr
+    rerun_result = json.loads(rerun.stdout)
+    assert {s: i["state"] for s, i in rerun_result["stages"].items()} == {"transfer": "ran"}
+    new_version = rerun_result["transfer"]["registered"]
+    assert new_version["version"] == registered["version"] + 1 and not new_version["promoted"]
+    assert (
+        client.get_model_version(new_version["name"], str(new_version["version"])).tags["manifest_uri"]
+        == (result["corpus"]["manifest_uri"])
+    )
+
+    # A changed training setting retrains (a new key), and the transfer follows; the corpus does not move.
+    changed = cli([*args, "--set", "pretrain.lr=0.002"], env)
+    assert changed.returncode == 0, changed.stderr
+    states = {s: i["state"] for s, i in json.loads(changed.stdout)["stages"].items()}
+    assert states == {"corpus": "skipped", "pretrain": "ran", "transfer": "ran"}
+
+    # `status` lists them, newest first, with stage states and model versions.
+    status = cli(["status", "--json"], env)
+    assert status.returncode == 0, status.stderr
+    runs = [json.loads(line) for line in status.stdout.splitlines()]
+    assert [run["stages"] for run in runs] == [
+        {"corpus": "skipped", "pretrain": "ran", "transfer": "ran"},
+        {"corpus": "-", "pretrain": "-", "transfer": "ran"},
+        {"corpus": "skipped", "pretrain": "skipped", "transfer": "skipped"},
+        {"corpus": "ran", "pretrain": "ran", "transfer": "ran"},
+    ]
+    assert runs[-1]["model_version"] == str(registered["version"])
+    table = cli(["status"], env)
+    assert table.returncode == 0 and "pipeline runs" in table.stdout
+
+
+def test_mlflow_down_at_start_is_one_clear_error_and_nothing_starts(
+    inputs: dict[str, Path], tmp_path: Path
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "MLSTM_HOME": str(tmp_path / "home"), "MLSTM_MLFLOW_TRACKING_URI": url}
+    env.pop("PREFECT_API_URL", None)
+    done = cli(
+        ["pipeline", str(inputs["sample"]), "--dataset", f"reviews={inputs['labelled']}"], env, timeout=120
+    )
+    assert done.returncode == 2
+    assert url in done.stderr and "MLSTM_MLFLOW_TRACKING_URI" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) <= 3, done.stderr
+    assert not (tmp_path / "home" / "store").exists()  # no corpus, no checkpoint: nothing half-done
+
+
+def test_prefect_down_is_one_clear_error(inputs: dict[str, Path], tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}/api"
+    env = {**os.environ, "MLSTM_HOME": str(tmp_path / "home"), "PREFECT_API_URL": url}
+    done = cli(
+        ["pipeline", str(inputs["sample"]), "--dataset", f"reviews={inputs['labelled']}"], env, timeout=120
+    )
+    assert done.returncode == 2
+    assert url in done.stderr and "PREFECT_API_URL" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "deploy"], "unknown stage 'deploy'"),
+        (["run", "corpus", "--from", "/tmp/x/manifest.json"], "the corpus stage reads --set sources"),
+        (["run", "corpus", "--set", "pretrain.nope=1"], "unknown setting 'nope'"),
+        (["run", "corpus", "--set", "novalue"], "write key=value"),
+        (["run", "corpus"], "sources: the corpus stage needs"),
+        (
+            ["run", "corpus", "--set", "sources=x", "--deployment", "nope"],
+            "--deployment needs a Prefect server",
+        ),
+    ],
+)
+def test_bad_rerun_flags_are_clear(args: list[str], message: str, tmp_path: Path) -> None:
+    env = {**os.environ, "MLSTM_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    done = cli(args, env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+HERE = Path(__file__).parent  # dataset paths must exist to be named
+
+
+def _params(**values: Any) -> PipelineParams:
+    return validated({"sources": ["raw/"], "transfer": {"datasets": [f"sst2={HERE}"]}, **values})
+
+
+def test_overrides_reach_into_stages_and_parse_values() -> None:
+    base = _params().model_dump(mode="json")
+    changed = apply_overrides(
+        base,
+        [
+            "pretrain.lr=0.001",
+            "pretrain.max_steps=null",
+            "corpus.split=[90,5,5]",
+            f"transfer.datasets=sst2={HERE},imdb={HERE / 'conftest.py'}",
+            "pretrain.run=my-run",
+        ],
+    )
+    params = validated(changed)
+    assert params.pretrain.lr == 0.001 and params.pretrain.max_steps is None
+    assert params.corpus.split == (90, 5, 5)
+    assert params.transfer.datasets == [f"sst2={HERE}", f"imdb={HERE / 'conftest.py'}"]
+    assert params.pretrain.run == "my-run"
+    assert base["pretrain"]["lr"] == 5e-4  # the input is left alone
+    with pytest.raises(ValueError, match=r"pretrain\.lr: Input should be greater than 0"):
+        validated(apply_overrides(base, ["pretrain.lr=-1"]))
+    with pytest.raises(ValueError, match="'sources' is not a group"):
+        apply_overrides(base, ["sources.x=1"])
+
+
+def test_stage_inputs_must_come_from_somewhere() -> None:
+    with pytest.raises(ValueError, match="manifest_uri"):
+        _params(stages=["pretrain"])
+    with pytest.raises(ValueError, match="checkpoint_uri"):
+        _params(stages=["transfer"])
+    with pytest.raises(ValueError, match=r"transfer\.datasets"):
+        validated({"sources": ["raw/"]})
+    assert _params(stages=["transfer", "corpus"]).stages == ["corpus", "transfer"]  # pipeline order
+    assert _params(stages=["transfer"], checkpoint_uri="newest").stages == ["transfer"]
+
+
+def test_the_training_key_follows_what_changes_the_weights() -> None:
+    base = pretrain_params(_params().pretrain, "store/corpora/abc/manifest.json")
+    key = pretrain_key(base, "abc")
+    # Where and how wide it runs, and how often it reports, do not change the weights.
+    same = ({"nproc": 2}, {"launcher": "slurm"}, {"retries": 5}, {"checkpoint_every": 7}, {"max_steps": 10})
+    for update in same:
+        assert pretrain_key(base.model_copy(update=update), "abc") == key, update
+    for update in ({"lr": 1e-3}, {"batch_size": 64}, {"preset": "small"}, {"total_steps": 10}):
+        assert pretrain_key(base.model_copy(update=update), "abc") != key, update
+    assert pretrain_key(base, "abd") != key
+    assert pretrain_run_name(base, "abc", force=False) == pretrain_run_name(base, "abc", force=False)
+    assert pretrain_run_name(base, "abc", force=True).startswith(pretrain_run_name(base, "abc", force=False))
+    assert pretrain_run_name(base.model_copy(update={"run": "mine"}), "abc", force=True) == "mine"
+
+
+def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:
+    from tasks.checkpoint import newest_checkpoint
+    from tasks.corpus import newest_manifest
+    from tasks.store import open_store
+
+    store = open_store(str(tmp_path))
+    assert newest_checkpoint(store) is None and newest_manifest(store) is None
+    for run, saved in (
+        ("a", "2026-01-02T00:00:00Z"),
+        ("b", "2026-03-01T00:00:00Z"),
+        ("c", "2026-02-01T00:00:00Z"),
+    ):
+        store.write_bytes(
+            f"runs/{run}/latest.json", json.dumps({"saved_at": saved, "checkpoint_uri": run}).encode()
+        )
+        store.write_bytes(f"runs/{run}/checkpoints/step-0000001/meta.json", b"{}")
+    assert newest_checkpoint(store) == "b"
+    for corpus, created in (("x", "2026-05-01T00:00:00Z"), ("y", "2026-04-01T00:00:00Z")):
+        store.write_bytes(f"corpora/{corpus}/manifest.json", json.dumps({"created_at": created}).encode())
+    assert newest_manifest(store) == store.url("corpora/x/manifest.json")
