@@ -193,3 +193,13 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         os.killpg(process.pid, 15)
         process.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture
+def fault_proxy(s3_server: str) -> Iterator[object]:
+    """``fault_proxy(fault)`` starts a ``fault_proxy.FaultProxy`` in front of the moto server and
+    returns it; every proxy started stops at the end of the test."""
+    from fault_proxy import proxies
+
+    with proxies(s3_server) as start:
+        yield start
