@@ -40,9 +40,6 @@ import os
 import platform
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -236,17 +233,10 @@ class ServeRow:
     latencies_ms: list[float] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def served_model(name: str, scratch: Path) -> Iterator[str]:
     """Log a random-weight classifier of the preset to a temporary store, serve it; yields its base URL."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    import httpx
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -269,53 +259,11 @@ def served_model(name: str, scratch: Path) -> Iterator[str]:
     client.set_terminated(run_id)
     del classifier, model
 
-    bin_dir = Path(sys.executable).parent  # the venv's bin: `mlflow models serve` runs uvicorn by name
-    mlflow_cli = bin_dir / "mlflow"
-    port = free_port()
-    command = [str(mlflow_cli) if mlflow_cli.exists() else "mlflow", "models", "serve", "-m", model_uri]
-    command += ["--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": tracking_uri,
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    log_path = scratch / "server.log"
-    _say(f"serving: {shlex.join(command)}")
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVE_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the model server exited ({server.returncode}):\n{_tail(log_path)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the model server did not answer /ping in {SERVE_TIMEOUT_S} s:\n{_tail(log_path)}"
-                )
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+    from tasks.serve import served
+
+    _say(f"serving: mlflow models serve -m {model_uri} --env-manager local --workers 1")
+    with served(model_uri, tracking_uri, log=scratch / "server.log", timeout=SERVE_TIMEOUT_S) as url:
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
 
 
 def time_requests(url: str, texts: list[str], requests: int, warmup: int) -> list[float]:

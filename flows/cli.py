@@ -846,7 +846,9 @@ def demo(
     model_uri = f"models:/{settings.model_name}@champion"
     err.print(f"3. serving {model_uri} with `mlflow models serve` and POSTing two reviews:")
     try:
-        with served(model_uri, settings, log=settings.home / "logs" / "serve.log") as url:
+        with served(
+            model_uri, settings.resolved_mlflow_tracking_uri, log=settings.home / "logs" / "serve.log"
+        ) as url:
             predictions = invoke(url, [DEMO_POSITIVE, DEMO_NEGATIVE])
     except RuntimeError as error:
         raise _fail(str(error)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -14,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from tasks.settings import Settings
 
 BIN = Path(sys.executable).parent
 
@@ -31,15 +30,17 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(model_uri: str, settings: Settings, *, log: Path, timeout: float = 180) -> Iterator[str]:
+def served(model_uri: str, tracking_uri: str, *, log: Path, timeout: float = 180) -> Iterator[str]:
     """Run ``mlflow models serve`` on a free loopback port for the block; yields its base URL.
 
-    The server's output goes to ``log``; the whole process group is stopped at the end.
+    The server's output goes to ``log`` (its last lines are in the error if it does not come up); the
+    whole process group is stopped at the end.
     """
     port = _free_port()
     env = {
         **os.environ,
-        "MLFLOW_TRACKING_URI": settings.resolved_mlflow_tracking_uri,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
         # It starts uvicorn by name: this environment's bin must come first on PATH.
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
@@ -54,13 +55,15 @@ def served(model_uri: str, settings: Settings, *, log: Path, timeout: float = 18
     try:
         deadline = time.monotonic() + timeout
         while True:
-            try:
+            if server.poll() is not None:
+                raise ServeError(f"`{shlex.join(command)}` exited ({server.returncode}):\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                raise ServeError(
+                    f"`{shlex.join(command)}` did not answer /ping in {timeout:g} s:\n{_tail(log)}"
+                )
+            with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
                     break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise ServeError(f"`{' '.join(command)}` did not start serving; its log: {log}")
             time.sleep(0.5)
         yield url
     finally:
@@ -69,8 +72,15 @@ def served(model_uri: str, settings: Settings, *, log: Path, timeout: float = 18
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
 
 
 def invoke(url: str, texts: list[str]) -> list[dict[str, Any]]:

@@ -7,16 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import free_port
 from train_helpers import run_job
 
 from models.classifier import SentimentClassifier
@@ -25,6 +22,7 @@ from tasks.checkpoint import load_checkpoint
 from tasks.features import features_of
 from tasks.registry import CHAMPION, register
 from tasks.sample import write_labelled_sample
+from tasks.serve import invoke, served
 from tasks.settings import get_settings
 
 BIN = Path(sys.executable).parent
@@ -178,36 +176,15 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
     assert [line["label"] for line in lines] == ["positive", "negative"]
     assert lines[0]["probability"] > 0.5 > lines[1]["probability"]
 
-    _serve_and_post(env, f"models:/{name}@{CHAMPION}")
+    _serve_and_post(env, f"models:/{name}@{CHAMPION}", Path(env["MLSTM_HOME"]) / "logs" / "serve.log")
 
 
-def _serve_and_post(env: dict[str, str], model_uri: str) -> None:
+def _serve_and_post(env: dict[str, str], model_uri: str, log: Path) -> None:
     """`mlflow models serve` as a user runs it, then POST /invocations."""
-    port = free_port()
-    serve_env = {**env, "MLFLOW_TRACKING_URI": env["MLSTM_MLFLOW_TRACKING_URI"]}
-    command = [str(BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    server = subprocess.Popen(
-        command, env=serve_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
-                time.sleep(0.5)
-        body = {"dataframe_records": [{"text": POSITIVE}, {"text": NEGATIVE}]}
-        response = httpx.post(f"http://127.0.0.1:{port}/invocations", json=body, timeout=60)
-        assert response.status_code == 200, response.text
-        predictions = response.json()["predictions"]
-        assert [p["label"] for p in predictions] == ["positive", "negative"]
-        assert predictions[0]["probability"] > 0.5 > predictions[1]["probability"]
-    finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=30)
+    with served(model_uri, env["MLSTM_MLFLOW_TRACKING_URI"], log=log, timeout=120) as url:
+        predictions = invoke(url, [POSITIVE, NEGATIVE])
+    assert [p["label"] for p in predictions] == ["positive", "negative"]
+    assert predictions[0]["probability"] > 0.5 > predictions[1]["probability"]
 
 
 def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
