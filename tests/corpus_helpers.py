@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from tasks.corpus import (
     CorpusConfig,
+    CorpusPlan,
     build_manifest,
     parse_piece,
     plan_corpus,
@@ -18,12 +19,15 @@ from tasks.corpus import (
     reduce_bucket,
 )
 from tasks.reviews import CORPUS_SCHEMA
-from tasks.store import LocalStore
+from tasks.store import LocalStore, Store
 
 
 def build(sources: list[str | Path], store_dir: Path, config: CorpusConfig | None = None) -> dict[str, Any]:
-    plan = plan_corpus([str(s) for s in sources], config or CorpusConfig())
-    store = LocalStore(store_dir)
+    return build_plan(plan_corpus([str(s) for s in sources], config or CorpusConfig()), LocalStore(store_dir))
+
+
+def build_plan(plan: CorpusPlan, store: Store) -> dict[str, Any]:
+    """The corpus of a plan built and published with the plain functions, no Prefect; its manifest."""
     pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
     buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
     manifest = build_manifest(plan, store, pieces, buckets)

@@ -18,15 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from corpus_helpers import build_plan
 from fault_proxy import FaultProxy, fail_after_puts, never, proxies, random_faults
 
 from tasks.corpus import (
     CorpusConfig,
-    build_manifest,
-    parse_piece,
     plan_corpus,
-    publish_manifest,
-    reduce_bucket,
 )
 from tasks.store import S3Store
 
@@ -57,11 +54,7 @@ def clean_build(raw_sources: str) -> dict[str, Any]:
     """The same sources built straight into the moto server (no proxy, no fault), with the plain
     functions: the bytes every faulty build must end up with."""
     plan = plan_corpus([f"s3://{raw_sources}/raw/"], SPLIT)
-    store = S3Store(f"s3://{raw_sources}/clean")
-    pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
-    buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
-    manifest = build_manifest(plan, store, pieces, buckets)
-    publish_manifest(plan, store, manifest)
+    manifest = build_plan(plan, S3Store(f"s3://{raw_sources}/clean"))
     assert len(plan.pieces) == 3 * NUM_SEEDS
     return manifest
 
