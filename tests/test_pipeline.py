@@ -234,7 +234,9 @@ def test_stage_inputs_must_come_from_somewhere() -> None:
         _params(stages=["transfer"])
     with pytest.raises(ValueError, match=r"transfer\.datasets"):
         validated({"sources": ["raw/"]})
-    assert _params(stages=["transfer", "corpus"]).stages == ["corpus", "transfer"]  # pipeline order
+    with pytest.raises(ValueError, match="checkpoint_uri"):  # the corpus stage makes no checkpoint
+        _params(stages=["transfer", "corpus"])
+    assert _params(stages=["transfer", "corpus"], checkpoint_uri="newest").stages == ["corpus", "transfer"]
     assert _params(stages=["transfer"], checkpoint_uri="newest").stages == ["transfer"]
 
 
