@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tasks.torchrun import PARENT_PID_ENV
+
 JOB_MODULE = "tasks.train"
 
 
@@ -136,8 +138,9 @@ class LocalLauncher(Launcher):
     """torchrun as a child process of this one: gloo on CPU, NCCL on GPUs (chosen by the job)."""
 
     name = "local"
-    # torchrun forwards SIGTERM to the ranks, which checkpoint and exit; this long, then SIGKILL.
-    grace_seconds = 60.0
+    # torchrun forwards SIGTERM to the ranks, which checkpoint and exit; this long, then SIGKILL. Under
+    # the 30 s a Prefect worker gives a cancelled flow run before it SIGKILLs it.
+    grace_seconds = 20.0
 
     def __init__(self) -> None:
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -149,7 +152,7 @@ class LocalLauncher(Launcher):
                 f"the local launcher runs on this machine only: --nodes {spec.nodes} needs "
                 "--launcher slurm or --launcher kubernetes"
             )
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        torchrun = [sys.executable, "-m", "tasks.torchrun", "--standalone"]
         return [*torchrun, "--nproc-per-node", str(spec.nproc_per_node), *spec.job_command()]
 
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -164,7 +167,7 @@ class LocalLauncher(Launcher):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())},
                 start_new_session=True,  # its own process group, so cancel reaches every rank
             )
         handle = JobHandle(self.name, str(process.pid), str(log_path))

@@ -37,6 +37,7 @@ from tasks import checkpoint
 from tasks.settings import Settings, get_settings
 from tasks.store import Store, open_store, split_object_uri
 from tasks.stream import BatchPlan, ByteStream, StreamError, open_split
+from tasks.torchrun import die_with_parent
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -623,4 +624,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    die_with_parent()  # a rank stops (and checkpoints) when its torchrun is killed
     raise SystemExit(main())

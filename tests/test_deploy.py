@@ -181,11 +181,6 @@ def test_runs_of_deployments_complete_on_workers(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="known intermittent bug: cancelling a deployment's training run sometimes leaves the local "
-    "torchrun behind (seen on a loaded machine; it passed in a clean CI run); see the issue's closing note",
-)
 def test_cancelling_a_training_run_stops_every_process(
     deployed: dict[str, str], worker: Any, tmp_path: Path
 ) -> None:

@@ -125,6 +125,47 @@ def test_sigterm_checkpoints_and_a_relaunch_resumes_there(sample_manifest: str, 
     assert result["steps"] == latest["step"] + 5
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_killed_launcher_takes_its_job_with_it(sample_manifest: str, home: Path) -> None:
+    """The process that launched the job (a flow run a worker SIGKILLs) dies without cancelling it:
+    torchrun, in its own session, and the ranks still stop, checkpointing first."""
+    store = home / "store"
+    args = ["--corpus", sample_manifest, "--store", str(store), *FAST, "--run-name", "orphaned"]
+    args += ["--checkpoint-every", "100000", "--val-every", "100000"]
+    script = (
+        "import sys, time; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+        "from train_helpers import job; "
+        "launcher, handle = job(sys.argv[3:], Path(sys.argv[2]), nproc=2, name='orphaned'); "
+        "print(handle.log_path, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(home), *args],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        log_path = Path(parent.stdout.readline().strip())  # type: ignore[union-attr]
+        deadline = time.monotonic() + 120
+        while "progress step=20 " not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        assert _processes_matching("--run-name orphaned")
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while _processes_matching("--run-name orphaned") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        parent.kill()
+        leftover = _processes_matching("--run-name orphaned")
+        for line in leftover:  # never leave them running for the rest of the suite
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not leftover, leftover
+    latest = read_latest(LocalStore(store), "orphaned")
+    assert latest is not None and latest["step"] >= 20, log_path.read_text()
+    assert f"SIGTERM: checkpointed at step {latest['step']}" in log_path.read_text()
+
+
 def _processes_matching(marker: str) -> list[str]:
     found = subprocess.run(["pgrep", "-af", "--", marker], capture_output=True, text=True).stdout.splitlines()
     return [line for line in found if "pgrep" not in line]
