@@ -57,13 +57,35 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def _message(error: BaseException) -> str:
+    """The one line a user sees for an expected failure; S3's own words get the setting to look at."""
+    from boto3.exceptions import Boto3Error
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(error, ClientError | BotoCoreError | Boto3Error):
+        settings = get_settings()
+        where = settings.s3_endpoint_url or "AWS S3"
+        return (
+            f"the object store ({where}) failed after {settings.s3_max_attempts} attempts per call: "
+            f"{error} [MLSTM_S3_ENDPOINT_URL, MLSTM_S3_MAX_ATTEMPTS]"
+        )
+    return str(error)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
+    # What S3 says once botocore's and the task's retries are spent: an outage, a denied key.
+    from boto3.exceptions import Boto3Error
+    from botocore.exceptions import BotoCoreError, ClientError
+
     from flows.runtime import PrefectUnavailable
     from tasks.sources import SourceError
     from tasks.store import StoreError
     from tasks.tracking import TrackingUnavailable
 
-    return (SourceError, StoreError, PrefectUnavailable, TrackingUnavailable, ValueError)
+    return (
+        SourceError, StoreError, PrefectUnavailable, TrackingUnavailable, ValueError,
+        ClientError, BotoCoreError, Boto3Error,
+    )  # fmt: skip
 
 
 def _check_datasets(specs: list[str]) -> None:
@@ -146,7 +168,7 @@ def corpus_build(
             workers=workers,  # type: ignore[arg-type]
         )
     except _user_errors() as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     if as_json:
         print(json.dumps(summary))
         return
@@ -305,7 +327,7 @@ def pretrain(
     except ValidationError as error:
         raise _fail(flag_errors(error)) from None
     except (*_user_errors(), LaunchError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     if as_json:
         print(
             json.dumps({k: result[k] for k in ("run_id", "checkpoint_uri", "steps", "final_loss", "val_bpc")})
@@ -368,7 +390,7 @@ def features(
             features_table(found.features, **columns), output, endpoint_url=settings.s3_endpoint_url
         )
     except _user_errors() as error:  # DatasetError is a ValueError
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     state = "from the cache" if found.cached else "computed"
     out.print(f"{len(texts):,} rows × {found.features.shape[1]} features ({state}): {uri}", highlight=False)
 
@@ -392,7 +414,7 @@ def import_weights_command(
             endpoint_url=settings.s3_endpoint_url, max_attempts=settings.s3_max_attempts,
         )  # fmt: skip
     except _user_errors() as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     print(uri)  # stdout holds only the URI: CKPT=$(mlstm-sentiment import-weights openai model/)
 
 
@@ -447,7 +469,7 @@ def transfer(
     except ValidationError as error:
         raise _fail(flag_errors(error)) from None
     except _user_errors() as error:  # DatasetError is a ValueError
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     if as_json:
         print(json.dumps(result["datasets"]))
         return
@@ -527,7 +549,7 @@ def predict(
             ) from None
         predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
     except _user_errors() as error:  # DatasetError is a ValueError
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     rows = zip(texts, predicted["label"], predicted["probability"], strict=True)
     if as_json:
         for text, label, probability in rows:
@@ -595,7 +617,7 @@ def pipeline_command(
         _check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
         result = run_pipeline(params)
     except _user_errors() as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     _print_pipeline(result, as_json=as_json)
 
 
@@ -675,7 +697,7 @@ def run_stage(
             _check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
             result = run_pipeline(params)
     except _user_errors() as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     _print_pipeline(result, as_json=as_json)
 
 
@@ -734,7 +756,7 @@ def status(
     try:
         runs = recent_pipelines(get_settings(), limit)
     except _user_errors() as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     if as_json:
         for run in runs:
             print(json.dumps(run))
@@ -778,7 +800,7 @@ def deploy(
         with prefect_api(settings) as url:
             lines = deploy_file(file, name)
     except (*_user_errors(), DeployError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     for line in lines:
         out.print(line, highlight=False)
     out.print(f"at {url}; start workers with `prefect worker start --pool NAME`", highlight=False)
@@ -797,7 +819,7 @@ def promote(
     try:
         done = promote_version(version, get_settings(), reason=reason)
     except _user_errors() as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     before = f"v{done['previous']}" if done["previous"] else "no champion"
     out.print(f"{done['name']}@champion: {before} → v{done['version']}", highlight=False)
 
@@ -841,7 +863,7 @@ def demo(
     try:
         result = run_pipeline(params)
     except _user_errors() as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     _print_pipeline(result, as_json=False)
     model_uri = f"models:/{settings.model_name}@champion"
     err.print(f"3. serving {model_uri} with `mlflow models serve` and POSTing two reviews:")
@@ -892,6 +914,10 @@ def _global_options(
     level = "INFO" if verbose else "WARNING"
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", level)
+    if not verbose:  # set before Prefect configures its logging, here and in every worker process
+        os.environ.setdefault(
+            "PREFECT_LOGGING_HANDLERS_CONSOLE_CLASS", "flows.console.ConsoleWithoutTracebacks"
+        )
 
 
 def main() -> None:

@@ -151,7 +151,7 @@ class LocalStore(Store):
 class S3Store(Store):
     """``s3://bucket/prefix`` through boto3; retries with backoff come from botocore's config."""
 
-    def __init__(self, uri: str, *, endpoint_url: str | None = None, max_attempts: int = 10) -> None:
+    def __init__(self, uri: str, *, endpoint_url: str | None = None, max_attempts: int | None = None) -> None:
         parsed = urlparse(uri)
         if not parsed.netloc:
             raise StoreError(f"S3 URI {uri!r} has no bucket: write s3://BUCKET/PREFIX")
@@ -159,7 +159,7 @@ class S3Store(Store):
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/")
         self.endpoint_url = endpoint_url
-        self.max_attempts = max_attempts
+        self.max_attempts = max_attempts if max_attempts is not None else _default_max_attempts()
         self._client: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -243,7 +243,15 @@ class S3Store(Store):
         self.client.download_file(self.bucket, self._key(key), str(local), Config=self.transfer_config)
 
 
-def open_store(uri: str, *, endpoint_url: str | None = None, max_attempts: int = 10) -> Store:
+def _default_max_attempts() -> int:
+    """MLSTM_S3_MAX_ATTEMPTS, so every S3 call honours it, those made where no settings are at hand
+    (listing and reading sources, a manifest named by URI) included."""
+    from tasks.settings import get_settings
+
+    return get_settings().s3_max_attempts
+
+
+def open_store(uri: str, *, endpoint_url: str | None = None, max_attempts: int | None = None) -> Store:
     """A store for a folder, ``file://`` URI or ``s3://`` URI."""
     scheme = urlparse(uri).scheme
     if scheme == "s3":

@@ -204,14 +204,10 @@ def test_an_outage_mid_build_publishes_nothing_and_a_rerun_finishes(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="flows/cli.py _user_errors() does not cover botocore/boto3 errors: a store outage that "
-    "outlasts the retries ends in a Python traceback (exit 1), after Prefect's own ERROR tracebacks",
-)
 def test_an_outage_is_one_line_on_stderr(outage: Outage) -> None:
     stderr = outage.failed.stderr
     assert "Traceback" not in stderr, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, stderr
     assert "ServiceUnavailable" in errors[0] or "503" in errors[0], errors[0]
+    assert "after 2 attempts per call" in errors[0] and "MLSTM_S3_MAX_ATTEMPTS" in errors[0], errors[0]

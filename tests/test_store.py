@@ -276,7 +276,7 @@ def test_s3_put_file_above_threshold_is_multipart(s3_bucket: str, tmp_path: Path
 # S3: retries
 
 
-def test_s3_client_retries_adaptively(s3_bucket: str) -> None:
+def test_s3_client_retries_adaptively(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for attempts in (1, 10):
         store = S3Store(f"s3://{s3_bucket}", max_attempts=attempts)
         retries = store.client.meta.config.retries
@@ -284,6 +284,10 @@ def test_s3_client_retries_adaptively(s3_bucket: str) -> None:
         # botocore keeps the total (first try included) whichever key it was given.
         assert retries["total_max_attempts"] == attempts
     assert open_store(f"s3://{s3_bucket}").max_attempts == 10  # type: ignore[attr-defined]
+    # The setting reaches stores made without it (sources, manifests named by URI).
+    monkeypatch.setenv("MLSTM_S3_MAX_ATTEMPTS", "3")
+    assert open_store(f"s3://{s3_bucket}").max_attempts == 3  # type: ignore[attr-defined]
+    assert S3Store(f"s3://{s3_bucket}", max_attempts=5).max_attempts == 5
 
 
 @pytest.mark.slow
