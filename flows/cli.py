@@ -873,18 +873,14 @@ def demo(
         ) as url:
             predictions = invoke(url, [DEMO_POSITIVE, DEMO_NEGATIVE])
     except RuntimeError as error:
-        raise _fail(str(error)) from None
+        raise _fail(_message(error)) from None
     for text, prediction in zip((DEMO_POSITIVE, DEMO_NEGATIVE), predictions, strict=True):
         color = "green" if prediction["label"] == "positive" else "red"
         out.print(f"  [{color}]{prediction['label']:>8}[/] {prediction['probability']:.3f}  {text}")
     out.print("\nLook at it:")
     out.print("  mlstm-sentiment status            # pipeline runs, their stages and models", highlight=False)
-    out.print(
-        f"  mlflow ui --backend-store-uri {settings.resolved_mlflow_tracking_uri}",
-        highlight=False,
-        soft_wrap=True,
-    )
-    out.print("  prefect server start    # then open http://127.0.0.1:4200: flow runs and their artifacts")
+    for line in _where_to_look(settings, result["run_id"]):
+        out.print(f"  {line}", highlight=False, soft_wrap=True)
     out.print(f'  model: {model_uri}  (`mlstm-sentiment predict "…"`)', highlight=False)
     out.print(
         f"  MLFLOW_TRACKING_URI={settings.resolved_mlflow_tracking_uri} "
@@ -892,6 +888,34 @@ def demo(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _where_to_look(settings: Any, run_id: str) -> list[str]:
+    """The pipeline run in the MLflow and Prefect UIs: links to the servers in use, or how to start
+    local ones on the demo's own files."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import experiment_id, ui_base
+
+    experiment = experiment_id(settings)  # connects MLflow before the client is made
+    flow_run_id = MlflowClient().get_run(run_id).data.tags.get("prefect_flow_run_id", "")
+    mlflow_base = ui_base(settings)
+    lines = [
+        f"MLflow run: {mlflow_base}/#/experiments/{experiment}/runs/{run_id}"
+        if mlflow_base
+        else f"mlflow ui --backend-store-uri {settings.resolved_mlflow_tracking_uri}   # run {run_id}"
+    ]
+    prefect_api = settings.prefect_api_url or os.environ.get("PREFECT_API_URL")
+    if prefect_api:
+        lines.append(
+            f"Prefect flow run: {prefect_api.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
+        )
+    else:
+        lines.append(
+            f"prefect server start    # then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}: "
+            "the flow run, its subflows and artifacts"
+        )
+    return lines
 
 
 @app.command("settings")

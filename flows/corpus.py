@@ -11,7 +11,7 @@ from prefect.context import get_run_context
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner
 
-from flows import progress
+from flows import names, progress
 from tasks.corpus import (
     CorpusConfig,
     build_manifest,
@@ -28,7 +28,9 @@ from tasks.tracking import experiment_id, log_corpus, run_link
 
 
 # Pieces run in worker processes by default (the CLI picks the runner from the settings).
-@flow(name="build_corpus", log_prints=True, task_runner=ProcessPoolTaskRunner())
+@flow(
+    name="build_corpus", flow_run_name=names.corpus_name, log_prints=True, task_runner=ProcessPoolTaskRunner()
+)
 def build_corpus(
     sources: list[str],
     store: str | None = None,

@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 from prefect.states import State
 
-from flows import progress
+from flows import names, progress
 from flows.corpus import build_corpus
 from flows.pretrain import pretrain
 from flows.runtime import task_runner
@@ -40,7 +40,7 @@ from tasks.tracking import find_run, model_link, run_link
 from tasks.transfer import resolve_checkpoint
 
 
-@task(name="corpus-key", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(name="fingerprint sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def corpus_key(params: PipelineParams) -> dict[str, str]:
     """The corpus id of the sources as they are now (fingerprints are cached by size and mtime)."""
     settings = get_settings()
@@ -53,8 +53,9 @@ def corpus_key(params: PipelineParams) -> dict[str, str]:
     return {"corpus_id": plan.corpus_id, "manifest_key": plan.manifest_key}
 
 
-@task(name="transfer-key", cache_policy=NO_CACHE)
+@task(name="hash checkpoint and datasets", cache_policy=NO_CACHE)
 def transfer_key_task(checkpoint_uri: str, params: PipelineParams) -> str:
+    """The transfer's key: the weights' and the datasets' content, and the probe's settings."""
     return transfer_key(transfer_params(params.transfer, checkpoint_uri), get_settings())
 
 
@@ -69,7 +70,7 @@ def _skipped(stage: str) -> None:
     sink.advance(1)
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", flow_run_name=names.pipeline_name, log_prints=True)
 def pipeline(params: PipelineParams) -> dict[str, Any]:
     """Raw reviews to a registered, promoted sentiment classifier; stages with unchanged inputs skip."""
     settings = get_settings()
@@ -81,6 +82,10 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
     lineage = {"pipeline_run_id": run_id, "pipeline_prefect_flow_run_id": flow_run_id}
     metrics: dict[str, float] = {}
     result: dict[str, Any] = {"run_id": run_id, "stages": stages}
+    get_run_logger().info(
+        "stages %s (forced: %s); MLflow parent run %s at %s",
+        ", ".join(params.stages), ", ".join(params.force) or "none", run_id, settings.resolved_mlflow_tracking_uri,
+    )  # fmt: skip
     try:
         manifest_uri = resolve_corpus(params.manifest_uri, settings) if params.manifest_uri else None
         if "corpus" in params.stages:
@@ -118,8 +123,9 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
     except BaseException:
         close_pipeline_run(run_id, stages | _failed(stages), lineage, metrics, failed=True)
         raise
-    close_pipeline_run(run_id, stages, lineage, metrics, failed=False)
-    _publish_artifacts(settings, result, lineage)
+    summary = _summary(settings, result, lineage)
+    close_pipeline_run(run_id, stages, lineage, metrics, failed=False, note=summary)
+    _publish_artifacts(result, summary)
     return result
 
 
@@ -208,11 +214,36 @@ def _transfer(
     return done  # type: ignore[no-any-return]
 
 
-def _publish_artifacts(settings: Settings, result: dict[str, Any], lineage: dict[str, str]) -> None:
-    """The pipeline's page in the Prefect UI: each stage's state, and links into MLflow."""
+def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]) -> str:
+    """What the run produced, as markdown with links into MLflow: the Prefect artifact ``pipeline-summary``
+    and the MLflow parent run's description. Each line is logged too."""
     from mlflow.tracking import MlflowClient
 
+    logger = get_run_logger()
     experiment = MlflowClient().get_run(result["run_id"]).info.experiment_id
+    lines = [f"# Pipeline run {run_link(settings, experiment, result['run_id'])}", ""]
+    for stage, info in result["stages"].items():
+        link = run_link(settings, experiment, info["run_id"]) if info.get("run_id") else "-"
+        lines.append(f"- **{stage}**: {info.get('state')} · MLflow run {link}")
+    if "corpus" in result:
+        lines.append(f"- corpus: `{result['corpus']['manifest_uri']}` ({result['corpus']['rows']:,} rows)")
+    if "pretrain" in result:
+        p = result["pretrain"]
+        lines.append(f"- checkpoint: `{p['checkpoint_uri']}` (step {p['steps']}, val bpc {p['val_bpc']})")
+    for name, values in result.get("transfer", {}).get("datasets", {}).items():
+        lines.append(f"- {name}: test accuracy {values['test_accuracy']:.4f}")
+    if lineage.get("model_version"):
+        lines.append(
+            f"- model: {model_link(settings, lineage['model_name'], lineage['model_version'])} "
+            f"({result['transfer']['registered']['reason']})"
+        )
+    for line in lines[2:]:
+        logger.info("%s", line.removeprefix("- ").replace("**", ""))
+    return "\n".join(lines) + "\n"
+
+
+def _publish_artifacts(result: dict[str, Any], summary: str) -> None:
+    """The pipeline's page in the Prefect UI: each stage's state, and links into MLflow."""
     create_table_artifact(
         key="pipeline-stages",
         table=[
@@ -227,20 +258,4 @@ def _publish_artifacts(settings: Settings, result: dict[str, Any], lineage: dict
         ],
         description="Stages of this pipeline run: ran, or skipped because their inputs had not changed",
     )
-    lines = [f"# Pipeline run {run_link(settings, experiment, result['run_id'])}", ""]
-    for stage, info in result["stages"].items():
-        link = run_link(settings, experiment, info["run_id"]) if info.get("run_id") else "-"
-        lines.append(f"- **{stage}**: {info.get('state')} · MLflow run {link}")
-    if "corpus" in result:
-        lines.append(f"- corpus: `{result['corpus']['manifest_uri']}` ({result['corpus']['rows']:,} rows)")
-    if "pretrain" in result:
-        p = result["pretrain"]
-        lines.append(f"- checkpoint: `{p['checkpoint_uri']}` (step {p['steps']}, val bpc {p['val_bpc']})")
-    if lineage.get("model_version"):
-        lines.append(
-            f"- model: {model_link(settings, lineage['model_name'], lineage['model_version'])} "
-            f"({result['transfer']['registered']['reason']})"
-        )
-    create_markdown_artifact(
-        key="pipeline-summary", markdown="\n".join(lines) + "\n", description="What this run produced"
-    )
+    create_markdown_artifact(key="pipeline-summary", markdown=summary, description="What this run produced")

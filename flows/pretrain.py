@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 from prefect.exceptions import TerminationSignal
 
-from flows import progress
+from flows import names, progress
 from tasks.launch import JobHandle, Launcher, launcher_for
 from tasks.pretrain import Job, PretrainParams, job_result, open_mlflow_run, plan_job, watch
 from tasks.settings import get_settings
@@ -112,7 +112,7 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
     return job_result(job, get_settings())
 
 
-@flow(name="pretrain")
+@flow(name="pretrain", flow_run_name=names.pretrain_name)
 def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> dict[str, Any]:
     """Train the mLSTM on a corpus: local torchrun, Slurm or Kubernetes; resumable by run name.
 

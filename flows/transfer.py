@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from flows import progress
+from flows import names, progress
 from tasks import registry
 from tasks.datasets import dataset_name
 from tasks.settings import get_settings
@@ -59,7 +59,7 @@ def probe_task(extracted: dict[str, Any], params: TransferParams, run_id: str) -
     return report
 
 
-@flow(name="register")
+@flow(name="register", flow_run_name=names.register_name)
 def register(
     report: dict[str, Any], params: TransferParams, run_id: str, lineage: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def _flow_run_id() -> str:
     return str(flow_run.id) if flow_run else ""
 
 
-@flow(name="transfer")
+@flow(name="transfer", flow_run_name=names.transfer_name)
 def transfer(
     params: TransferParams, parent_run_id: str | None = None, lineage: dict[str, str] | None = None
 ) -> dict[str, Any]:

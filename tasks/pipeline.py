@@ -210,6 +210,11 @@ def stages_from(stage: Stage, *, rest: bool) -> list[Stage]:
 PARAMS_ARTIFACT = "pipeline_params.json"
 
 
+# The pipeline's own ids are lineage for the model version, but on the pipeline run they repeat its
+# run id and its ``prefect_flow_run_id`` tag.
+_OWN_IDS = ("pipeline_run_id", "pipeline_prefect_flow_run_id")
+
+
 def open_pipeline_run(settings: Settings, params: PipelineParams, tags: dict[str, str]) -> str:
     """The parent run of the stages' runs; its parameters are kept whole, so a rerun can start from them."""
     import mlflow
@@ -228,13 +233,18 @@ def open_pipeline_run(settings: Settings, params: PipelineParams, tags: dict[str
             {
                 "stages": ",".join(params.stages),
                 "force": ",".join(params.force) or "-",
-                "sources": len(params.sources),
+                "sources": _clipped(",".join(params.sources)) or "-",
                 "preset": params.pretrain.preset,
                 "launcher": params.pretrain.launcher,
                 "datasets": ",".join(spec.partition("=")[0] for spec in params.transfer.datasets) or "-",
             }
         )
     return run_id
+
+
+def _clipped(value: str, limit: int = 500) -> str:
+    """An MLflow parameter short enough for any backend; the whole value is in the params artifact."""
+    return value if len(value) <= limit else value[: limit - 1] + "…"
 
 
 def close_pipeline_run(
@@ -244,14 +254,19 @@ def close_pipeline_run(
     metrics: dict[str, float],
     *,
     failed: bool,
+    note: str | None = None,
 ) -> None:
+    """Stage states, lineage and metrics on the parent run; ``note`` is its description in the UI."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
     for stage, info in stages.items():
         client.set_tag(run_id, f"stage.{stage}", info["state"])
     for key, value in lineage.items():
-        client.set_tag(run_id, key, value)
+        if key not in _OWN_IDS:
+            client.set_tag(run_id, key, value)
+    if note:
+        client.set_tag(run_id, "mlflow.note.content", note)
     for key, value in metrics.items():
         client.log_metric(run_id, key, value)
     client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")

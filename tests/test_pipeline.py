@@ -82,6 +82,8 @@ def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], e
         assert child.data.tags["mlflow.parentRunId"] == result["run_id"], stage
     assert parent.data.metrics["reviews_test_accuracy"] > 0.5
     assert {parent.data.tags[f"stage.{s}"] for s in ("corpus", "pretrain", "transfer")} == {"ran"}
+    assert parent.data.params["sources"] == str(inputs["sample"])
+    assert "pipeline_run_id" not in parent.data.tags  # its own ids are lineage for the model, not for it
 
     # The registered version leads back to the corpus, the training run, the checkpoint, the flow runs.
     registered = result["transfer"]["registered"]
@@ -93,16 +95,27 @@ def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], e
     assert tags["checkpoint_uri"] == result["pretrain"]["checkpoint_uri"]
     assert tags["transfer_run_id"] == result["transfer"]["run_id"]
     assert tags["pipeline_run_id"] == result["run_id"]
+    # The parent run's description in the MLflow UI says what it produced, the model version included.
+    note = parent.data.tags["mlflow.note.content"]
+    assert f"{registered['name']} v{registered['version']}" in note and "reviews: test accuracy" in note
     flow_names = {
         "pipeline_prefect_flow_run_id": "pipeline",
         "corpus_prefect_flow_run_id": "build_corpus",
         "pretrain_prefect_flow_run_id": "pretrain",
         "register_prefect_flow_run_id": "register",
     }
+    # Flow-run names say what each run is about (the UI's run list), not Prefect's random words.
+    run_names = {
+        "pipeline": f"pipeline-corpus+pretrain+transfer-tiny-{inputs['sample'].name}",
+        "build_corpus": f"corpus-{inputs['sample'].name}",
+        "pretrain": f"pretrain-{result['pretrain']['run']}",
+        "register": "register-reviews",
+    }
     with get_client(sync_client=True) as prefect:
         for tag, flow_name in flow_names.items():
             flow_run = prefect.read_flow_run(tags[tag])
             assert prefect.read_flow(flow_run.flow_id).name == flow_name, tag
+            assert flow_run.name == run_names[flow_name]
             assert flow_run.state is not None and flow_run.state.is_completed()
             # Stages are subflows of the pipeline's flow run.
             assert (flow_run.parent_task_run_id is None) == (flow_name == "pipeline")
@@ -275,3 +288,14 @@ def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:
     for corpus, created in (("x", "2026-05-01T00:00:00Z"), ("y", "2026-04-01T00:00:00Z")):
         store.write_bytes(f"corpora/{corpus}/manifest.json", json.dumps({"created_at": created}).encode())
     assert newest_manifest(store) == store.url("corpora/x/manifest.json")
+
+
+def test_flow_run_names_say_what_a_run_is_about() -> None:
+    from flows.names import _checkpoint, _sources
+
+    assert _sources(["/data/amazon/2018/", "s3://b/raw/*.json.gz"]) == "2018+1"
+    assert _sources(["s3://bucket/raw/*.json.gz"]) == "raw"
+    assert _sources([]) == "none"
+    assert _checkpoint("s3://b/p/runs/tiny-ab12/checkpoints/step-0000400") == "tiny-ab12@400"
+    assert _checkpoint("/home/u/store/runs/tiny-ab12/latest.json") == "tiny-ab12"
+    assert _checkpoint("newest") == "newest"
