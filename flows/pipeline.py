@@ -8,6 +8,7 @@ tags back to its corpus manifest, its training run and checkpoint, and every Pre
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -237,8 +238,9 @@ def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]
             f"- model: {model_link(settings, lineage['model_name'], lineage['model_version'])} "
             f"({result['transfer']['registered']['reason']})"
         )
-    for line in lines[2:]:
-        logger.info("%s", line.removeprefix("- ").replace("**", ""))
+    for line in lines[2:]:  # a log line shows no markdown: links become their URLs
+        plain = re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"\2", line.removeprefix("- "))
+        logger.info("%s", plain.replace("**", "").replace("`", ""))
     return "\n".join(lines) + "\n"
 
 
