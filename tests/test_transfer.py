@@ -199,6 +199,7 @@ def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
     settings = get_settings()
     mlflow.set_tracking_uri(mlflow_server)
 
+    @mlflow.pyfunc.utils.pyfunc  # checks inputs against the type hints, as MLflow asks a function model to
     def echo(model_input: list[str]) -> list[str]:
         return model_input
 
