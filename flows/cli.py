@@ -112,14 +112,10 @@ def run_corpus_build(
     from flows.runtime import task_runner as make_task_runner
     from tasks.corpus import plan_corpus, read_manifest, summary_of
     from tasks.sources import expand_sources
-    from tasks.store import open_store
+    from tasks.store import store_of
 
     settings = get_settings(store_uri=store, task_runner=task_runner, max_workers=workers)
-    target = open_store(
-        settings.resolved_store_uri,
-        endpoint_url=settings.s3_endpoint_url,
-        max_attempts=settings.s3_max_attempts,
-    )
+    target = store_of(settings)
     if any(s.startswith(("s3://", "http://", "https://")) for s in sources):
         # A missing source is an error before any flow run, remote ones included.
         expand_sources(sources, s3_endpoint_url=settings.s3_endpoint_url)
@@ -369,13 +365,13 @@ def features(
     from tasks.checkpoint import load_checkpoint
     from tasks.datasets import read_table
     from tasks.features import cached_features, features_table, write_output
-    from tasks.store import open_store
+    from tasks.store import store_of
 
     settings = get_settings(store_uri=store)
     try:
         texts, labels = read_table(input, text_column=text_column, label_column=label_column)
         model = load_checkpoint(checkpoint, endpoint_url=settings.s3_endpoint_url).model()
-        target = open_store(settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
+        target = store_of(settings)
         with _feature_bar() as bar:
             task_id = bar.add_task(f"features {input.name}", total=len(texts))
             found = cached_features(

@@ -23,7 +23,7 @@ from tasks.corpus import (
     summary_of,
 )
 from tasks.settings import get_settings
-from tasks.store import open_store
+from tasks.store import store_of
 from tasks.tracking import experiment_id, log_corpus, run_link
 
 
@@ -51,11 +51,7 @@ def build_corpus(
     config = config or CorpusConfig()
     logger = get_run_logger()
     started = time.perf_counter()
-    target = open_store(
-        settings.resolved_store_uri,
-        endpoint_url=settings.s3_endpoint_url,
-        max_attempts=settings.s3_max_attempts,
-    )
+    target = store_of(settings)
     plan = plan_corpus_task(
         sources,
         config,

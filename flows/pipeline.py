@@ -30,13 +30,13 @@ from tasks.pipeline import (
     open_pipeline_run,
     pretrain_params,
     pretrain_run_name,
-    store_of,
     transfer_key,
     transfer_params,
     transfer_record_key,
 )
 from tasks.pretrain import job_result, plan_job, read_corpus_manifest, resolve_corpus
 from tasks.settings import Settings, get_settings
+from tasks.store import store_of
 from tasks.tracking import find_run, model_link, run_link
 from tasks.transfer import resolve_checkpoint
 

@@ -21,7 +21,7 @@ from tasks.datasets import load_dataset
 from tasks.features import weights_fingerprint
 from tasks.pretrain import PretrainParams
 from tasks.settings import Settings
-from tasks.store import Store, open_store
+from tasks.store import Store
 from tasks.transfer import TransferParams, load_checkpoint_of
 
 Stage = Literal["corpus", "pretrain", "transfer"]
@@ -151,14 +151,6 @@ def transfer_key(params: TransferParams, settings: Settings) -> str:
 
 def transfer_record_key(key: str) -> str:
     return f"pipeline/transfer/{key}.json"
-
-
-def store_of(settings: Settings) -> Store:
-    return open_store(
-        settings.resolved_store_uri,
-        endpoint_url=settings.s3_endpoint_url,
-        max_attempts=settings.s3_max_attempts,
-    )
 
 
 def apply_overrides(params: dict[str, Any], assignments: list[str]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tasks.checkpoint import read_latest
 from tasks.launch import JobHandle, JobSpec, JobState, Launcher, LaunchError
 from tasks.settings import Settings
-from tasks.store import StoreError, open_store, split_object_uri
+from tasks.store import StoreError, open_store, split_object_uri, store_of
 from tasks.stream import BatchPlan
 from tasks.train import LrScaling, Precision, TrainConfig, iter_progress
 
@@ -137,8 +137,7 @@ def resolve_corpus(uri: str, settings: Settings) -> str:
         return uri
     from tasks.corpus import newest_manifest
 
-    store = open_store(settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
-    found = newest_manifest(store)
+    found = newest_manifest(store_of(settings))
     if found is None:
         raise ValueError(f"--corpus newest: no corpus is published in {settings.resolved_store_uri}")
     return found

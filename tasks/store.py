@@ -16,8 +16,11 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
+
+if TYPE_CHECKING:
+    from tasks.settings import Settings
 
 MiB = 1024 * 1024
 
@@ -249,6 +252,15 @@ def _default_max_attempts() -> int:
     from tasks.settings import get_settings
 
     return get_settings().s3_max_attempts
+
+
+def store_of(settings: Settings) -> Store:
+    """The store the settings name (MLSTM_STORE_URI, else the home's), with their S3 endpoint and retries."""
+    return open_store(
+        settings.resolved_store_uri,
+        endpoint_url=settings.s3_endpoint_url,
+        max_attempts=settings.s3_max_attempts,
+    )
 
 
 def open_store(uri: str, *, endpoint_url: str | None = None, max_attempts: int | None = None) -> Store:

@@ -27,7 +27,7 @@ from tasks.datasets import declared_name, load_dataset
 from tasks.features import cached_features, features_of, read_table, weights_fingerprint
 from tasks.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
 from tasks.settings import Settings
-from tasks.store import Store, open_store, split_object_uri
+from tasks.store import split_object_uri, store_of
 
 SPLITS = ("train", "dev", "test")
 NEWEST = "newest"  # a checkpoint or corpus URI that means: the one saved last in the store
@@ -96,19 +96,11 @@ class TransferParams(BaseModel):
         return self.register_dataset or declared_name(self.datasets[0])
 
 
-def _store(settings: Settings) -> Store:
-    return open_store(
-        settings.resolved_store_uri,
-        endpoint_url=settings.s3_endpoint_url,
-        max_attempts=settings.s3_max_attempts,
-    )
-
-
 def resolve_checkpoint(uri: str, settings: Settings) -> str:
     """``newest`` is the checkpoint saved last in the store; any other URI is itself."""
     if uri != NEWEST:
         return uri
-    found = newest_checkpoint(_store(settings))
+    found = newest_checkpoint(store_of(settings))
     if found is None:
         raise ValueError(
             f"--checkpoint newest: no training run has a checkpoint in {settings.resolved_store_uri}"
@@ -137,7 +129,7 @@ def extract(
     dataset = load_dataset(spec, text_column=params.text_column, label_column=params.label_column)
     if on_start is not None:
         on_start(sum(len(split.texts) for split in dataset.splits().values()))
-    store = _store(settings)
+    store = store_of(settings)
     weights = weights_fingerprint(model)  # hashes every weight: once, not once per split
     splits = {}
     for split, data in dataset.splits().items():
@@ -186,7 +178,7 @@ def probe(
     result = fit_probe(
         *data["train"], *data["dev"], *data["test"], Cs=params.Cs, seed=params.seed, on_fit=on_fit
     )
-    store = _store(settings)
+    store = store_of(settings)
     prefix = f"transfer/{extracted['weights']}/{extracted['checksum'][:16]}"
     with tempfile.TemporaryDirectory(prefix="mlstm-probe-") as scratch:
         np.savez(
