@@ -52,7 +52,8 @@ class _RichSink:
             self.progress.advance(self.task_id, amount)
 
 
-def _fail(message: str) -> typer.Exit:
+def _fail(problem: str | BaseException) -> typer.Exit:
+    message = problem if isinstance(problem, str) else _message(problem)
     err.print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(code=2)
 
@@ -164,7 +165,7 @@ def corpus_build(
             workers=workers,  # type: ignore[arg-type]
         )
     except _user_errors() as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     if as_json:
         print(json.dumps(summary))
         return
@@ -323,7 +324,7 @@ def pretrain(
     except ValidationError as error:
         raise _fail(flag_errors(error)) from None
     except (*_user_errors(), LaunchError) as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     if as_json:
         print(
             json.dumps({k: result[k] for k in ("run_id", "checkpoint_uri", "steps", "final_loss", "val_bpc")})
@@ -386,7 +387,7 @@ def features(
             features_table(found.features, **columns), output, endpoint_url=settings.s3_endpoint_url
         )
     except _user_errors() as error:  # DatasetError is a ValueError
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     state = "from the cache" if found.cached else "computed"
     out.print(f"{len(texts):,} rows × {found.features.shape[1]} features ({state}): {uri}", highlight=False)
 
@@ -410,7 +411,7 @@ def import_weights_command(
             endpoint_url=settings.s3_endpoint_url, max_attempts=settings.s3_max_attempts,
         )  # fmt: skip
     except _user_errors() as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     print(uri)  # stdout holds only the URI: CKPT=$(mlstm-sentiment import-weights openai model/)
 
 
@@ -465,7 +466,7 @@ def transfer(
     except ValidationError as error:
         raise _fail(flag_errors(error)) from None
     except _user_errors() as error:  # DatasetError is a ValueError
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     if as_json:
         print(json.dumps(result["datasets"]))
         return
@@ -545,7 +546,7 @@ def predict(
             ) from None
         predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
     except _user_errors() as error:  # DatasetError is a ValueError
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     rows = zip(texts, predicted["label"], predicted["probability"], strict=True)
     if as_json:
         for text, label, probability in rows:
@@ -572,6 +573,7 @@ def run_pipeline(params: Any, *, show_progress: bool = True) -> dict[str, Any]:
     from flows.pipeline import pipeline as pipeline_flow
     from tasks.tracking import connect
 
+    _check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
     connect(get_settings())  # MLflow down: one clear error before any flow run or MLflow run exists
     return _run_flow(pipeline_flow, show_progress=show_progress, params=params)  # type: ignore[no-any-return]
 
@@ -610,10 +612,9 @@ def pipeline_command(
         values["pretrain"].update(preset=preset, launcher=launcher, max_steps=max_steps)
         values["transfer"]["datasets"] = dataset or []
         params = validated(apply_overrides(values, set_ or []))
-        _check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
         result = run_pipeline(params)
     except _user_errors() as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     _print_pipeline(result, as_json=as_json)
 
 
@@ -687,13 +688,10 @@ def run_stage(
         values = _rerun_values(stage, from_)
         values.update(stages=stages_from(stage, rest=rest), force=[stage])  # type: ignore[arg-type]
         params = validated(apply_overrides(values, set_ or []))
-        if deployment:  # dataset paths are the worker's
-            result = run_through_deployment(deployment, params)
-        else:
-            _check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
-            result = run_pipeline(params)
+        # Through a deployment, dataset paths are the worker's: run_pipeline checks them here.
+        result = run_through_deployment(deployment, params) if deployment else run_pipeline(params)
     except _user_errors() as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     _print_pipeline(result, as_json=as_json)
 
 
@@ -722,11 +720,11 @@ def _rerun_values(stage: str, origin: str | None) -> dict[str, Any]:
 def run_through_deployment(name: str, params: Any) -> dict[str, Any]:
     """Create a run of a pipeline deployment, follow its state and logs until it ends; its result is
     read back from the MLflow run it made."""
-    from flows.runtime import follow_flow_run, prefect_api, submit_deployment
+    from flows.runtime import configured_api_url, follow_flow_run, prefect_api, submit_deployment
     from tasks.pipeline import pipeline_result_of
 
     settings = get_settings()
-    if not (settings.prefect_api_url or os.environ.get("PREFECT_API_URL")):
+    if not configured_api_url(settings):
         raise ValueError(
             "--deployment needs a Prefect server: set PREFECT_API_URL (or MLSTM_PREFECT_API_URL)"
         )
@@ -752,7 +750,7 @@ def status(
     try:
         runs = recent_pipelines(get_settings(), limit)
     except _user_errors() as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     if as_json:
         for run in runs:
             print(json.dumps(run))
@@ -787,16 +785,16 @@ def deploy(
     """Create the work pools and concurrency limits infra/prefect.yaml names, then deploy every deployment."""
     from flows.deploy import DeployError
     from flows.deploy import deploy as deploy_file
-    from flows.runtime import prefect_api
+    from flows.runtime import configured_api_url, prefect_api
 
     settings = get_settings()
-    if not (settings.prefect_api_url or os.environ.get("PREFECT_API_URL")):
+    if not configured_api_url(settings):
         raise _fail("deploy needs a Prefect server: set PREFECT_API_URL (or MLSTM_PREFECT_API_URL)")
     try:
         with prefect_api(settings) as url:
             lines = deploy_file(file, name)
     except (*_user_errors(), DeployError) as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     for line in lines:
         out.print(line, highlight=False)
     out.print(f"at {url}; start workers with `prefect worker start --pool NAME`", highlight=False)
@@ -815,7 +813,7 @@ def promote(
     try:
         done = promote_version(version, get_settings(), reason=reason)
     except _user_errors() as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     before = f"v{done['previous']}" if done["previous"] else "no champion"
     out.print(f"{done['name']}@champion: {before} → v{done['version']}", highlight=False)
 
@@ -859,7 +857,7 @@ def demo(
     try:
         result = run_pipeline(params)
     except _user_errors() as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     _print_pipeline(result, as_json=False)
     model_uri = f"models:/{settings.model_name}@champion"
     err.print(f"3. serving {model_uri} with `mlflow models serve` and POSTing two reviews:")
@@ -869,7 +867,7 @@ def demo(
         ) as url:
             predictions = invoke(url, [DEMO_POSITIVE, DEMO_NEGATIVE])
     except RuntimeError as error:
-        raise _fail(_message(error)) from None
+        raise _fail(error) from None
     for text, prediction in zip((DEMO_POSITIVE, DEMO_NEGATIVE), predictions, strict=True):
         color = "green" if prediction["label"] == "positive" else "red"
         out.print(f"  [{color}]{prediction['label']:>8}[/] {prediction['probability']:.3f}  {text}")
@@ -891,6 +889,7 @@ def _where_to_look(settings: Any, run_id: str) -> list[str]:
     local ones on the demo's own files."""
     from mlflow.tracking import MlflowClient
 
+    from flows.runtime import configured_api_url
     from tasks.tracking import experiment_id, ui_base
 
     experiment = experiment_id(settings)  # connects MLflow before the client is made
@@ -901,7 +900,7 @@ def _where_to_look(settings: Any, run_id: str) -> list[str]:
         if mlflow_base
         else f"mlflow ui --backend-store-uri {settings.resolved_mlflow_tracking_uri}   # run {run_id}"
     ]
-    prefect_api = settings.prefect_api_url or os.environ.get("PREFECT_API_URL")
+    prefect_api = configured_api_url(settings)
     if prefect_api:
         lines.append(
             f"Prefect flow run: {prefect_api.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"

@@ -18,6 +18,12 @@ class PrefectUnavailable(RuntimeError):
     """The configured Prefect API does not answer."""
 
 
+def configured_api_url(settings: Settings) -> str | None:
+    """The Prefect API the user configured (MLSTM_PREFECT_API_URL, else PREFECT_API_URL); None when
+    flows are to run against a temporary local one."""
+    return settings.prefect_api_url or os.environ.get("PREFECT_API_URL")
+
+
 @contextlib.contextmanager
 def prefect_api(settings: Settings) -> Iterator[str]:
     """Use the configured Prefect API, or run a temporary local one for the length of the block.
@@ -29,7 +35,7 @@ def prefect_api(settings: Settings) -> Iterator[str]:
     import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    url = settings.prefect_api_url or os.environ.get("PREFECT_API_URL")
+    url = configured_api_url(settings)
     if url:
         try:
             httpx.get(f"{url.rstrip('/')}/health", timeout=10).raise_for_status()
