@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
+	rm -rf build
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/mlstm-sentiment demo
 
 test: $(STAMP)
+	rm -rf build
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -391,7 +391,7 @@ def run_floor(inputs: InputSet, out_dir: Path, *, explicit_schema: bool = True) 
     import pyarrow as pa
     import pyarrow.json as pa_json
 
-    from tasks.reviews import RAW_SCHEMA
+    from tasks.corpus.reviews import RAW_SCHEMA
 
     # The build's own explicit schema: the same 16 fields, the rest (style, image, …) skipped;
     # or pyarrow's defaults, inferring every field of every record.
@@ -427,7 +427,7 @@ def run_loads_loop(inputs: InputSet) -> dict[str, Any]:
 
 def run_plain(inputs: InputSet, store_dir: Path, cache_path: Path, workers: int) -> dict[str, Any]:
     """plan → parse_piece in a process pool → reduce_bucket in the pool → manifest, without Prefect."""
-    from tasks.corpus import (
+    from tasks.corpus.build import (
         CorpusConfig,
         build_manifest,
         parse_piece,
@@ -474,7 +474,7 @@ def run_plain(inputs: InputSet, store_dir: Path, cache_path: Path, workers: int)
 def run_flow(inputs: InputSet, store_dir: Path, workers: int) -> dict[str, Any]:
     """The build as users run it: ``corpus build`` without the command line around it."""
     from flows.cli import run_corpus_build
-    from tasks.corpus import CorpusConfig
+    from tasks.corpus.build import CorpusConfig
 
     called = time.time()
     summary = run_corpus_build(
@@ -578,9 +578,9 @@ def machine() -> dict[str, Any]:
 
 # The code the numbers belong to: the corpus stage and what it runs on.
 CODE_FILES = (
-    "tasks/corpus.py",
-    "tasks/reviews.py",
-    "tasks/sources.py",
+    "tasks/corpus/build.py",
+    "tasks/corpus/reviews.py",
+    "tasks/corpus/sources.py",
     "tasks/store.py",
     "models/text.py",
     "flows/corpus.py",
@@ -755,7 +755,7 @@ def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
     # The builds' modules (Prefect with them) are imported untimed, as a command would have them
     # imported before it starts; the worker processes still import them inside the timer.
     import flows.cli  # noqa: F401
-    import tasks.corpus  # noqa: F401
+    import tasks.corpus.build  # noqa: F401
 
     def plain_after(attempt: int, details: dict[str, Any]) -> None:
         manifest = details.pop("manifest")

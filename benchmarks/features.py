@@ -18,7 +18,7 @@ max rel diff = the largest, over those texts, of max|fast − baseline| ÷ max|b
 in fp32).
 
 Served-model latency: a ``SentimentClassifier`` of ``--serve-preset`` with random probe weights is logged
-with ``tasks.registry.log_classifier`` to a temporary MLflow store (SQLite), served by
+with ``tasks.transfer.registry.log_classifier`` to a temporary MLflow store (SQLite), served by
 ``mlflow models serve --env-manager local --workers 1``, and timed over HTTP: ``--requests`` POSTs to
 ``/invocations`` of one sentence and of ``--serve-batch`` sentences, after ``--warmup-requests`` each. The
 served model loads on the CPU (``models/serving.py``), whatever device the feature rows ran on.
@@ -93,8 +93,8 @@ def load_texts(path: Path) -> list[str]:
 
 
 def generated_texts() -> list[str]:
-    """The project's generated labelled sample (``tasks.sample.write_labelled_sample``), all splits."""
-    from tasks.sample import write_labelled_sample
+    """The project's generated labelled sample (``tasks.corpus.sample.write_labelled_sample``), all splits."""
+    from tasks.corpus.sample import write_labelled_sample
 
     with tempfile.TemporaryDirectory(prefix="mlstm-bench-sample-") as scratch:
         folder = write_labelled_sample(Path(scratch) / "reviews")
@@ -241,7 +241,7 @@ def served_model(name: str, scratch: Path) -> Iterator[str]:
     from mlflow.tracking import MlflowClient
 
     from models.classifier import SentimentClassifier
-    from tasks.registry import log_classifier
+    from tasks.transfer.registry import log_classifier
 
     tracking_uri = f"sqlite:///{scratch}/mlflow.db"
     mlflow.set_tracking_uri(tracking_uri)
@@ -259,7 +259,7 @@ def served_model(name: str, scratch: Path) -> Iterator[str]:
     client.set_terminated(run_id)
     del classifier, model
 
-    from tasks.serve import served
+    from tasks.transfer.serve import served
 
     _say(f"serving: mlflow models serve -m {model_uri} --env-manager local --workers 1")
     with served(model_uri, tracking_uri, log=scratch / "server.log", timeout=SERVE_TIMEOUT_S) as url:
@@ -477,8 +477,10 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     if data.exists():
         pool, source = load_texts(data), str(data)
     else:
-        _say(f"{data} is absent: using the project's generated sample (tasks.sample.write_labelled_sample)")
-        pool, source = generated_texts(), f"generated sample (tasks.sample; {data} absent)"
+        _say(
+            f"{data} is absent: using the project's generated sample (tasks.corpus.sample.write_labelled_sample)"
+        )
+        pool, source = generated_texts(), f"generated sample (tasks.corpus.sample; {data} absent)"
     random.Random(0).shuffle(pool)  # files are often sorted by label; the same order every run
     counts = GPU_COUNTS if cuda else CPU_COUNTS
     batch_size = args.batch_size or (GPU_BATCH if cuda else CPU_BATCH)

@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     args = parser.parse_args()
 
-    from tasks.sample import write_labelled_sample, write_sample
+    from tasks.corpus.sample import write_labelled_sample, write_sample
 
     with tempfile.TemporaryDirectory(prefix="mlstm-bench-pipeline-") as scratch:
         root = Path(scratch)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pretraining step throughput and model FLOPs utilisation, against a step-by-step baseline in one run.
 
-Rows, each the real training step (``tasks.train.optimizer_step``: autocast, cross-entropy, GradScaler,
+Rows, each the real training step (``tasks.pretrain.train.optimizer_step``: autocast, cross-entropy, GradScaler,
 gradient clipping, Adam) on random bytes with the hidden state carried from step to step:
 
 - fused: ``models.mlstm.MLSTM``, the model the job trains (weights normalised once per step, the input
@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm  # noqa: E402
-from tasks.train import TrainConfig, optimizer_step, peak_flops, resolve_precision  # noqa: E402
+from tasks.pretrain.train import TrainConfig, optimizer_step, peak_flops, resolve_precision  # noqa: E402
 
 # 3 epochs × 40 GB of Amazon reviews in 4 hours on 128 V100s: 120e9 / 14,400 s / 128 ≈ 65k chars/s.
 PAPER_CHARS_PER_S = 65_000
@@ -165,7 +165,7 @@ class Row:
     chars_per_s: float | None = None
     mfu: float | None = None  # against the measured peak of the precision used
     mfu_vs_bf16_peak: float | None = None
-    mfu_vs_datasheet: float | None = None  # tasks.train.GPU_PEAK_FLOPS, on a GPU it knows
+    mfu_vs_datasheet: float | None = None  # tasks.pretrain.train.GPU_PEAK_FLOPS, on a GPU it knows
     vs_baseline: float | None = None  # fused chars/s over baseline chars/s (fused rows)
     vs_paper: float | None = None  # chars/s over PAPER_CHARS_PER_S
     peak_memory_bytes: int = 0

@@ -79,7 +79,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from botocore.exceptions import BotoCoreError, ClientError
 
     from flows.runtime import PrefectUnavailable
-    from tasks.sources import SourceError
+    from tasks.corpus.sources import SourceError
     from tasks.store import StoreError
     from tasks.tracking import TrackingUnavailable
 
@@ -91,7 +91,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _check_datasets(specs: list[str]) -> None:
     """Every dataset path exists here: a typo fails now, not after the corpus and the training."""
-    from tasks.datasets import dataset_name
+    from tasks.transfer.datasets import dataset_name
 
     for spec in specs:
         dataset_name(spec)
@@ -111,8 +111,8 @@ def run_corpus_build(
     from flows.corpus import build_corpus
     from flows.runtime import prefect_api
     from flows.runtime import task_runner as make_task_runner
-    from tasks.corpus import plan_corpus, read_manifest, summary_of
-    from tasks.sources import expand_sources
+    from tasks.corpus.build import plan_corpus, read_manifest, summary_of
+    from tasks.corpus.sources import expand_sources
     from tasks.store import store_of
 
     settings = get_settings(store_uri=store, task_runner=task_runner, max_workers=workers)
@@ -151,7 +151,7 @@ def corpus_build(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Shard raw Amazon reviews (2014/2018/2023 formats) into deduplicated Arrow files with a manifest."""
-    from tasks.corpus import CorpusConfig, parse_split
+    from tasks.corpus.build import CorpusConfig, parse_split
 
     try:
         config = CorpusConfig(
@@ -245,7 +245,7 @@ def corpus_sample(
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same bytes).")] = 0,
 ) -> None:
     """Generate a small review sample in the real Amazon 2014, 2018 and 2023 formats."""
-    from tasks.sample import write_sample
+    from tasks.corpus.sample import write_sample
 
     for path in write_sample(out_dir, num_reviews=reviews, seed=seed):
         out.print(str(path), highlight=False)
@@ -272,7 +272,7 @@ def _run_flow(flow: Any, *, unit: str = "percent", show_progress: bool = True, *
 def run_pretrain(params: Any, *, show_progress: bool = True) -> dict[str, Any]:
     """Train as a Prefect flow run (the job itself under torchrun, Slurm or Kubernetes)."""
     from flows.pretrain import pretrain as pretrain_flow
-    from tasks.pretrain import plan_job
+    from tasks.pretrain.stage import plan_job
 
     plan_job(params, get_settings())  # bad settings fail here, before a Prefect API or a process starts
     return _run_flow(pretrain_flow, unit="step", show_progress=show_progress, params=params)  # type: ignore[no-any-return]
@@ -308,8 +308,8 @@ def pretrain(
     """Pretrain the mLSTM on a corpus; relaunching with the same --run resumes from its latest checkpoint."""
     from pydantic import ValidationError
 
-    from tasks.launch import LaunchError
-    from tasks.pretrain import PretrainParams, flag_errors
+    from tasks.pretrain.launchers.base import LaunchError
+    from tasks.pretrain.stage import PretrainParams, flag_errors
 
     if store:
         os.environ["MLSTM_STORE_URI"] = store
@@ -363,10 +363,10 @@ def features(
     store: StoreOption = None,
 ) -> None:
     """Write the mLSTM's final cell state for every row of a file (cached in the store)."""
-    from tasks.checkpoint import load_checkpoint
-    from tasks.datasets import read_table
-    from tasks.features import cached_features, features_table, write_output
+    from tasks.pretrain.checkpoint import load_checkpoint
     from tasks.store import store_of
+    from tasks.transfer.datasets import read_table
+    from tasks.transfer.features import cached_features, features_table, write_output
 
     settings = get_settings(store_uri=store)
     try:
@@ -402,7 +402,7 @@ def import_weights_command(
     store: StoreOption = None,
 ) -> None:
     """Import published mLSTM weights as a checkpoint in the store; print its URI."""
-    from tasks.weights import import_weights
+    from tasks.transfer.weights import import_weights
 
     settings = get_settings(store_uri=store)
     try:
@@ -451,8 +451,8 @@ def transfer(
     """Fit L1 logistic-regression probes on the mLSTM's features; find the sentiment neuron; register."""
     from pydantic import ValidationError
 
-    from tasks.pretrain import flag_errors
-    from tasks.transfer import TransferParams
+    from tasks.pretrain.stage import flag_errors
+    from tasks.transfer.stage import TransferParams
 
     if store:
         os.environ["MLSTM_STORE_URI"] = store
@@ -523,8 +523,8 @@ def predict(
     ] = False,
 ) -> None:
     """Score texts with a registered classifier (the champion by default)."""
-    from tasks.datasets import read_table
     from tasks.tracking import connect
+    from tasks.transfer.datasets import read_table
 
     settings = get_settings()
     try:
@@ -808,7 +808,7 @@ def promote(
     ] = "promoted by hand",
 ) -> None:
     """Point @champion at a version by hand: a promotion, or a rollback to an earlier version."""
-    from tasks.registry import promote as promote_version
+    from tasks.transfer.registry import promote as promote_version
 
     try:
         done = promote_version(version, get_settings(), reason=reason)
@@ -830,10 +830,10 @@ def demo(
 ) -> None:
     """Run the whole pipeline on embedded defaults: a generated sample, its corpus, a tiny mLSTM, its
     probe, the registered classifier, served and asked for two predictions."""
-    from tasks.corpus import CorpusConfig
+    from tasks.corpus.build import CorpusConfig
+    from tasks.corpus.sample import write_labelled_sample, write_sample
     from tasks.pipeline import PipelineParams, PretrainStage, TransferStage
-    from tasks.sample import write_labelled_sample, write_sample
-    from tasks.serve import invoke, served
+    from tasks.transfer.serve import invoke, served
 
     settings = get_settings()
     err.print(f"[bold]mlstm-sentiment demo[/] · home {settings.home.resolve()}")

@@ -12,7 +12,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
-from tasks.corpus import (
+from tasks.corpus.build import (
     CorpusConfig,
     build_manifest,
     parse_piece_task,

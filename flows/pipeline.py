@@ -22,7 +22,7 @@ from flows.corpus import build_corpus
 from flows.pretrain import pretrain
 from flows.runtime import task_runner
 from flows.transfer import transfer
-from tasks.corpus import plan_corpus, read_manifest, summary_of
+from tasks.corpus.build import plan_corpus, read_manifest, summary_of
 from tasks.pipeline import (
     PipelineParams,
     close_pipeline_run,
@@ -34,11 +34,11 @@ from tasks.pipeline import (
     transfer_params,
     transfer_record_key,
 )
-from tasks.pretrain import job_result, plan_job, read_corpus_manifest, resolve_corpus
+from tasks.pretrain.stage import job_result, plan_job, read_corpus_manifest, resolve_corpus
 from tasks.settings import Settings, get_settings
 from tasks.store import store_of
 from tasks.tracking import find_run, model_link, run_link
-from tasks.transfer import resolve_checkpoint
+from tasks.transfer.stage import resolve_checkpoint
 
 
 @task(name="fingerprint sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.corpus import cpu_count
+from tasks.corpus.build import cpu_count
 from tasks.settings import Settings
 
 

@@ -15,11 +15,18 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows import names, progress
-from tasks import registry
-from tasks.datasets import dataset_name
 from tasks.settings import get_settings
 from tasks.tracking import model_link, run_link
-from tasks.transfer import TransferParams, accuracy_on_test, classifier_of, extract, probe, summary_table
+from tasks.transfer import registry
+from tasks.transfer.datasets import dataset_name
+from tasks.transfer.stage import (
+    TransferParams,
+    accuracy_on_test,
+    classifier_of,
+    extract,
+    probe,
+    summary_table,
+)
 
 
 @task(name="features", cache_policy=NO_CACHE)

@@ -15,14 +15,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tasks.checkpoint import read_latest
-from tasks.corpus import CorpusConfig
-from tasks.datasets import load_dataset
-from tasks.features import weights_fingerprint
-from tasks.pretrain import PretrainParams
+from tasks.corpus.build import CorpusConfig
+from tasks.pretrain.checkpoint import read_latest
+from tasks.pretrain.stage import PretrainParams
 from tasks.settings import Settings
 from tasks.store import Store
-from tasks.transfer import TransferParams, load_checkpoint_of
+from tasks.transfer.datasets import load_dataset
+from tasks.transfer.features import weights_fingerprint
+from tasks.transfer.stage import TransferParams, load_checkpoint_of
 
 Stage = Literal["corpus", "pretrain", "transfer"]
 STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer")

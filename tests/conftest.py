@@ -62,8 +62,8 @@ def sample_manifest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """URI of a corpus of generated reviews (2,368 train rows): needs nothing beside the checkout."""
     from corpus_helpers import build
 
-    from tasks.corpus import CorpusConfig
-    from tasks.sample import write_sample
+    from tasks.corpus.build import CorpusConfig
+    from tasks.corpus.sample import write_sample
 
     root = tmp_path_factory.mktemp("sample-corpus")
     files = write_sample(root / "raw", num_reviews=3000)

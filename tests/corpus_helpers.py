@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tasks.corpus import (
+from tasks.corpus.build import (
     CorpusConfig,
     CorpusPlan,
     build_manifest,
@@ -18,7 +18,7 @@ from tasks.corpus import (
     publish_manifest,
     reduce_bucket,
 )
-from tasks.reviews import CORPUS_SCHEMA
+from tasks.corpus.reviews import CORPUS_SCHEMA
 from tasks.store import LocalStore, Store
 
 

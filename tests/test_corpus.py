@@ -15,9 +15,9 @@ import xxhash
 from corpus_helpers import build, corpus_dir, read_split, rejected, saved_manifest, shard_digests
 
 from models.text import clean_text
-from tasks.corpus import SPLITS, CorpusConfig, plan_corpus, split_of, text_keys
-from tasks.reviews import CORPUS_SCHEMA
-from tasks.sources import SourceError
+from tasks.corpus.build import SPLITS, CorpusConfig, plan_corpus, split_of, text_keys
+from tasks.corpus.reviews import CORPUS_SCHEMA
+from tasks.corpus.sources import SourceError
 
 SMALL_SPLIT = CorpusConfig(split=(98, 1, 1))
 
@@ -273,7 +273,7 @@ def test_a_folder_without_review_files_is_an_error(tmp_path: Path) -> None:
 
 
 def test_config_errors_name_the_setting() -> None:
-    from tasks.corpus import parse_split
+    from tasks.corpus.build import parse_split
 
     with pytest.raises(ValueError, match="--split '1000:1'"):
         parse_split("1000:1")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.datasets import Dataset, DatasetError, load_dataset, read_table
+from tasks.transfer.datasets import Dataset, DatasetError, load_dataset, read_table
 
 # (id, rating, label, text) rows of an IMDB CSV export.
 ImdbRows = list[tuple[int, int, int, str]]

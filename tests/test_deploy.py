@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import free_port
 
-from tasks.sample import write_sample
+from tasks.corpus.sample import write_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -224,4 +224,6 @@ def test_cancelling_a_training_run_stops_every_process(
 
 def _training_processes() -> list[str]:
     listing = subprocess.run(["pgrep", "-af", "--", "--run-name cancelled"], capture_output=True, text=True)
-    return [line for line in listing.stdout.splitlines() if "tasks.train" in line and "pgrep" not in line]
+    return [
+        line for line in listing.stdout.splitlines() if "tasks.pretrain.train" in line and "pgrep" not in line
+    ]

@@ -21,7 +21,7 @@ import pytest
 from corpus_helpers import build_plan
 from fault_proxy import FaultProxy, fail_after_puts, never, proxies, random_faults
 
-from tasks.corpus import (
+from tasks.corpus.build import (
     CorpusConfig,
     plan_corpus,
 )
@@ -37,7 +37,7 @@ def raw_sources(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """A bucket with 12 small generated review files under raw/; yields the bucket's name."""
     import boto3
 
-    from tasks.sample import write_sample
+    from tasks.corpus.sample import write_sample
 
     bucket = f"faults-{uuid.uuid4().hex[:12]}"
     client = boto3.client("s3")

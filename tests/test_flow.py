@@ -18,7 +18,7 @@ from corpus_helpers import build, shard_digests
 
 import flows
 from flows.cli import run_corpus_build
-from tasks.corpus import CorpusConfig, plan_corpus
+from tasks.corpus.build import CorpusConfig, plan_corpus
 
 SMALL_SPLIT = CorpusConfig(split=(98, 1, 1))
 CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
@@ -154,16 +154,16 @@ def test_a_killed_build_leaves_no_manifest_and_resumes(
     assert not (store / plan.manifest_key).exists()
 
     # Resume with the plain functions, watching which pieces are read again.
-    import tasks.corpus
+    import tasks.corpus.build
 
     parsed: list[str] = []
-    real_iter_blocks = tasks.corpus.iter_blocks
+    real_iter_blocks = tasks.corpus.build.iter_blocks
 
     def counting_iter_blocks(piece: Any, **kwargs: Any) -> Any:
         parsed.append(piece.piece_id)
         return real_iter_blocks(piece, **kwargs)
 
-    monkeypatch.setattr(tasks.corpus, "iter_blocks", counting_iter_blocks)
+    monkeypatch.setattr(tasks.corpus.build, "iter_blocks", counting_iter_blocks)
     resumed = build([raw], store, config)
     assert set(parsed) == {p.piece_id for p in plan.pieces} - done_before
     clean = build([raw], tmp_path / "clean", config)

@@ -378,7 +378,8 @@ def test_dockerfile_copies_what_exists_and_what_pip_needs() -> None:
     # `pip install .` needs the packages pyproject.toml names, its readme and the constraints.
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     copied = {source.rstrip("/") for source in sources}
-    needed = {*pyproject["tool"]["setuptools"]["packages"], pyproject["project"]["readme"], "constraints.txt"}
+    packages = {name.split(".")[0] for name in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    needed = {*packages, pyproject["project"]["readme"], "constraints.txt"}
     assert needed <= copied, f"not copied: {needed - copied}"
     assert "team" in pyproject["project"]["optional-dependencies"]
     assert dockerfile()[0] == Instruction("FROM", "python:3.11-slim")
@@ -464,8 +465,8 @@ def test_manifest_holds_only_those_kinds() -> None:
 
 
 def launcher_calls() -> set[str]:
-    """The Kubernetes API methods tasks/kubernetes.py calls (``*_namespaced_*``)."""
-    tree = ast.parse((ROOT / "tasks" / "kubernetes.py").read_text())
+    """The Kubernetes API methods tasks/pretrain/launchers/kubernetes.py calls (``*_namespaced_*``)."""
+    tree = ast.parse((ROOT / "tasks" / "pretrain" / "launchers" / "kubernetes.py").read_text())
     return {
         node.func.attr
         for node in ast.walk(tree)
@@ -476,7 +477,7 @@ def launcher_calls() -> set[str]:
 
 
 def test_role_grants_what_the_launcher_calls() -> None:
-    from tasks.kubernetes import GROUP, PLURAL
+    from tasks.pretrain.launchers.kubernetes import GROUP, PLURAL
 
     # API method → (API group, resource, RBAC verb) it needs.
     needs = {
@@ -490,9 +491,11 @@ def test_role_grants_what_the_launcher_calls() -> None:
         "read_namespaced_pod_log": ("", "pods/log", "get"),
     }
     calls = launcher_calls()
-    assert calls, "found no API call in tasks/kubernetes.py"
+    assert calls, "found no API call in tasks/pretrain/launchers/kubernetes.py"
     unknown = calls - set(needs)
-    assert not unknown, f"tasks/kubernetes.py calls {unknown}: add what they need here and to the Role"
+    assert not unknown, (
+        f"tasks/pretrain/launchers/kubernetes.py calls {unknown}: add what they need here and to the Role"
+    )
 
     granted = {
         (group, resource, verb)
@@ -552,7 +555,7 @@ def test_worker_identity_namespace_and_labels_agree() -> None:
 
 
 def test_no_secret_values_in_the_manifests() -> None:
-    from tasks.kubernetes import is_credential
+    from tasks.pretrain.launchers.kubernetes import is_credential
 
     assert not any(doc["kind"] == "Secret" for doc in manifests()), "a Secret's values belong in the cluster"
     config = manifest("ConfigMap")
@@ -564,5 +567,5 @@ def test_no_secret_values_in_the_manifests() -> None:
         if is_credential(entry["name"]):
             assert "value" not in entry, f"{entry['name']}: take it from the Secret (valueFrom.secretKeyRef)"
     secrets = [source["secretRef"]["name"] for source in container["envFrom"] if "secretRef" in source]
-    # The Secret the training pods read too (tasks/kubernetes.py, MLSTM_K8S_SECRET).
+    # The Secret the training pods read too (tasks/pretrain/launchers/kubernetes.py, MLSTM_K8S_SECRET).
     assert secrets == [config["data"]["MLSTM_K8S_SECRET"]]

@@ -23,8 +23,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tasks.kubernetes import MAX_NAME, KubernetesLauncher, is_credential, job_name
-from tasks.launch import JobHandle, JobSpec, JobState, LaunchError, launcher_for
+from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, LaunchError, launcher_for
+from tasks.pretrain.launchers.kubernetes import MAX_NAME, KubernetesLauncher, is_credential, job_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_VALUES = ("wJalrXUtnFEMI-very-secret", "session-token-value", "mlflow-password-value")
@@ -241,7 +241,7 @@ def test_render_one_pod_per_node(launcher: KubernetesLauncher, nodes: int, gpus:
         assert flags["--node-rank"] == "$(PET_NODE_RANK)"
         assert flags["--master-addr"] == "$(PET_MASTER_ADDR)"
         assert flags["--master-port"] == "$(PET_MASTER_PORT)"
-        assert command[11:] == ["-m", "tasks.train", *PAPER_ARGS]
+        assert command[11:] == ["-m", "tasks.pretrain.train", *PAPER_ARGS]
 
 
 def test_pod_template_matches_the_kubernetes_models(launcher: KubernetesLauncher) -> None:
@@ -309,7 +309,7 @@ def test_launcher_needs_no_cluster_until_it_calls_one(monkeypatch: pytest.Monkey
 
 
 def test_importing_the_launcher_does_not_import_kubernetes() -> None:
-    code = "import sys, tasks.kubernetes; sys.exit('kubernetes' in sys.modules)"
+    code = "import sys, tasks.pretrain.launchers.kubernetes; sys.exit('kubernetes' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from conftest import free_port
 
+from tasks.corpus.sample import write_labelled_sample, write_sample
 from tasks.pipeline import (
     PipelineParams,
     apply_overrides,
@@ -22,7 +23,6 @@ from tasks.pipeline import (
     pretrain_run_name,
     validated,
 )
-from tasks.sample import write_labelled_sample, write_sample
 
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "mlstm-sentiment")
@@ -269,8 +269,8 @@ def test_the_training_key_follows_what_changes_the_weights() -> None:
 
 
 def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:
-    from tasks.checkpoint import newest_checkpoint
-    from tasks.corpus import newest_manifest
+    from tasks.corpus.build import newest_manifest
+    from tasks.pretrain.checkpoint import newest_checkpoint
     from tasks.store import open_store
 
     store = open_store(str(tmp_path))

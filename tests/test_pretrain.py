@@ -18,10 +18,10 @@ import torch
 from corpus_helpers import build
 from train_helpers import job, run_job
 
-from tasks.checkpoint import load_checkpoint, read_latest
-from tasks.corpus import CorpusConfig
+from tasks.corpus.build import CorpusConfig
+from tasks.pretrain.checkpoint import load_checkpoint, read_latest
+from tasks.pretrain.train import TrainConfig, lr_factor
 from tasks.store import LocalStore
-from tasks.train import TrainConfig, lr_factor
 
 CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
 # Small enough for two CPU cores: 8 rows of 32 bytes a step.
@@ -207,7 +207,7 @@ def _pretrain_cli(run: str, manifest: str, env: dict[str, str]) -> subprocess.Po
     """``mlstm-sentiment pretrain`` on 2 CPU ranks for 200 steps, checkpointing every 20."""
     args = ["pretrain", "--corpus", manifest, *FAST[:-2], "--nproc", "2", "--run", run, "--max-steps", "200"]
     # Two relaunches: one for the crash, one for the rare gloo teardown abort after the last step
-    # (tasks/train.py main: "terminate called without an active exception"), which resumes at the end.
+    # (tasks/pretrain/train.py main: "terminate called without an active exception"), which resumes at the end.
     args += ["--checkpoint-every", "20", "--val-every", "100", "--retries", "2", "--json"]
     return subprocess.Popen([CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -234,10 +234,10 @@ def test_the_flow_retries_a_crashed_job_from_latest(
     while not (log.exists() and "checkpoint step=40 " in log.read_text()):
         assert time.monotonic() < deadline and cli.poll() is None, cli.communicate()
         time.sleep(0.2)
-    # This job's ranks only (`python -u -m tasks.train`, not torchrun): other jobs may run beside it.
+    # This job's ranks only (`python -u -m tasks.pretrain.train`, not torchrun): other jobs may run beside it.
     ranks = [
         line.split()[0]
-        for line in _processes_matching("-m tasks.train")
+        for line in _processes_matching("-m tasks.pretrain.train")
         if " -u " in line and sample_manifest in line and "--run-name crashy " in f"{line} "
     ]
     assert len(ranks) == 2, ranks

@@ -11,7 +11,7 @@ import pytest
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 
-from tasks.probe import (
+from tasks.transfer.probe import (
     DEFAULT_CS,
     ProbeResult,
     SweepPoint,

@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from tasks.corpus import CorpusConfig
-from tasks.sources import SourceError, expand_sources, fingerprint, iter_blocks, pieces_of
+from tasks.corpus.build import CorpusConfig
+from tasks.corpus.sources import SourceError, expand_sources, fingerprint, iter_blocks, pieces_of
 from tasks.store import MiB
 
 SMALL_SPLIT = CorpusConfig(split=(98, 1, 1))

@@ -59,7 +59,7 @@ def _living_processes_mentioning(text: str) -> list[str]:
 def test_screenshots_of_a_corpus_build(tmp_path: Path) -> None:
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"needs Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
-    from tasks.sample import write_sample
+    from tasks.corpus.sample import write_sample
 
     files = write_sample(tmp_path / "raw", num_reviews=300)
     out = tmp_path / "img"

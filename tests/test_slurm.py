@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import tasks.launch
-from tasks.launch import JobHandle, JobSpec, JobState, LaunchError
-from tasks.slurm import SlurmLauncher
+import tasks.pretrain.launchers.base
+from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, LaunchError
+from tasks.pretrain.launchers.slurm import SlurmLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -74,7 +74,7 @@ def test_render_gpu_job(workdir: Path) -> None:
     )
     assert command[command.index("--rdzv-endpoint") + 1] == "$HEAD_NODE:$RDZV_PORT"
     # The job's own arguments come through the shell exactly as given.
-    assert command[-len(args) - 2 :] == ["-m", "tasks.train", *args]
+    assert command[-len(args) - 2 :] == ["-m", "tasks.pretrain.train", *args]
     assert subprocess.run(["/bin/bash", "-n"], input=script, text=True, check=False).returncode == 0
 
 
@@ -99,7 +99,11 @@ def test_missing_template_names_every_path_tried(
 ) -> None:
     monkeypatch.delenv("MLSTM_INFRA_DIR", raising=False)
     # As installed: the package in site-packages, no infra/ beside it, run outside the checkout.
-    monkeypatch.setattr(tasks.launch, "__file__", str(tmp_path / "site-packages" / "tasks" / "launch.py"))
+    monkeypatch.setattr(
+        tasks.pretrain.launchers.base,
+        "__file__",
+        str(tmp_path / "site-packages" / "tasks" / "pretrain" / "launchers" / "base.py"),
+    )
     monkeypatch.chdir(tmp_path)
     spec = JobSpec(name="x", args=(), workdir=workdir)
     with pytest.raises(LaunchError, match=r"infra/slurm/pretrain\.sbatch is missing") as error:

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pytest
 from corpus_helpers import build, corpus_dir, read_split
 
-from tasks.corpus import CorpusConfig
-from tasks.sample import write_sample
-from tasks.stream import BatchPlan, ByteStream, StreamError, open_split
+from tasks.corpus.build import CorpusConfig
+from tasks.corpus.sample import write_sample
+from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 
 
 @pytest.fixture(scope="module")

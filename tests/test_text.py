@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from models.text import WHITESPACE, clean_text, encode
-from tasks.reviews import clean_text_column
+from tasks.corpus.reviews import clean_text_column
 
 
 def test_clean_text_follows_radford() -> None:

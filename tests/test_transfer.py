@@ -18,12 +18,12 @@ from train_helpers import run_job
 
 from models.classifier import SentimentClassifier
 from models.features import featurize
-from tasks.checkpoint import load_checkpoint
-from tasks.features import features_of
-from tasks.registry import CHAMPION, register
-from tasks.sample import write_labelled_sample
-from tasks.serve import invoke, served
+from tasks.corpus.sample import write_labelled_sample
+from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.settings import get_settings
+from tasks.transfer.features import features_of
+from tasks.transfer.registry import CHAMPION, register
+from tasks.transfer.serve import invoke, served
 
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "mlstm-sentiment")

@@ -20,9 +20,9 @@ import torch
 
 from models.features import featurize
 from models.text import CLEANING
-from tasks.checkpoint import load_checkpoint, save_checkpoint
+from tasks.pretrain.checkpoint import load_checkpoint, save_checkpoint
 from tasks.store import open_store
-from tasks.weights import (
+from tasks.transfer.weights import (
     OPENAI_SOURCE,
     WeightsError,
     import_openai,

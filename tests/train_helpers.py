@@ -1,4 +1,4 @@
-"""Run the training job (``torchrun -m tasks.train``) from a test."""
+"""Run the training job (``torchrun -m tasks.pretrain.train``) from a test."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.launch import JobHandle, JobSpec, LocalLauncher
+from tasks.pretrain.launchers.base import JobHandle, JobSpec, LocalLauncher
 
 
 def job(
     args: list[str], env_home: Path, *, nproc: int = 1, name: str = "job", env: dict[str, str] | None = None
 ) -> tuple[LocalLauncher, JobHandle]:
-    """Start ``torchrun -m tasks.train`` with ``nproc`` CPU ranks (``env`` on top of MLSTM_HOME)."""
+    """Start ``torchrun -m tasks.pretrain.train`` with ``nproc`` CPU ranks (``env`` on top of MLSTM_HOME)."""
     launcher = LocalLauncher()
     spec = JobSpec(
         name=name,

@@ -1,10 +1,10 @@
-"""``python -m tasks.torchrun ARGS`` is ``torchrun ARGS`` that cannot outlive the process that started it.
+"""``python -m tasks.pretrain.torchrun ARGS`` is ``torchrun ARGS`` that cannot outlive the process that started it.
 
 The local launcher starts torchrun in its own session, so that cancelling reaches every rank; the price
 is that torchrun no longer dies with the flow process. When a worker SIGKILLs a flow run that has not
 finished stopping its job within the worker's grace period, the kernel's parent-death signal
 (Linux ``PR_SET_PDEATHSIG``) is what still stops torchrun, and, set again in each rank by
-``tasks.train``, the ranks when torchrun itself goes. Elsewhere than Linux it is plain torchrun.
+``tasks.pretrain.train``, the ranks when torchrun itself goes. Elsewhere than Linux it is plain torchrun.
 """
 
 from __future__ import annotations

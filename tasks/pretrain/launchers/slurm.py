@@ -16,7 +16,16 @@ import subprocess
 import sys
 import time
 
-from tasks.launch import JobHandle, JobSpec, JobState, JobStatus, Launcher, LaunchError, infra_file, read_log
+from tasks.pretrain.launchers.base import (
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Launcher,
+    LaunchError,
+    infra_file,
+    read_log,
+)
 
 TEMPLATE = "slurm/pretrain.sbatch"
 # A job's name ends up in file names and #SBATCH lines: nothing a shell or Slurm's %-patterns would read.

@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tasks.launch import JobHandle, JobSpec, JobState, JobStatus, Launcher, LaunchError, infra_file
+from tasks.pretrain.launchers.base import (
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Launcher,
+    LaunchError,
+    infra_file,
+)
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi

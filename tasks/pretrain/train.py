@@ -1,4 +1,4 @@
-"""The pretraining job: ``torchrun --nproc-per-node N -m tasks.train --corpus URI --preset NAME --run-name NAME``.
+"""The pretraining job: ``torchrun --nproc-per-node N -m tasks.pretrain.train --corpus URI --preset NAME --run-name NAME``.
 
 The same code on one CPU, one GPU, 8 GPUs or 16 nodes × 8: rank and world size come from torchrun's
 environment, DDP averages gradients, autocast gives mixed precision (bf16 where the GPU has it, fp16
@@ -33,11 +33,11 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from models.mlstm import MLSTM, PRESETS, State, preset
-from tasks import checkpoint
+from tasks.pretrain import checkpoint
+from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
+from tasks.pretrain.torchrun import die_with_parent
 from tasks.settings import Settings, get_settings
 from tasks.store import Store, open_store, split_object_uri
-from tasks.stream import BatchPlan, ByteStream, StreamError, open_split
-from tasks.torchrun import die_with_parent
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -116,7 +116,9 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def from_args(cls, argv: list[str]) -> TrainConfig:
-        parser = argparse.ArgumentParser(prog="python -m tasks.train", description=__doc__.splitlines()[0])
+        parser = argparse.ArgumentParser(
+            prog="python -m tasks.pretrain.train", description=__doc__.splitlines()[0]
+        )
         for name, info in cls.model_fields.items():
             kind, choices = _flag_type(info.annotation)
             parser.add_argument(

@@ -34,8 +34,15 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models.text import CLEANING, CLEANING_DESCRIPTION, END_PAD, FRONT_PAD
-from tasks.reviews import CORPUS_SCHEMA, Rejects, clean_text_column, normalise, parse_block, string_buffers
-from tasks.sources import (
+from tasks.corpus.reviews import (
+    CORPUS_SCHEMA,
+    Rejects,
+    clean_text_column,
+    normalise,
+    parse_block,
+    string_buffers,
+)
+from tasks.corpus.sources import (
     FingerprintCache,
     Piece,
     Source,

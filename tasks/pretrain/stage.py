@@ -18,12 +18,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks.checkpoint import read_latest
-from tasks.launch import JobHandle, JobSpec, JobState, Launcher, LaunchError
+from tasks.pretrain.checkpoint import read_latest
+from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, Launcher, LaunchError
+from tasks.pretrain.stream import BatchPlan
+from tasks.pretrain.train import LrScaling, Precision, TrainConfig, iter_progress
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, split_object_uri, store_of
-from tasks.stream import BatchPlan
-from tasks.train import LrScaling, Precision, TrainConfig, iter_progress
 
 LauncherName = Literal["local", "slurm", "kubernetes"]
 
@@ -135,7 +135,7 @@ def resolve_corpus(uri: str, settings: Settings) -> str:
     """``newest`` is the corpus published last in the store; any other URI is itself."""
     if uri != "newest":
         return uri
-    from tasks.corpus import newest_manifest
+    from tasks.corpus.build import newest_manifest
 
     found = newest_manifest(store_of(settings))
     if found is None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from tasks.reviews import string_buffers
+from tasks.corpus.reviews import string_buffers
 from tasks.store import LocalStore, Store, split_object_uri
 
 

@@ -22,12 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from models.classifier import SentimentClassifier
 from models.features import OnBatch
-from tasks.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
-from tasks.datasets import declared_name, load_dataset
-from tasks.features import cached_features, features_of, read_table, weights_fingerprint
-from tasks.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
+from tasks.pretrain.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
 from tasks.settings import Settings
 from tasks.store import split_object_uri, store_of
+from tasks.transfer.datasets import declared_name, load_dataset
+from tasks.transfer.features import cached_features, features_of, read_table, weights_fingerprint
+from tasks.transfer.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
 
 SPLITS = ("train", "dev", "test")
 NEWEST = "newest"  # a checkpoint or corpus URI that means: the one saved last in the store

@@ -1,7 +1,7 @@
 """Launchers: one interface to start the training job on this machine, under Slurm or on Kubernetes.
 
 ``submit(spec) → handle``, then ``status``, ``logs`` and ``cancel`` on the handle. Every launcher runs
-the same thing: ``torchrun … -m tasks.train <flags>``, one torchrun per node. Only rank 0 of the job
+the same thing: ``torchrun … -m tasks.pretrain.train <flags>``, one torchrun per node. Only rank 0 of the job
 writes progress, so "the job's log" is rank 0's log (plus any rank's traceback).
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.torchrun import PARENT_PID_ENV
+from tasks.pretrain.torchrun import PARENT_PID_ENV
 
-JOB_MODULE = "tasks.train"
+JOB_MODULE = "tasks.pretrain.train"
 
 
 class LaunchError(RuntimeError):
@@ -152,7 +152,7 @@ class LocalLauncher(Launcher):
                 f"the local launcher runs on this machine only: --nodes {spec.nodes} needs "
                 "--launcher slurm or --launcher kubernetes"
             )
-        torchrun = [sys.executable, "-m", "tasks.torchrun", "--standalone"]
+        torchrun = [sys.executable, "-m", "tasks.pretrain.torchrun", "--standalone"]
         return [*torchrun, "--nproc-per-node", str(spec.nproc_per_node), *spec.job_command()]
 
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -222,7 +222,10 @@ def infra_file(relative: str) -> Path:
     if os.environ.get("MLSTM_INFRA_DIR"):
         tried = [Path(os.environ["MLSTM_INFRA_DIR"])]
     else:
-        tried = [Path(__file__).resolve().parents[1] / "infra", Path.cwd() / "infra"]
+        tried = [
+            Path(__file__).resolve().parents[3] / "infra",
+            Path.cwd() / "infra",
+        ]  # <root>/tasks/pretrain/launchers/
     for folder in tried:
         if (folder / relative).is_file():
             return folder / relative
@@ -238,11 +241,11 @@ def launcher_for(name: str) -> Launcher:
     if name == "local":
         return LocalLauncher()
     if name == "slurm":
-        from tasks.slurm import SlurmLauncher
+        from tasks.pretrain.launchers.slurm import SlurmLauncher
 
         return SlurmLauncher()
     if name == "kubernetes":
-        from tasks.kubernetes import KubernetesLauncher
+        from tasks.pretrain.launchers.kubernetes import KubernetesLauncher
 
         return KubernetesLauncher()
     raise ValueError(f"unknown launcher {name!r}: choose local, slurm or kubernetes")
