@@ -8,7 +8,7 @@ them and the build does its full work. Rows, all on the same files, in MB/s of u
 
 - floor: pyarrow's C++ JSON reader (multi-threaded) writing plain Arrow IPC files;
 - json.loads loop: one Python process reading line by line;
-- full build (flow): ``flows.cli.run_corpus_build`` through Prefect with the process pool;
+- full build (flow): ``flows.cli.corpus.run_corpus_build`` through Prefect with the process pool;
 - full build (plain functions): the same stage functions in a ProcessPoolExecutor, without Prefect;
 - second run: the flow build again, with the manifest already there.
 
@@ -473,7 +473,7 @@ def run_plain(inputs: InputSet, store_dir: Path, cache_path: Path, workers: int)
 
 def run_flow(inputs: InputSet, store_dir: Path, workers: int) -> dict[str, Any]:
     """The build as users run it: ``corpus build`` without the command line around it."""
-    from flows.cli import run_corpus_build
+    from flows.cli.corpus import run_corpus_build
     from tasks.corpus.build import CorpusConfig
 
     called = time.time()
@@ -584,7 +584,7 @@ CODE_FILES = (
     "tasks/store.py",
     "models/text.py",
     "flows/corpus.py",
-    "flows/cli.py",
+    "flows/cli/corpus.py",
     "flows/runtime.py",
 )
 
@@ -754,7 +754,7 @@ def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
 
     # The builds' modules (Prefect with them) are imported untimed, as a command would have them
     # imported before it starts; the worker processes still import them inside the timer.
-    import flows.cli  # noqa: F401
+    import flows.cli.corpus  # noqa: F401
     import tasks.corpus.build  # noqa: F401
 
     def plain_after(attempt: int, details: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import pytest
 from corpus_helpers import build, shard_digests
 
 import flows
-from flows.cli import run_corpus_build
+from flows.cli.corpus import run_corpus_build
 from tasks.corpus.build import CorpusConfig, plan_corpus
 
 SMALL_SPLIT = CorpusConfig(split=(98, 1, 1))

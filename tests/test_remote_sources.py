@@ -321,7 +321,7 @@ def test_flow_builds_from_s3_and_http_into_s3(
     amazon_dir: Path,
     tmp_path: Path,
 ) -> None:
-    from flows.cli import run_corpus_build
+    from flows.cli.corpus import run_corpus_build
 
     url, _ = served
     summary = run_corpus_build(

@@ -1,0 +1,49 @@
+"""The ``mlstm-sentiment`` command: run any stage, or the whole job, from a terminal.
+
+A thin entry: each stage's commands live in a sub-app of their own module, mounted here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from flows.cli import corpus, operate, pipeline, pretrain, transfer
+
+app = typer.Typer(
+    name="mlstm-sentiment",
+    help="From raw Amazon reviews to a served sentiment classifier: corpus → mLSTM → probe → MLflow.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(corpus.app, name="corpus", rich_help_panel="Corpus")
+# The other stages' commands sit at the top level (`mlstm-sentiment pretrain …`), grouped by stage.
+for stage in (pretrain, transfer, pipeline, operate):
+    app.add_typer(stage.app)
+
+
+@app.callback()
+def _global_options(
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Show Prefect's and MLflow's logs.")
+    ] = False,
+) -> None:
+    """Quiet consoles by default: flow logs still reach the Prefect API (and its UI) in full."""
+    level = "INFO" if verbose else "WARNING"
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", level)
+    if not verbose:  # set before Prefect configures its logging, here and in every worker process
+        os.environ.setdefault(
+            "PREFECT_LOGGING_HANDLERS_CONSOLE_CLASS", "flows.console.ConsoleWithoutTracebacks"
+        )
+
+
+def main() -> None:
+    # This machine's own tools need no phoning home; users can still turn either back on.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # MLflow prints a link to each run it ends on stdout, which --json keeps for the result alone.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    app()

@@ -1,0 +1,167 @@
+"""``mlstm-sentiment corpus …``: build, inspect and sample review corpora."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from flows.cli.common import RichSink, StoreOption, fail, out, progress_bar, user_errors
+from tasks.settings import TaskRunnerName, get_settings
+
+if TYPE_CHECKING:
+    from tasks.corpus.build import CorpusConfig
+
+app = typer.Typer(help="Build and inspect review corpora (Arrow shards + manifest).", no_args_is_help=True)
+
+
+def run_corpus_build(
+    sources: list[str],
+    *,
+    store: str | None,
+    config: CorpusConfig,
+    task_runner: TaskRunnerName | None = None,
+    workers: int | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Build a corpus as a Prefect flow run, or return at once if it is already built."""
+    from flows import progress
+    from flows.corpus import build_corpus
+    from flows.runtime import prefect_api
+    from flows.runtime import task_runner as make_task_runner
+    from tasks.corpus.build import plan_corpus, read_manifest, summary_of
+    from tasks.corpus.sources import expand_sources
+    from tasks.store import store_of
+
+    settings = get_settings(store_uri=store, task_runner=task_runner, max_workers=workers)
+    target = store_of(settings)
+    if any(s.startswith(("s3://", "http://", "https://")) for s in sources):
+        # A missing source is an error before any flow run, remote ones included.
+        expand_sources(sources, s3_endpoint_url=settings.s3_endpoint_url)
+    else:
+        # Local sources are cheap to fingerprint again: a corpus already built needs no flow run.
+        plan = plan_corpus(sources, config, cache_path=settings.home / "cache" / "fingerprints.json")
+        if target.exists(plan.manifest_key):
+            return summary_of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+    flow = build_corpus.with_options(task_runner=make_task_runner(settings))
+    bar = progress_bar(show=show_progress)
+    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
+        return flow(sources=sources, store=settings.resolved_store_uri, config=config)  # type: ignore[no-any-return]
+
+
+@app.command("build")
+def corpus_build(
+    sources: Annotated[
+        list[str], typer.Argument(help="Files, folders, globs, s3:// prefixes or http(s):// URLs.")
+    ],
+    store: StoreOption = None,
+    split: Annotated[str, typer.Option(help="train:val:test proportions.")] = "1000:1:1",
+    shard_mb: Annotated[int, typer.Option(min=1, help="Target shard size in MiB of text.")] = 256,
+    bucket_mb: Annotated[int, typer.Option(min=1, help="Input MiB per dedupe bucket (bounds memory).")] = 128,
+    piece_mb: Annotated[
+        int, typer.Option(min=1, help="Plain files are parsed in pieces of this many MiB.")
+    ] = 64,
+    workers: Annotated[int | None, typer.Option(help="Parallel workers. [default: CPU count]")] = None,
+    task_runner: Annotated[
+        str | None, typer.Option(help="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+) -> None:
+    """Shard raw Amazon reviews (2014/2018/2023 formats) into deduplicated Arrow files with a manifest."""
+    from tasks.corpus.build import CorpusConfig, parse_split
+
+    try:
+        config = CorpusConfig(
+            split=parse_split(split), shard_mb=shard_mb, bucket_mb=bucket_mb, piece_mb=piece_mb
+        )
+        summary = run_corpus_build(
+            sources,
+            store=store,
+            config=config,
+            task_runner=task_runner,  # type: ignore[arg-type]  # the settings validate the name
+            workers=workers,
+        )
+    except user_errors() as error:
+        raise fail(error) from None
+    if as_json:
+        print(json.dumps(summary))
+        return
+    out.print(
+        f"[bold green]corpus {summary['corpus_id']}[/]: {summary['rows']:,} rows, "
+        f"{summary['duplicates']:,} duplicates removed, {summary['rejected']:,} rejected"
+    )
+    out.print(f"manifest: {summary['manifest_uri']}", highlight=False)
+
+
+def _load_manifest(uri: str) -> dict[str, Any]:
+    from tasks.store import split_object_uri
+
+    settings = get_settings()
+    store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
+    if not store.exists(key):
+        raise fail(f"no manifest at {uri}")
+    return json.loads(store.read_bytes(key))  # type: ignore[no-any-return]
+
+
+@app.command("show")
+def corpus_show(manifest_uri: Annotated[str, typer.Argument(help="URI of a corpus manifest.json.")]) -> None:
+    """Print a corpus's splits and per-source counts."""
+    manifest = _load_manifest(manifest_uri)
+    splits = Table(title=f"corpus {manifest['corpus_id']} · cleaning {manifest['cleaning']['name']}")
+    for column in ("split", "rows", "text MiB", "shards"):
+        splits.add_column(column, justify="right")
+    for name, info in manifest["splits"].items():
+        splits.add_row(
+            name, f"{info['rows']:,}", f"{info['text_bytes'] / 2**20:,.1f}", str(len(info["shards"]))
+        )
+    out.print(splits)
+    sources = Table(title="sources")
+    for column in ("source", "records", "kept", "duplicates", "rejected"):
+        sources.add_column(column, justify="left" if column == "source" else "right")
+    for s in manifest["sources"]:
+        sources.add_row(s["name"], *(f"{s[k]:,}" for k in ("records", "kept", "duplicates", "rejected")))
+    out.print(sources)
+    out.print(f"rejected records: {manifest['rejected_uri']}", highlight=False)
+
+
+@app.command("rejected")
+def corpus_rejected(
+    manifest_uri: Annotated[str, typer.Argument(help="URI of a corpus manifest.json.")],
+    limit: Annotated[int, typer.Option(help="Show at most this many.")] = 20,
+) -> None:
+    """List rejected records: source, line, reason and the start of the raw line."""
+    import pyarrow as pa
+
+    from tasks.store import split_object_uri
+
+    manifest = _load_manifest(manifest_uri)
+    settings = get_settings()
+    table = Table(title=f"rejected records of corpus {manifest['corpus_id']}")
+    for column in ("source", "line", "reason", "raw"):
+        table.add_column(column, overflow="fold")
+    shown = 0
+    for uri in manifest["rejected_files"]:
+        store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
+        rows = pa.ipc.open_file(pa.py_buffer(store.read_bytes(key))).read_all().to_pylist()
+        for row in rows[: limit - shown]:
+            raw = row["raw"][:80].decode("utf-8", "backslashreplace")
+            table.add_row(row["source"].rpartition("/")[2], str(row["line"]), row["reason"], raw)
+            shown += 1
+    out.print(table)
+    out.print(f"{manifest['totals']['rejected']:,} rejected in all")
+
+
+@app.command("sample")
+def corpus_sample(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the sample files into.")],
+    reviews: Annotated[int, typer.Option(help="About how many reviews.")] = 3000,
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same bytes).")] = 0,
+) -> None:
+    """Generate a small review sample in the real Amazon 2014, 2018 and 2023 formats."""
+    from tasks.corpus.sample import write_sample
+
+    for path in write_sample(out_dir, num_reviews=reviews, seed=seed):
+        out.print(str(path), highlight=False)

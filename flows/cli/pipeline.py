@@ -1,0 +1,226 @@
+"""``mlstm-sentiment pipeline | run | status``: the whole job, reruns of a stage, and what ran."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from flows.cli.common import JsonOption, SetOption, check_datasets, err, fail, out, run_flow, user_errors
+from tasks.settings import get_settings
+
+if TYPE_CHECKING:
+    from tasks.pipeline import PipelineParams
+
+app = typer.Typer()
+PANEL = "Pipeline"
+
+
+def pipeline_values(**flags: Any) -> dict[str, Any]:
+    """Default pipeline parameters as a plain dict, for flags and ``--set`` to change."""
+    from tasks.pipeline import PipelineParams
+
+    return PipelineParams.model_construct().model_dump(mode="json") | flags
+
+
+def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> dict[str, Any]:
+    """The whole pipeline (or the stages ``params.stages`` names) as a Prefect flow run, here."""
+    from flows.pipeline import pipeline as pipeline_flow
+    from tasks.tracking import connect
+
+    check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
+    connect(get_settings())  # MLflow down: one clear error before any flow run or MLflow run exists
+    return run_flow(pipeline_flow, show_progress=show_progress, params=params)  # type: ignore[no-any-return]
+
+
+@app.command("pipeline", rich_help_panel=PANEL)
+def pipeline_command(
+    sources: Annotated[
+        list[str], typer.Argument(help="Raw reviews: files, folders, globs, s3:// or http(s)://.")
+    ],
+    dataset: Annotated[
+        list[str] | None, typer.Option(help="NAME=PATH for the probes, repeatable (SST, IMDB, a table).")
+    ] = None,
+    preset: Annotated[str, typer.Option(help="tiny, small, paper_4096 or paper_8192.")] = "tiny",
+    launcher: Annotated[str, typer.Option(help="local (torchrun here), slurm or kubernetes.")] = "local",
+    max_steps: Annotated[int | None, typer.Option(min=1, help="End pretraining at this step.")] = None,
+    force: Annotated[
+        list[str] | None, typer.Option(help="Run this stage even if its inputs are unchanged; repeatable.")
+    ] = None,
+    set_: SetOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Run corpus → pretrain → transfer → register under one MLflow run; unchanged stages are skipped."""
+    from tasks.pipeline import apply_overrides, validated
+
+    try:
+        values = pipeline_values(sources=sources, force=force or [])
+        values["pretrain"].update(preset=preset, launcher=launcher, max_steps=max_steps)
+        values["transfer"]["datasets"] = dataset or []
+        params = validated(apply_overrides(values, set_ or []))
+        result = run_pipeline(params)
+    except user_errors() as error:
+        raise fail(error) from None
+    print_pipeline(result, as_json=as_json)
+
+
+def print_pipeline(result: dict[str, Any], *, as_json: bool) -> None:
+    """A pipeline run's stages and outputs: a table, or one JSON object on stdout."""
+    if as_json:
+        keep = {"run_id", "stages", "corpus", "pretrain"}
+        summary = {k: v for k, v in result.items() if k in keep}
+        if "transfer" in result:
+            summary["transfer"] = {k: result["transfer"][k] for k in ("run_id", "datasets", "registered")}
+        print(json.dumps(summary, default=str))
+        return
+    table = Table(title=f"pipeline run {result['run_id']}")
+    for column in ("stage", "state", "result", "MLflow run"):
+        table.add_column(column, no_wrap=column != "result")
+    outputs = {
+        "corpus": lambda r: f"{r['rows']:,} rows",
+        "pretrain": lambda r: f"step {r['steps']:,}, val {r['val_bpc']:.2f} bits/byte",
+        "transfer": lambda r: ", ".join(
+            f"{n} test {v['test_accuracy']:.2%}" for n, v in r["datasets"].items()
+        ),
+    }
+    for stage, info in result["stages"].items():
+        color = {"ran": "green", "skipped": "cyan"}.get(info.get("state", ""), "red")
+        output = outputs[stage](result[stage]) if stage in result else "-"
+        table.add_row(stage, f"[{color}]{info.get('state')}[/]", output, str(info.get("run_id") or "-")[:12])
+    out.print(table)
+    if "corpus" in result:
+        out.print(f"manifest: {result['corpus']['manifest_uri']}", highlight=False)
+    if "pretrain" in result:
+        out.print(f"checkpoint: {result['pretrain']['checkpoint_uri']}", highlight=False)
+    registered = (result.get("transfer") or {}).get("registered")
+    if registered and result["stages"]["transfer"].get("state") == "skipped":
+        out.print(f"model: {registered['name']} v{registered['version']}, unchanged", highlight=False)
+    elif registered:
+        out.print(
+            f"registered {registered['name']} v{registered['version']}: {registered['reason']}",
+            highlight=False,
+        )
+
+
+StageArgument = Annotated[str, typer.Argument(help="corpus, pretrain or transfer.")]
+
+
+@app.command("run", rich_help_panel=PANEL)
+def run_stage(
+    stage: StageArgument,
+    from_: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="A pipeline's MLflow run id (its parameters and outputs are reused), or a manifest URI "
+            "(pretrain) or checkpoint URI (transfer). [default: the newest pipeline run, if any]",
+        ),
+    ] = None,
+    set_: SetOption = None,
+    rest: Annotated[bool, typer.Option("--rest", help="Run the later stages too.")] = False,
+    deployment: Annotated[
+        str | None,
+        typer.Option(
+            help="Run through this deployment (e.g. pipeline/pipeline-weekly) on a worker, not here."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Rerun one stage (or, with --rest, the rest of the pipeline) on demand, here or on a worker."""
+    from tasks.pipeline import STAGES, apply_overrides, stages_from, validated
+
+    if stage not in STAGES:
+        raise fail(f"unknown stage {stage!r}: choose corpus, pretrain or transfer")
+    try:
+        values = _rerun_values(stage, from_)
+        values.update(stages=stages_from(stage, rest=rest), force=[stage])
+        params = validated(apply_overrides(values, set_ or []))
+        # Through a deployment, dataset paths are the worker's: run_pipeline checks them here.
+        result = run_through_deployment(deployment, params) if deployment else run_pipeline(params)
+    except user_errors() as error:
+        raise fail(error) from None
+    print_pipeline(result, as_json=as_json)
+
+
+def _rerun_values(stage: str, origin: str | None) -> dict[str, Any]:
+    """The parameters a rerun starts from: a past pipeline run's (the newest by default) or a URI's."""
+    from tasks.pipeline import pipeline_params_of, recent_pipelines
+
+    settings = get_settings()
+    if origin and ("/" in origin or ":" in origin):
+        if stage == "corpus":
+            raise ValueError("--from URI is a manifest (for pretrain) or a checkpoint (for transfer); "
+                             "the corpus stage reads --set sources=…")  # fmt: skip
+        key = "manifest_uri" if stage == "pretrain" else "checkpoint_uri"
+        return pipeline_values(**{key: origin})
+    if origin is None:
+        newest = recent_pipelines(settings, 1)
+        if not newest:  # a fresh install: the defaults, and --set says the rest
+            return pipeline_values()
+        origin = newest[0]["run_id"]
+    values, tags = pipeline_params_of(origin, settings)
+    values["manifest_uri"] = tags.get("manifest_uri") or values.get("manifest_uri")
+    values["checkpoint_uri"] = tags.get("checkpoint_uri") or values.get("checkpoint_uri")
+    return values
+
+
+def run_through_deployment(name: str, params: PipelineParams) -> dict[str, Any]:
+    """Create a run of a pipeline deployment, follow its state and logs until it ends; its result is
+    read back from the MLflow run it made."""
+    from flows.runtime import configured_api_url, follow_flow_run, prefect_api, submit_deployment
+    from tasks.pipeline import pipeline_result_of
+
+    settings = get_settings()
+    if not configured_api_url(settings):
+        raise ValueError(
+            "--deployment needs a Prefect server: set PREFECT_API_URL (or MLSTM_PREFECT_API_URL)"
+        )
+    with prefect_api(settings):
+        flow_run_id = submit_deployment(name, {"params": params.model_dump(mode="json")})
+        err.print(f"flow run {flow_run_id} of {name}: waiting for a worker", highlight=False)
+        state = follow_flow_run(
+            flow_run_id, on_log=lambda line: err.print(line, style="dim", highlight=False)
+        )
+    if state != "COMPLETED":
+        raise ValueError(f"flow run {flow_run_id} of {name} ended {state}; its logs are in the Prefect UI")
+    return pipeline_result_of(flow_run_id, settings)
+
+
+@app.command(rich_help_panel=PANEL)
+def status(
+    limit: Annotated[int, typer.Option(min=1, help="How many runs.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
+) -> None:
+    """Recent pipeline runs: their stages, metrics and model versions (from MLflow)."""
+    from tasks.pipeline import recent_pipelines
+
+    try:
+        runs = recent_pipelines(get_settings(), limit)
+    except user_errors() as error:
+        raise fail(error) from None
+    if as_json:
+        for run in runs:
+            print(json.dumps(run))
+        return
+    table = Table(title=f"pipeline runs ({get_settings().resolved_mlflow_tracking_uri})")
+    for column in (
+        "started (UTC)",
+        "status",
+        "corpus",
+        "pretrain",
+        "transfer",
+        "metrics",
+        "model",
+        "MLflow run",
+    ):
+        table.add_column(column, overflow="fold")
+    for run in runs:
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(run["metrics"].items()) if k != "corpus_rows")
+        table.add_row(
+            run["started"].replace("T", " ").removesuffix("+00:00"), run["status"],
+            *run["stages"].values(), metrics or "-", f"v{run['model_version']}" if run["model_version"] else "-",
+            run["run_id"],
+        )  # fmt: skip
+    out.print(table)
