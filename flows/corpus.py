@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow, get_run_logger, unmapped
+from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import get_run_context
 from prefect.futures import as_completed
@@ -15,16 +15,42 @@ from flows import names, progress
 from tasks.corpus.build import (
     CorpusConfig,
     build_manifest,
-    parse_piece_task,
-    plan_corpus_task,
+    parse_piece,
+    plan_corpus,
     publish_manifest,
     read_manifest,
-    reduce_bucket_task,
+    reduce_bucket,
     summary_of,
 )
+from tasks.corpus.sources import SourceError
 from tasks.settings import get_settings
 from tasks.store import store_of
 from tasks.tracking import experiment_id, log_corpus, run_link
+
+# Prefect tasks: the plain work of tasks.corpus.build, with retries for what is worth retrying
+# (I/O; bad records never raise, they are rejected).
+
+
+def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """A missing or unreadable SOURCE stays so; network and store errors may pass."""
+    try:
+        state.result()
+    except SourceError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+plan_corpus_task = task(
+    name="plan corpus", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying
+)(plan_corpus)
+parse_piece_task = task(
+    name="parse piece", retries=2, retry_delay_seconds=5, task_run_name="parse {piece.piece_id}"
+)(parse_piece)
+reduce_bucket_task = task(
+    name="reduce bucket", retries=2, retry_delay_seconds=5, task_run_name="reduce bucket {bucket}"
+)(reduce_bucket)
 
 
 # Pieces run in worker processes by default (the CLI picks the runner from the settings).

@@ -23,7 +23,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, LaunchError, launcher_for
+from tasks.pretrain.launchers import launcher_for
+from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, LaunchError
 from tasks.pretrain.launchers.kubernetes import MAX_NAME, KubernetesLauncher, is_credential, job_name
 
 ROOT = Path(__file__).resolve().parents[1]

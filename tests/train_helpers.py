@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.pretrain.launchers.base import JobHandle, JobSpec, LocalLauncher
+from tasks.pretrain.launchers.base import JobHandle, JobSpec
+from tasks.pretrain.launchers.local import LocalLauncher
 
 
 def job(

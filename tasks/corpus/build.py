@@ -30,7 +30,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
-from prefect import task
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models.text import CLEANING, CLEANING_DESCRIPTION, END_PAD, FRONT_PAD
@@ -46,7 +45,6 @@ from tasks.corpus.sources import (
     FingerprintCache,
     Piece,
     Source,
-    SourceError,
     expand_sources,
     fingerprint,
     iter_blocks,
@@ -614,30 +612,3 @@ def summary_of(manifest: dict[str, Any], manifest_uri: str) -> dict[str, Any]:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Prefect tasks: the functions above, with retries for what is worth retrying (I/O; bad records
-# never raise, they are rejected).
-
-
-def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    """A missing or unreadable SOURCE stays so; network and store errors may pass."""
-    try:
-        state.result()
-    except SourceError:
-        return False
-    except Exception:
-        return True
-    return True
-
-
-plan_corpus_task = task(
-    name="plan corpus", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying
-)(plan_corpus)
-parse_piece_task = task(
-    name="parse piece", retries=2, retry_delay_seconds=5, task_run_name="parse {piece.piece_id}"
-)(parse_piece)
-reduce_bucket_task = task(
-    name="reduce bucket", retries=2, retry_delay_seconds=5, task_run_name="reduce bucket {bucket}"
-)(reduce_bucket)

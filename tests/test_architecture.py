@@ -1,0 +1,135 @@
+"""The house rules of docs/architecture.md, checked on the source: imports point down only (flows →
+tasks → models), no import circles, and the plain work imports without Prefect."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("models", "tasks", "flows")
+LAYER = {"models": 0, "tasks": 1, "flows": 2}
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the three packages, by dotted name (a package by its ``__init__``)."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The project's modules that ``name`` imports anywhere in its file (inside functions too: a
+    deferred import is still a dependency, and still closes a circle)."""
+    is_package = path.name == "__init__.py"
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join([*base, node.module] if node.module else base)
+            else:
+                origin = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod.
+            for alias in node.names:
+                targets.add(f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin)
+    return {t for t in targets if t in modules and t != name}
+
+
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imports_of(path, name, set(files)) for name, path in files.items()}
+
+
+def test_the_graph_sees_the_project() -> None:
+    edges = graph()
+    assert "tasks.pretrain.launchers.slurm" in edges
+    assert "tasks.pretrain.launchers.base" in edges["tasks.pretrain.launchers.slurm"]
+    assert "models.mlstm" in edges["tasks.pretrain.train"]
+
+
+def test_imports_point_down_only() -> None:
+    upward = [
+        f"{source} imports {target}"
+        for source, targets in graph().items()
+        for target in targets
+        if LAYER[target.split(".")[0]] > LAYER[source.split(".")[0]]
+    ]
+    assert not upward, (
+        "models/ imports nothing from tasks/ or flows/, tasks/ nothing from flows/: " + "; ".join(upward)
+    )
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(edges[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_a_circle_is_found() -> None:
+    # The checker itself: the circle that tasks/launch.py and tasks/slurm.py once made.
+    edges = {"a.launch": {"a.slurm"}, "a.slurm": {"a.launch"}, "a.store": set()}
+    assert cycles(edges) == [["a.launch", "a.slurm"]]
+
+
+def test_plain_work_imports_without_prefect() -> None:
+    names = sorted(name for name in module_files() if name.split(".")[0] in ("models", "tasks"))
+    # Prefect made unimportable: each module still imports (its Prefect wrappers live in flows/).
+    script = (
+        "import importlib, sys\n"
+        "sys.modules['prefect'] = None\n"
+        f"for name in {names!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError as error:\n"
+        "        sys.exit(f'{name}: {error}')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tasks.corpus.build" in names and "tasks.pretrain.train" in names
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "flows" / "cli").glob("*.py")), ids=lambda p: p.name)
+def test_cli_modules_stay_small(path: Path) -> None:
+    assert len(path.read_text().splitlines()) <= 300, f"{path.name}: split it by stage"
