@@ -28,6 +28,7 @@ test: $(STAMP)
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
 clean:

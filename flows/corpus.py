@@ -13,6 +13,7 @@ from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
 from tasks.corpus.build import (
+    BucketResult,
     CorpusConfig,
     build_manifest,
     parse_piece,
@@ -55,7 +56,10 @@ reduce_bucket_task = task(
 
 # Pieces run in worker processes by default (the CLI picks the runner from the settings).
 @flow(
-    name="build_corpus", flow_run_name=names.corpus_name, log_prints=True, task_runner=ProcessPoolTaskRunner()
+    name="build_corpus",
+    flow_run_name=names.corpus_name,
+    log_prints=True,
+    task_runner=ProcessPoolTaskRunner(),  # type: ignore[arg-type]  # Prefect's annotation is narrower than its runners
 )
 def build_corpus(
     sources: list[str],
@@ -106,10 +110,10 @@ def build_corpus(
         sink.advance(sizes[result.piece_id])
 
     sink.stage("dedupe + write shards", total=plan.num_buckets)
-    buckets = []
+    buckets: list[BucketResult] = []
     reduced = reduce_bucket_task.map(plan, list(range(plan.num_buckets)), target, unmapped(pieces))
-    for future in as_completed(reduced):
-        buckets.append(future.result())
+    for reduced_future in as_completed(reduced):
+        buckets.append(reduced_future.result())
         sink.advance(1)
 
     manifest = build_manifest(plan, target, pieces, buckets)

@@ -34,12 +34,12 @@ def read_prefect_file(path: Path) -> dict[str, Any]:
 
 def deployment_names(data: dict[str, Any], root: Path) -> list[str]:
     """``flow-name/deployment-name`` of every deployment, as `prefect deployment run` takes them."""
-    from prefect.flows import load_flow_from_entrypoint
+    from prefect.flows import Flow, load_flow_from_entrypoint
 
     names = []
     for deployment in data["deployments"]:
         path, _, function = deployment["entrypoint"].partition(":")
-        flow = load_flow_from_entrypoint(f"{root / path}:{function}")
+        flow: Flow[..., Any] = load_flow_from_entrypoint(f"{root / path}:{function}")
         names.append(f"{flow.name}/{deployment['name']}")
     return names
 

@@ -132,7 +132,7 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
 
 def _failed(stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The stage that was running when the pipeline failed has no state yet; later ones never started."""
-    states = {}
+    states: dict[str, dict[str, Any]] = {}
     for stage, info in stages.items():
         if "state" not in info:
             states[stage] = {**info, "state": "failed" if not states else "not started"}
@@ -160,7 +160,7 @@ def _corpus(params: PipelineParams, settings: Settings, run_id: str, info: dict[
         info.update(state="ran", flow_run_id=_flow_run_id_of(state))
     found = find_run(settings, {"stage": "corpus", "corpus_id": summary["corpus_id"]})
     info["run_id"] = found.info.run_id if found else None
-    return summary  # type: ignore[no-any-return]
+    return summary
 
 
 def _pretrain(
@@ -181,7 +181,7 @@ def _pretrain(
         done = state.result()
         info.update(state="ran", flow_run_id=_flow_run_id_of(state))
     info["run_id"] = done["run_id"]
-    return done  # type: ignore[no-any-return]
+    return done
 
 
 def _transfer(
@@ -212,7 +212,7 @@ def _transfer(
         store.write_bytes(record, json.dumps(done, default=str).encode())
         info.update(state="ran", flow_run_id=_flow_run_id_of(state))
     info["run_id"] = done["run_id"]
-    return done  # type: ignore[no-any-return]
+    return done
 
 
 def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]) -> str:

@@ -89,7 +89,7 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
         rows.append(values)
         sink.advance(values["step"] - done)
         done = values["step"]
-        update_progress_artifact(artifact_id, progress=100 * values["step"] / job.stop_step)
+        update_progress_artifact(artifact_id, progress=100 * values["step"] / job.stop_step)  # type: ignore[arg-type]  # sync: a UUID
 
     handle: JobHandle | None = None
     finished = False

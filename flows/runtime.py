@@ -88,9 +88,9 @@ def _drain_prefect_workers() -> None:
             result = APILogWorker.instance().drain()
             if inspect.isawaitable(result):
                 await result
-        result = EventsWorker.drain_all()
-        if inspect.isawaitable(result):
-            await result
+        drained = EventsWorker.drain_all()
+        if inspect.isawaitable(drained):
+            await drained
 
     run_coro_as_sync(drain())
 
@@ -137,14 +137,14 @@ def task_runner(settings: Settings) -> Any:
         return ThreadPoolTaskRunner(max_workers=workers)
     if settings.task_runner == "dask":
         try:
-            from prefect_dask import DaskTaskRunner  # type: ignore[import-not-found]
+            from prefect_dask import DaskTaskRunner
         except ImportError as error:
             raise RuntimeError("MLSTM_TASK_RUNNER=dask needs `pip install prefect-dask`") from error
         if settings.task_runner_address:
             return DaskTaskRunner(address=settings.task_runner_address)
         return DaskTaskRunner(cluster_kwargs={"n_workers": workers})
     try:
-        from prefect_ray import RayTaskRunner  # type: ignore[import-not-found]
+        from prefect_ray import RayTaskRunner
     except ImportError as error:
         raise RuntimeError("MLSTM_TASK_RUNNER=ray needs `pip install prefect-ray`") from error
     return RayTaskRunner(address=settings.task_runner_address)
@@ -159,6 +159,7 @@ def submit_deployment(name: str, parameters: dict[str, Any]) -> str:
         raise ValueError(f"--deployment {name}: write FLOW/DEPLOYMENT, e.g. pipeline/pipeline-weekly")
     try:
         flow_run = run_deployment(name, parameters=parameters, timeout=0)
+        assert not inspect.isawaitable(flow_run)  # called outside an event loop: run_deployment is sync
     except ObjectNotFound:
         raise ValueError(
             f"no deployment {name} on the Prefect server: `mlstm-sentiment deploy` creates those in "

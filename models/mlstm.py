@@ -83,7 +83,8 @@ def preset(name: str) -> MLSTMConfig:
 
 def weight_norm(v: Tensor, g: Tensor) -> Tensor:
     """W = g · v / ‖v‖, the norm taken per output unit (column of v, which is [in, out])."""
-    return v * (g / v.norm(dim=0))
+    W: Tensor = v * (g / v.norm(dim=0))
+    return W
 
 
 class MLSTM(nn.Module):

@@ -10,15 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import mlflow.pyfunc
 import pandas as pd
+from mlflow.pyfunc.model import PythonModel
 
 from models.classifier import SentimentClassifier
 
 ARTIFACT = "classifier"  # the key of the classifier's folder among the logged model's artifacts
 
 
-class SentimentModel(mlflow.pyfunc.PythonModel):
+class SentimentModel(PythonModel):
     def load_context(self, context: Any) -> None:
         self.classifier = SentimentClassifier.load(Path(context.artifacts[ARTIFACT]))
 

@@ -259,8 +259,8 @@ def close_pipeline_run(
             client.set_tag(run_id, key, value)
     if note:
         client.set_tag(run_id, "mlflow.note.content", note)
-    for key, value in metrics.items():
-        client.log_metric(run_id, key, value)
+    for key, metric in metrics.items():
+        client.log_metric(run_id, key, metric)
     client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,4 +77,5 @@ class Settings(BaseSettings):
 
 def get_settings(**overrides: object) -> Settings:
     """Read the settings from the environment, with explicit overrides (CLI flags) on top."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(**values)

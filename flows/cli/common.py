@@ -69,8 +69,9 @@ def _message(error: BaseException) -> str:
     return str(error)
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """The errors that mean a bad input or an unreachable service, not a bug: one line, no traceback."""
+def user_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """The errors that mean a bad input or an unreachable service, not a bug: one line, no traceback;
+    ``more`` adds a command's own."""
     # What S3 says once botocore's and the task's retries are spent: an outage, a denied key.
     from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
@@ -82,7 +83,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         SourceError, StoreError, PrefectUnavailable, TrackingUnavailable, ValueError,
-        ClientError, BotoCoreError, Boto3Error,
+        ClientError, BotoCoreError, Boto3Error, *more,
     )  # fmt: skip
 
 

@@ -49,7 +49,7 @@ def run_corpus_build(
     flow = build_corpus.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar(show=show_progress)
     with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
-        return flow(sources=sources, store=settings.resolved_store_uri, config=config)  # type: ignore[no-any-return]
+        return flow(sources=sources, store=settings.resolved_store_uri, config=config)
 
 
 @app.command("build")
@@ -103,7 +103,7 @@ def _load_manifest(uri: str) -> dict[str, Any]:
     store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
     if not store.exists(key):
         raise fail(f"no manifest at {uri}")
-    return json.loads(store.read_bytes(key))  # type: ignore[no-any-return]
+    return json.loads(store.read_bytes(key))
 
 
 @app.command("show")

@@ -129,7 +129,7 @@ def deploy(
     try:
         with prefect_api(settings) as url:
             lines = deploy_file(file, name)
-    except (*user_errors(), DeployError) as error:
+    except user_errors(DeployError) as error:
         raise fail(error) from None
     for line in lines:
         out.print(line, highlight=False)

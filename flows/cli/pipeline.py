@@ -32,7 +32,7 @@ def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> dict[
 
     check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
     connect(get_settings())  # MLflow down: one clear error before any flow run or MLflow run exists
-    return run_flow(pipeline_flow, show_progress=show_progress, params=params)  # type: ignore[no-any-return]
+    return run_flow(pipeline_flow, show_progress=show_progress, params=params)
 
 
 @app.command("pipeline", rich_help_panel=PANEL)

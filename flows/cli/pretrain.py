@@ -24,7 +24,7 @@ def run_pretrain(params: PretrainParams, *, show_progress: bool = True) -> dict[
     from tasks.pretrain.stage import plan_job
 
     plan_job(params, get_settings())  # bad settings fail here, before a Prefect API or a process starts
-    return run_flow(pretrain_flow, unit="step", show_progress=show_progress, params=params)  # type: ignore[no-any-return]
+    return run_flow(pretrain_flow, unit="step", show_progress=show_progress, params=params)
 
 
 @app.command(rich_help_panel=PANEL)
@@ -72,7 +72,7 @@ def pretrain(
         result = run_pretrain(params)
     except ValidationError as error:
         raise fail(flag_errors(error)) from None
-    except (*user_errors(), LaunchError) as error:
+    except user_errors(LaunchError) as error:
         raise fail(error) from None
     if as_json:
         print(

@@ -104,7 +104,7 @@ def run_transfer(params: TransferParams, *, show_progress: bool = True) -> dict[
     """Probe a checkpoint as a Prefect flow run."""
     from flows.transfer import transfer as transfer_flow
 
-    return run_flow(transfer_flow, show_progress=show_progress, params=params)  # type: ignore[no-any-return]
+    return run_flow(transfer_flow, show_progress=show_progress, params=params)
 
 
 @app.command(rich_help_panel=PANEL)

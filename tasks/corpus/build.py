@@ -182,7 +182,7 @@ def text_keys(text: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     if n == 0:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     offsets_np, data_np = string_buffers(text)
-    offsets, data = offsets_np.tolist(), memoryview(data_np)  # Python ints and slices are fastest here
+    offsets, data = offsets_np.tolist(), memoryview(data_np.data)  # Python ints and slices are fastest here
     digest = xxhash.xxh3_128_digest  # big-endian, the canonical form
     packed = b"".join([digest(data[offsets[i] : offsets[i + 1]]) for i in range(n)])
     keys = np.frombuffer(packed, dtype=">u8").reshape(n, 2).astype(np.uint64)
@@ -429,7 +429,7 @@ def _write_shards(
         return []
     lengths = pc.binary_length(table["text"]).to_numpy()
     limit = plan.config.shard_mb * MiB
-    shards = []
+    shards: list[ShardInfo] = []
     start = 0
     cumulative = np.cumsum(lengths)
     while start < table.num_rows:
@@ -473,7 +473,7 @@ class _HashingSink:
     def write(self, data: Any) -> int:
         self.sha256.update(data)
         self.size += len(memoryview(data).cast("B"))
-        return self.raw.write(data)  # type: ignore[no-any-return]
+        return self.raw.write(data)
 
     def tell(self) -> int:
         return self.size
@@ -512,14 +512,9 @@ def build_manifest(
         rejected[piece.source_index] += piece.rejected
         if piece.rejected_key:
             rejected_files.append(store.url(piece.rejected_key))
-    kept = (
-        np.sum([b.kept for b in buckets], axis=0, dtype=np.int64).tolist() if buckets else [0] * num_sources
-    )
-    duplicates = (
-        np.sum([b.duplicates for b in buckets], axis=0, dtype=np.int64).tolist()
-        if buckets
-        else [0] * num_sources
-    )
+    # Per source, summed over the buckets (each holds one count per source).
+    kept = [int(sum(b.kept[i] for b in buckets)) for i in range(num_sources)]
+    duplicates = [int(sum(b.duplicates[i] for b in buckets)) for i in range(num_sources)]
     sources = []
     for i, source in enumerate(plan.sources):
         if records[i] != kept[i] + duplicates[i] + rejected[i]:

@@ -167,7 +167,7 @@ def open_raw(uri: str, *, s3_endpoint_url: str | None = None) -> IO[bytes]:
         response = _http().request("GET", uri, preload_content=False, decode_content=False)
         if response.status >= 400:
             raise SourceError(f"SOURCE {uri!r}: HTTP {response.status}")
-        return response  # type: ignore[no-any-return]
+        return response
     if scheme == "s3":
         head, _, name = uri.rpartition("/")
         return S3Store(head, endpoint_url=s3_endpoint_url).open_read(name)

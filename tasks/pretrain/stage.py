@@ -156,7 +156,7 @@ def read_corpus_manifest(uri: str, **store_options: Any) -> dict[str, Any]:
         ) from None
     if "train" not in manifest.get("splits", {}):
         raise ValueError(f"--corpus {uri}: the manifest has no train split")
-    return manifest  # type: ignore[no-any-return]
+    return manifest
 
 
 def default_run_name(preset: str, corpus_id: str) -> str:

@@ -145,7 +145,7 @@ def split_shards(store: Store, manifest_key: str, split: str, cache_dir: Path) -
 
 def open_split(manifest_uri: str, split: str, cache_dir: Path, **store_options: object) -> ByteStream:
     """The byte stream of one split of a corpus, by its manifest URI."""
-    store, key = split_object_uri(manifest_uri, **store_options)  # type: ignore[arg-type]
+    store, key = split_object_uri(manifest_uri, **store_options)
     if not store.exists(key):
         raise StreamError(
             f"no corpus manifest at {manifest_uri}: build one with `mlstm-sentiment corpus build`"

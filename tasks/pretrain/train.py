@@ -437,15 +437,15 @@ class Trainer:
             return None
         plan = BatchPlan(len(self.val), rows, self.config.seq_len, self.world.size, self.world.rank)
         state = self.model.zero_state(len(plan.rows))
-        nats, count = 0.0, 0
+        nats, count = 0.0, 0.0
         for step in range(min(self.config.val_steps, plan.steps_per_epoch)):
             inputs, targets = self.batch(plan, self.val, step)
             with autocast(self.world.device, self.dtype):
                 logits, state, _ = self.model(inputs, state)
             state = (state[0].float(), state[1].float())
             nats += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
-            count += targets.numel()
-        nats, count = self.world.sum([nats, float(count)])
+            count += float(targets.numel())
+        nats, count = self.world.sum([nats, count])
         return nats / count / math.log(2)
 
 
@@ -548,10 +548,10 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
             trainer.last_loss = world.sum([loss.item()])[0] / world.size
             seconds = time.perf_counter() - window_start
             chars_per_s = window_steps * tokens_per_step / seconds
-            metrics = {
+            metrics: dict[str, float] = {
                 "loss": trainer.last_loss,
                 "bpc": trainer.last_loss / math.log(2),
-                "lr": trainer.schedule.get_last_lr()[0],
+                "lr": float(trainer.schedule.get_last_lr()[0]),
                 "chars_per_s": chars_per_s,
                 "loss_scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0,
                 "skipped_steps": float(trainer.skipped_steps),

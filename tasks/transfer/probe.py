@@ -177,7 +177,7 @@ def plot_top_unit(result: ProbeResult, X: np.ndarray, y: np.ndarray, title: str)
         raise ValueError(f"X has {X.shape[1]} features but the probe has {result.coef.shape[0]}")
     activation = X[:, result.top_unit].astype(np.float64)
     # Shared bins, so the two classes' bars line up and their overlap reads directly.
-    bins = np.histogram_bin_edges(activation, bins=50)
+    bins = np.histogram_bin_edges(activation, bins=50).tolist()
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.add_subplot()
     ax.hist(activation[y == 0], bins=bins, alpha=0.6, color="tab:red", label="negative")

@@ -89,4 +89,4 @@ def invoke(url: str, texts: list[str]) -> list[dict[str, Any]]:
     response = httpx.post(f"{url}/invocations", json=body, timeout=120)
     if response.status_code != 200:
         raise ServeError(f"POST {url}/invocations answered {response.status_code}: {response.text[:500]}")
-    return response.json()["predictions"]  # type: ignore[no-any-return]
+    return response.json()["predictions"]

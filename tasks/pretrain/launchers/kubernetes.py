@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 
@@ -238,9 +238,10 @@ class KubernetesLauncher(Launcher):
 
         with self._calling(f"reading PyTorchJob {namespace}/{name}"):
             try:
-                return self._custom().get_namespaced_custom_object(
+                job = self._custom().get_namespaced_custom_object(
                     GROUP, VERSION, namespace, PLURAL, name, _request_timeout=self.request_timeout
                 )
+                return cast("dict[str, Any]", job)  # the client types custom objects as `object`
             except ApiException as error:
                 if error.status != 404:
                     raise
@@ -310,7 +311,7 @@ class KubernetesLauncher(Launcher):
                 return "", offset
             try:
                 response = self._core().read_namespaced_pod_log(
-                    pods.items[0].metadata.name,
+                    pods.items[0].metadata.name,  # type: ignore[union-attr,arg-type]  # a pod always has metadata
                     namespace,
                     container=CONTAINER,
                     _preload_content=False,  # bytes, so that offsets count bytes as read_log's do
@@ -321,7 +322,7 @@ class KubernetesLauncher(Launcher):
                 if error.status in (400, 404):
                     return "", offset
                 raise
-            log = response.data
+            log = response.data  # type: ignore[attr-defined]  # _preload_content=False: the raw response
         if len(log) < offset:
             offset = 0  # a shorter log is a new pod's (the job was replaced): read it from its start
         chunk = log[offset:]
@@ -376,6 +377,6 @@ def _server_message(error: Exception) -> str:
     """The message of the Status object the API server answers errors with, else the HTTP reason."""
     body = getattr(error, "body", None)
     try:
-        return str(json.loads(body)["message"])
+        return str(json.loads(body)["message"])  # type: ignore[arg-type]  # None: TypeError, caught
     except (TypeError, ValueError, KeyError):
         return str(getattr(error, "reason", "") or body or "")

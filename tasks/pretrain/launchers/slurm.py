@@ -171,9 +171,9 @@ class SlurmLauncher(Launcher):
                 f"Slurm no longer knows job {job_id}: squeue and scontrol have forgotten it and "
                 f"`{shlex.join(command)}` answered: {why}"
             )
-        state, code, comment = [*line.split("|", 2), "", ""][:3]
+        fields_of_sacct = [*line.split("|", 2), "", ""]
         # sacct writes "CANCELLED by 0".
-        return state.split()[0], _exit_code(code), "", comment
+        return fields_of_sacct[0].split()[0], _exit_code(fields_of_sacct[1]), "", fields_of_sacct[2]
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
         return read_log(handle.log_path, offset)
