@@ -26,7 +26,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -38,10 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-# Benchmark the working tree, not whatever copy of the package the venv has installed.
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from common import REPO, machine, new_parser, say  # the working tree on the path
 
 MB = 1_000_000
 # The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
@@ -352,7 +348,7 @@ def measure(
 
     row: Row | None = None
     for attempt in range(repeat):
-        _say(f"{name} (run {attempt + 1}/{repeat}) …")
+        say(f"{name} (run {attempt + 1}/{repeat}) …")
         # Start each run from a quiet machine: what earlier rows left dirty is written back, and
         # memory they freed is handed back, so no row pays for another's work.
         gc.collect()
@@ -363,7 +359,7 @@ def measure(
             started = time.perf_counter()
             details = run(attempt)
             seconds = time.perf_counter() - started
-        _say(f"  {seconds:.2f} s, peak RSS {_gib(sampler.peaks.tree)}")
+        say(f"  {seconds:.2f} s, peak RSS {_gib(sampler.peaks.tree)}")
         details["rss_tree_at_start"] = sampler.series[0][1]
         details["cpu_seconds_by_role"] = sampler.cpu_seconds_by_role()
         if after is not None:
@@ -553,29 +549,6 @@ def shard_digests(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     return sorted((s["path"], s["sha256"]) for split in manifest["splits"].values() for s in split["shards"])
 
 
-def machine() -> dict[str, Any]:
-    import prefect
-    import pyarrow
-
-    model = "unknown"
-    with open("/proc/cpuinfo") as stream:
-        for line in stream:
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    with open("/proc/meminfo") as stream:
-        mem_kib = int(stream.readline().split()[1])
-    return {
-        "cores": len(os.sched_getaffinity(0)),
-        "cpu": model,
-        "ram_gib": round(mem_kib / 2**20, 1),
-        "python": platform.python_version(),
-        "pyarrow": pyarrow.__version__,
-        "prefect": prefect.__version__,
-        "platform": platform.platform(),
-    }
-
-
 # The code the numbers belong to: the corpus stage and what it runs on.
 CODE_FILES = (
     "tasks/corpus/build.py",
@@ -650,17 +623,13 @@ def print_report(rows: list[Row], inputs: InputSet, info: dict[str, Any]) -> Non
             )
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(
+    parser = new_parser(
+        (
             "Benchmark the corpus build against pyarrow's JSON reader (the floor for parse + write) "
             "and a json.loads loop, on the same generated copies of the shared Amazon review files."
         ),
@@ -718,9 +687,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
-    _say(f"input: {args.mb:g} MB from {args.source_dir} → {workdir / 'inputs'}")
+    say(f"input: {args.mb:g} MB from {args.source_dir} → {workdir / 'inputs'}")
     inputs = prepare_inputs(args, workdir)
-    _say(
+    say(
         f"  {'reused' if inputs.reused else f'generated in {inputs.seconds:.1f} s'}: "
         f"{inputs.bytes / MB:,.1f} MB, {inputs.records:,} records, {inputs.copies} copies of each, "
         f"{len(inputs.files)} files ({inputs.skipped} source records without text left out)"
@@ -777,7 +746,7 @@ def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
     from flows.runtime import prefect_api
     from tasks.settings import get_settings
 
-    _say("starting the Prefect API and creating MLflow's database (not timed) …")
+    say("starting the Prefect API and creating MLflow's database (not timed) …")
     setup = time.perf_counter()
     with prefect_api(get_settings()):
         import mlflow
@@ -829,7 +798,10 @@ def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
         f"(server {_gib(flow.peaks.api)}; it and MLflow's database were started untimed, {setup:.1f} s)"
     )
     rows = [floor, inferred, loop, flow, plain, second]
-    info = machine()
+    import prefect
+    import pyarrow
+
+    info = machine(pyarrow=pyarrow.__version__, prefect=prefect.__version__)
     print_report(rows, inputs, info)
 
     ratio = flow.ratio_vs_floor or 0.0

@@ -37,7 +37,6 @@ import gc
 import gzip
 import json
 import os
-import platform
 import random
 import shlex
 import sys
@@ -50,15 +49,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from common import REPO, machine, new_parser, say  # the working tree on the path
 
-# Benchmark the working tree, not whatever copy of the package the venv has installed.
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from models.features import autocast_for, featurize  # noqa: E402
-from models.mlstm import MLSTM, PRESETS, preset  # noqa: E402
-from models.text import encode  # noqa: E402
+from models.features import autocast_for, featurize
+from models.mlstm import MLSTM, PRESETS, preset
+from models.text import encode
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "sst2" / "test_binary_sent.csv"
 TEXT_COLUMNS = ("sentence", "text", "review")
@@ -169,14 +164,14 @@ def feature_row(
     featurize(model, warm, batch_size=batch_size, device=device)
     baseline_features(model, warm, device)
 
-    _say(f"  {name}: fast path, {n_fast} texts in batches of {batch_size} …")
+    say(f"  {name}: fast path, {n_fast} texts in batches of {batch_size} …")
     synchronize(device)
     started = time.perf_counter()
     fast_NH = featurize(model, fast_texts, batch_size=batch_size, device=device)
     synchronize(device)
     seconds = time.perf_counter() - started
 
-    _say(f"  {name}: baseline, {n_baseline} texts one at a time …")
+    say(f"  {name}: baseline, {n_baseline} texts one at a time …")
     synchronize(device)
     started = time.perf_counter()
     baseline_NH = baseline_features(model, baseline_texts, device)
@@ -254,14 +249,14 @@ def served_model(name: str, scratch: Path) -> Iterator[str]:
     model = MLSTM(preset(name))
     coef_H = np.random.default_rng(0).normal(0, model.config.hidden_size**-0.5, model.config.hidden_size)
     classifier = SentimentClassifier(model, coef_H, 0.0, {"benchmark": "random weights"})
-    _say(f"serving: logging a {name} classifier (random weights) to {tracking_uri} …")
+    say(f"serving: logging a {name} classifier (random weights) to {tracking_uri} …")
     model_uri = log_classifier(run_id, classifier, "classifier")
     client.set_terminated(run_id)
     del classifier, model
 
     from tasks.transfer.serve import served
 
-    _say(f"serving: mlflow models serve -m {model_uri} --env-manager local --workers 1")
+    say(f"serving: mlflow models serve -m {model_uri} --env-manager local --workers 1")
     with served(model_uri, tracking_uri, log=scratch / "server.log", timeout=SERVE_TIMEOUT_S) as url:
         yield url
 
@@ -296,7 +291,7 @@ def serve_rows(args: argparse.Namespace, pool: list[str]) -> list[ServeRow]:
         served_model(args.serve_preset, Path(scratch)) as url,
     ):
         for batch in (1, args.serve_batch):
-            _say(
+            say(
                 f"serving: {args.requests} requests of {batch} text(s), after {args.warmup_requests} warm-up …"
             )
             latencies = time_requests(url, take(pool, batch), args.requests, args.warmup_requests)
@@ -318,24 +313,6 @@ def serve_rows(args: argparse.Namespace, pool: list[str]) -> list[ServeRow]:
 
 # ---------------------------------------------------------------------------------------------
 # Report
-
-
-def machine(device: torch.device) -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as stream:
-        model = next((ln.partition(":")[2].strip() for ln in stream if ln.startswith("model name")), model)
-    info: dict[str, Any] = {
-        "cpu": model,
-        "cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info |= {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
-    return info
 
 
 def print_report(
@@ -393,10 +370,6 @@ def check(features: list[FeatureRow]) -> list[str]:
     ]
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Main
 
@@ -406,8 +379,8 @@ def _names(value: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(
+    parser = new_parser(
+        (
             "Benchmark feature extraction (chars/s of featurize against one text at a time through the "
             "same model) and the served model's latency (p50/p99 of POST /invocations)."
         ),
@@ -477,7 +450,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     if data.exists():
         pool, source = load_texts(data), str(data)
     else:
-        _say(
+        say(
             f"{data} is absent: using the project's generated sample (tasks.corpus.sample.write_labelled_sample)"
         )
         pool, source = generated_texts(), f"generated sample (tasks.corpus.sample; {data} absent)"
@@ -489,7 +462,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     for name in args.presets:
         n_fast = args.texts or counts[name][0]
         n_baseline = args.baseline_texts or counts[name][1]
-        _say(f"{name} on {device} ({precision_of(device)}): {n_fast} texts, baseline {n_baseline} …")
+        say(f"{name} on {device} ({precision_of(device)}): {n_fast} texts, baseline {n_baseline} …")
         features.append(feature_row(name, pool, n_fast, n_baseline, batch_size, device))
     args.requests = args.requests or (GPU_REQUESTS if cuda else CPU_REQUESTS)
     serving = serve_rows(args, pool) if args.serve else []

@@ -17,16 +17,16 @@ first run). The stage states are checked, so a skip that silently ran again fail
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import describe, machine, new_parser
 
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "mlstm-sentiment")
@@ -42,9 +42,7 @@ def timed(args: list[str], env: dict[str, str], cwd: Path) -> tuple[float, dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__ or "", raw=True)
     parser.add_argument("--reviews", type=int, default=3000, help="reviews in the generated sample")
     parser.add_argument("--steps", type=int, default=300, help="pretraining steps of the tiny mLSTM")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -87,9 +85,9 @@ def main() -> None:
     first = runs[0]["seconds"]
     for run in runs:
         run["ratio"] = round(first / run["seconds"], 1)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    info = machine()
     print(
-        f"pipeline on a {args.reviews:,}-review sample, tiny mLSTM {args.steps} steps · {machine}",
+        f"pipeline on a {args.reviews:,}-review sample, tiny mLSTM {args.steps} steps · {describe(info)}",
         file=sys.stderr,
     )
     print(f"{'run':<16} {'seconds':>8} {'first ÷ run':>12}  stages", file=sys.stderr)
@@ -97,7 +95,7 @@ def main() -> None:
         stages = ", ".join(f"{k} {v}" for k, v in run["stages"].items())
         print(f"{run['run']:<16} {run['seconds']:>8.1f} {run['ratio']:>11.1f}×  {stages}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"machine": machine, "runs": runs}))
+        print(json.dumps({"machine": info, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ import ctypes
 import gc
 import json
 import math
-import os
-import platform
 import resource
 import shlex
 import sys
@@ -38,14 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine, new_parser, say  # the working tree on the path
 
-# Benchmark the working tree, not whatever copy of the package the venv has installed.
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm  # noqa: E402
-from tasks.pretrain.train import TrainConfig, optimizer_step, peak_flops, resolve_precision  # noqa: E402
+from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
+from tasks.pretrain.train import TrainConfig, optimizer_step, peak_flops, resolve_precision
 
 # 3 epochs × 40 GB of Amazon reviews in 4 hours on 128 V100s: 120e9 / 14,400 s / 128 ≈ 65k chars/s.
 PAPER_CHARS_PER_S = 65_000
@@ -208,7 +202,7 @@ def train_row(
             losses.append(loss.item())  # after the clock: .item() waits for the device
             if step >= args.warmup:
                 row.step_seconds.append(seconds)
-            _say(f"  {name} {impl} step {step + 1}/{args.warmup + args.steps}: {seconds:.3f} s")
+            say(f"  {name} {impl} step {step + 1}/{args.warmup + args.steps}: {seconds:.3f} s")
     except torch.OutOfMemoryError:
         row.status = "out of memory"
     row.peak_memory_bytes = peak_memory(device)
@@ -279,33 +273,6 @@ def evaluate_goal(rows: list[Row], device: torch.device, args: argparse.Namespac
 # Report
 
 
-def machine(device: torch.device) -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as stream:
-        model = next((ln.partition(":")[2].strip() for ln in stream if ln.startswith("model name")), model)
-    mem_kib = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as stream:
-        mem_kib = int(stream.readline().split()[1])
-    info: dict[str, Any] = {
-        "cpu": model,
-        "cores": len(os.sched_getaffinity(0)),
-        "ram_gib": round(mem_kib / 2**20, 1),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info |= {
-            "gpu": torch.cuda.get_device_name(device),
-            "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1),
-            "cuda": torch.version.cuda,
-            "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        }
-    return info
-
-
 def _rate(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
@@ -356,17 +323,13 @@ def print_report(
     console.print(table)
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(
+    parser = new_parser(
+        (
             "Benchmark the pretraining step (chars/s per device, MFU against a matmul peak measured in "
             "the same run) against a step-by-step PyTorch loop of the same cell."
         ),
@@ -421,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.matmul_size or (8192 if cuda else 2048)
     peaks: dict[str, float] = {}
     for peak_dtype in dict.fromkeys((torch.bfloat16, dtype)):  # bf16 always: the reference
-        _say(f"matmul peak: {size} × {size} × {size} in {DTYPE_NAMES[peak_dtype]} …")
+        say(f"matmul peak: {size} × {size} × {size} in {DTYPE_NAMES[peak_dtype]} …")
         peaks[DTYPE_NAMES[peak_dtype]] = matmul_peak(peak_dtype, device, size)
     release_memory(device)
     datasheet = peak_flops(device)
@@ -429,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for name in args.presets:
         for impl in IMPLEMENTATIONS if args.baseline else ("fused",):
-            _say(f"{name} {impl}: batch {args.batch} × {args.seq_len}, {DTYPE_NAMES[dtype]} on {device} …")
+            say(f"{name} {impl}: batch {args.batch} × {args.seq_len}, {DTYPE_NAMES[dtype]} on {device} …")
             rows.append(train_row(name, impl, args, device, dtype))
     add_utilisation(rows, peaks, datasheet)
     print_report(rows, peaks, datasheet, info)

@@ -15,8 +15,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "pretrain.py"
 def test_the_pretrain_benchmark_writes_its_json_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # benchmarks/ is no package: load the script by path. It puts the checkout on sys.path; undo that after.
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    # benchmarks/ is no package: load the script by path, with its folder on sys.path as when it is run
+    # (for benchmarks/common.py, which puts the checkout there too); undo both after.
+    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
     spec = importlib.util.spec_from_file_location("pretrain_benchmark", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
