@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-long lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,14 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -m "not long"
+
+# The end-to-end runs that take minutes each (the demo, the pipeline, a champion's transfer): about 20
+# minutes on two cores, so CI's test command leaves them out.
+test-long: $(STAMP)
+	rm -rf build
+	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
+	$(VENV)/bin/pytest -m long
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mlstm-sentiment

@@ -29,6 +29,14 @@ os.environ.pop("PREFECT_API_URL", None)
 for name in [n for n in os.environ if n.startswith("MLSTM_") and not n.startswith("MLSTM_REQUIRE_")]:
     del os.environ[name]
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A long test is slow too, so `-m "not slow"` stays the quick loop.
+    for item in items:
+        if item.get_closest_marker("long"):
+            item.add_marker(pytest.mark.slow)
+
+
 SHARED = Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 AMAZON = SHARED / "data" / "amazon"
 

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_pipeline_benchmark_reports_first_unchanged_and_rerun() -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "pipeline.py"), "--reviews", "600", "--steps", "20", "--json"],

@@ -171,7 +171,7 @@ def test_a_killed_build_leaves_no_manifest_and_resumes(
     assert shard_digests(store, resumed) == shard_digests(tmp_path / "clean", clean)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_demo_runs_cleanly_from_nothing(prefect_api_url: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")  # its own temporary server, as a newcomer gets

@@ -57,7 +57,7 @@ def env(mlflow_server: str, prefect_api_url: str, tmp_path: Path) -> dict[str, s
     }
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], env: dict[str, str]) -> None:
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client

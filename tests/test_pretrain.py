@@ -52,7 +52,7 @@ def test_job_flags_round_trip_and_scale_the_learning_rate() -> None:
         TrainConfig(corpus="c", preset="huge", run_name="r")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_loss_goes_down_on_the_amazon_corpus(amazon_manifest: str, home: Path) -> None:
     store = home / "store"
     args = ["--corpus", amazon_manifest, "--store", str(store), "--run-name", "down", *FAST]
@@ -222,7 +222,7 @@ def _resumed_steps(log: Path, run: str) -> list[int]:
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_flow_retries_a_crashed_job_from_latest(
     cli_env: dict[str, str], sample_manifest: str, home: Path
 ) -> None:

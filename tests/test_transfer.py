@@ -110,7 +110,7 @@ def test_features_cli_names_the_file_and_line_of_bad_input(
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_transfer_registers_a_champion_that_serves_and_behaves(
     trained: dict[str, Any], labelled: Path, shared_data: Path, env: dict[str, str]
 ) -> None:
