@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from models.mlstm import MLSTM, PRESETS, State, preset
+from models.mlstm import MLSTM, PRESETS, RECURRENCES, Recurrence, State, preset
 from tasks.pretrain import checkpoint
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 from tasks.pretrain.torchrun import die_with_parent
@@ -88,6 +88,14 @@ class TrainConfig(BaseModel):
     val_steps: int = Field(default=16, ge=1, description="Steps of the val split per validation.")
     log_every: int = Field(default=10, ge=1, description="Steps between log lines and metrics.")
     seed: int = Field(default=0, description="Seed of the initial weights.")
+    # How a step runs, not what it computes (the same losses to rounding): free to change on a resume.
+    recurrence: Recurrence = Field(
+        default="fused",
+        description=f"{'|'.join(RECURRENCES)}: the fused recurrence, or the cell step by step.",
+    )
+    compile: Literal["auto", "off"] = Field(
+        default="auto", description="auto: the fused gate math through torch.compile on CUDA; off: never."
+    )
     mlflow_run_id: str | None = Field(default=None, description="MLflow run to log into (rank 0).")
 
     @field_validator("preset")
@@ -298,7 +306,9 @@ class Trainer:
         self.dtype = resolve_precision(config.precision, world.device)
 
         torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP checks them too)
-        self.model = MLSTM(preset(config.preset)).to(world.device)
+        self.model = MLSTM(
+            preset(config.preset), recurrence=config.recurrence, compile_gates=config.compile == "auto"
+        ).to(world.device)
         self.ddp = (
             DistributedDataParallel(
                 self.model, device_ids=[world.device] if world.device.type == "cuda" else None
