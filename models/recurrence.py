@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 GateStep = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
 GateBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -85,7 +84,7 @@ class Recurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
+        ctx: Any,  # FunctionCtx, which carries our own attributes too
         xz_TBG: Tensor,
         xm_TBH: Tensor,
         h0_BH: Tensor,
@@ -171,7 +170,8 @@ def recurrence(
     """h and c after every step, [T, B, H] each (h in xz's dtype, c in the gate math's)."""
     if xz_TBG.shape[0] == 0:
         raise ValueError("the recurrence needs at least one time step")
-    result: tuple[Tensor, Tensor] = Recurrence.apply(
+    # torch types Function.apply without annotations.
+    result: tuple[Tensor, Tensor] = Recurrence.apply(  # type: ignore[no-untyped-call]
         xz_TBG.contiguous(), xm_TBH.contiguous(), h0_BH, c0_BH, W_h, W_mh, compile_gates
     )
     return result

@@ -20,7 +20,7 @@ from train_helpers import job, run_job
 
 from tasks.corpus.build import CorpusConfig
 from tasks.pretrain.checkpoint import load_checkpoint, read_latest
-from tasks.pretrain.train import Trainer, TrainConfig, World, lr_factor
+from tasks.pretrain.train import TrainConfig, Trainer, World, lr_factor
 from tasks.settings import get_settings
 from tasks.store import LocalStore
 
