@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from models.mlstm import MLSTM, PRESETS, RECURRENCES, Recurrence, State, preset
 from tasks.pretrain import checkpoint
+from tasks.pretrain.graphed import GraphedStep, graph_supported
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 from tasks.pretrain.torchrun import die_with_parent
 from tasks.settings import Settings, get_settings
@@ -95,6 +96,10 @@ class TrainConfig(BaseModel):
     )
     compile: Literal["auto", "off"] = Field(
         default="auto", description="auto: the fused gate math through torch.compile on CUDA; off: never."
+    )
+    cuda_graph: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: capture the training step as one CUDA graph on one GPU; off: never.",
     )
     mlflow_run_id: str | None = Field(default=None, description="MLflow run to log into (rank 0).")
 
@@ -316,7 +321,19 @@ class Trainer:
             if world.size > 1
             else self.model
         )
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.effective_lr())
+        # A captured step reads lr from a device tensor the schedule fills (a float would be baked in),
+        # and fused Adam skips an fp16 overflow step on the device, without asking the host.
+        self.graphed = config.cuda_graph == "auto" and graph_supported(world.device, world.size)
+        self.optimizer = (
+            torch.optim.Adam(
+                self.model.parameters(),
+                lr=torch.tensor(config.effective_lr(), device=world.device),
+                fused=True,
+            )
+            if self.graphed
+            else torch.optim.Adam(self.model.parameters(), lr=config.effective_lr())
+        )
+        self.graph_step: GraphedStep | None = None  # captured at the first step, after any resume
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_factor(step, warmup_steps=config.warmup_steps, total_steps=self.total_steps),
@@ -358,7 +375,15 @@ class Trainer:
             )
         state = saved.state
         self.model.load_state_dict(state["model"])
+        # A checkpoint's optimizer settings say how it ran (fused, lr as a number), not how this launch runs.
+        own = [
+            {k: g[k] for k in ("lr", "fused", "capturable", "foreach")} for g in self.optimizer.param_groups
+        ]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, mine in zip(self.optimizer.param_groups, own, strict=True):
+            if isinstance(mine["lr"], Tensor):
+                group["lr"] = mine["lr"].fill_(float(group["lr"]))
+            group.update({k: mine[k] for k in ("fused", "capturable", "foreach")})
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         rows = self.plan.rows
@@ -378,9 +403,14 @@ class Trainer:
         h, c = (self.world.gather_rows(t.detach()) for t in self.state)
         if not self.world.is_main:
             return None
+        optimizer = self.optimizer.state_dict()
+        # The same file whether the step was captured or not: lr a number, Adam's defaults.
+        optimizer["param_groups"] = [
+            {**g, "lr": float(g["lr"]), "fused": None, "capturable": False} for g in optimizer["param_groups"]
+        ]
         state = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "h": h.cpu(),
@@ -398,7 +428,7 @@ class Trainer:
             "corpus": self.config.corpus,
             "cleaning": self.manifest["cleaning"]["name"],
             "total_steps": self.total_steps,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.total_skipped_steps(),
             "loss": self.last_loss,
             "val_bpc": self.last_val_bpc,
             "world_size": self.world.size,
@@ -414,11 +444,36 @@ class Trainer:
         rows = torch.from_numpy(plan.batch(stream, step).astype(np.int64)).to(self.world.device)
         return rows[:, :-1], rows[:, 1:]
 
+    def total_skipped_steps(self) -> int:
+        """fp16 overflow steps: counted on the host, and on the device by a captured step."""
+        on_device = int(self.graph_step.skipped.item()) if self.graph_step is not None else 0
+        return self.skipped_steps + on_device
+
     def train_step(self) -> Tensor:
         step = self.step
         if step and self.plan.epoch_of(step) != self.plan.epoch_of(step - 1):
             self.state = self.model.zero_state(len(self.plan.rows))  # a new epoch starts each row over
+            if self.graph_step is not None:
+                self.graph_step.set_state(self.state)
+                self.state = self.graph_step.state
         inputs, targets = self.batch(self.plan, self.train, step)
+        if self.graphed:
+            if self.graph_step is None:
+                self.graph_step = GraphedStep(
+                    self.ddp,
+                    self.optimizer,
+                    self.scaler,
+                    self.state,
+                    inputs,
+                    targets,
+                    dtype=self.dtype,
+                    clip=self.config.clip,
+                )
+            loss = self.graph_step(inputs, targets)
+            self.state = self.graph_step.state  # the graph's own tensors: they carry to the next replay
+            self.schedule.step()
+            self.step += 1
+            return loss
         loss, self.state, skipped = optimizer_step(
             self.ddp,
             self.optimizer,
@@ -564,7 +619,7 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
                 "lr": float(trainer.schedule.get_last_lr()[0]),
                 "chars_per_s": chars_per_s,
                 "loss_scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0,
-                "skipped_steps": float(trainer.skipped_steps),
+                "skipped_steps": float(trainer.total_skipped_steps()),
             }
             if peak:
                 metrics["mfu"] = 6 * trainer.model.config.num_params * chars_per_s / (peak * world.size)
@@ -603,7 +658,7 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
         "total_steps": trainer.total_steps,
         "final_loss": trainer.last_loss,
         "val_bpc": trainer.last_val_bpc,
-        "skipped_steps": trainer.skipped_steps,
+        "skipped_steps": trainer.total_skipped_steps(),
         "preempted": bool(trainer.step < stop),
     }
     log(world, "result " + json.dumps(result))
