@@ -19,7 +19,8 @@ bf16 and fp16; on a CPU fp32).
 chars/s are bytes per second on one device (batch × sequence per step over the timed steps, warm-up
 excluded, the device synchronised around every step). MFU = 6 × num_params × chars/s ÷ the peak of a
 large matrix product measured in the same run, on the same device, in the precision the step ran in
-(bf16 is always measured too: the issue's reference). The reference rate is Puri et al. (2018):
+(on a GPU bf16 is always measured too: the issue's reference; on a CPU only the precisions run, since a
+CPU without bf16 units takes minutes over a bf16 product that no CPU row uses). The reference rate is Puri et al. (2018):
 3 epochs of 40 GB in four hours on 128 V100s, about 65k chars/s per GPU.
 
     PYTHONPATH=. .venv/bin/python benchmarks/pretrain.py --json bench.json       # on a GPU: the defaults
@@ -271,7 +272,7 @@ def add_utilisation(rows: list[Row], peaks: dict[str, float], datasheet: float |
             continue
         flops = 6 * row.num_params * row.chars_per_s
         row.mfu = flops / peaks[row.precision]
-        row.mfu_vs_bf16_peak = flops / peaks["bf16"]
+        row.mfu_vs_bf16_peak = flops / peaks["bf16"] if "bf16" in peaks else None
         row.mfu_vs_datasheet = flops / datasheet if datasheet else None
 
     def key(row: Row) -> tuple[str, int, str]:
@@ -484,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
 
     size = args.matmul_size or (8192 if cuda else 2048)
     peaks: dict[str, float] = {}
-    for peak_dtype in dict.fromkeys((torch.bfloat16, *dtypes)):  # bf16 always: the reference
+    # bf16 always on a GPU: the reference.
+    for peak_dtype in dict.fromkeys((torch.bfloat16, *dtypes) if cuda else dtypes):
         say(f"matmul peak: {size} × {size} × {size} in {DTYPE_NAMES[peak_dtype]} …")
         peaks[DTYPE_NAMES[peak_dtype]] = matmul_peak(peak_dtype, device, size)
     release_memory(device)
