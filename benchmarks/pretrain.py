@@ -49,7 +49,14 @@ from common import machine, new_parser, say  # the working tree on the path
 from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
-from tasks.pretrain.train import TrainConfig, optimizer_step, peak_flops, resolve_precision
+from tasks.pretrain.train import (
+    MEASURED_PEAKS,
+    TrainConfig,
+    datasheet_flops,
+    optimizer_step,
+    resolve_precision,
+)
+from tasks.settings import get_settings
 
 # 3 epochs × 40 GB of Amazon reviews in 4 hours on 128 V100s: 120e9 / 14,400 s / 128 ≈ 65k chars/s.
 PAPER_CHARS_PER_S = 65_000
@@ -392,6 +399,19 @@ def print_report(
 # Main
 
 
+def save_peaks(peaks: dict[str, float], gpu: str) -> None:
+    """Keep this GPU's measured peaks where the training job looks for them (its ``mfu`` metric)."""
+    path = get_settings().home / MEASURED_PEAKS
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        known = {}
+    known[gpu] = {**known.get(gpu, {}), **peaks}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known, indent=2) + "\n")
+    say(f"measured peaks of {gpu} saved to {path} (the training job's mfu metric reads them)")
+
+
 def precisions(names: list[str], device: torch.device) -> list[torch.dtype]:
     """The dtypes to run: auto is bf16 and fp16 on a GPU (fp16 alone where bf16 is missing), fp32 on a CPU."""
     dtypes: list[torch.dtype] = []
@@ -490,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"matmul peak: {size} × {size} × {size} in {DTYPE_NAMES[peak_dtype]} …")
         peaks[DTYPE_NAMES[peak_dtype]] = matmul_peak(peak_dtype, device, size)
     release_memory(device)
-    datasheet = peak_flops(device)
+    datasheet = datasheet_flops(device)
+    if cuda:
+        save_peaks(peaks, torch.cuda.get_device_name(device))
 
     rows: list[Row] = []
     for name in args.presets:

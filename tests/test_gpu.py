@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from models.mlstm import MLSTM, MLSTMConfig, small
 from models.recurrence import gate_functions, gates, gates_backward
 from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.pretrain.graphed import GraphedStep
-from tasks.pretrain.train import optimizer_step
+from tasks.pretrain.train import MEASURED_PEAKS, datasheet_flops, optimizer_step, peak_flops
 
 pytestmark = [
     pytest.mark.gpu,
@@ -159,3 +160,9 @@ def test_a_captured_run_resumes_as_it_would_have_run(sample_manifest: str, home:
         torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-2, atol=1e-3, msg=name)
     eager = run_job([*common, "--run-name", "eager", "--max-steps", "16", "--cuda-graph", "off"], home)
     assert eager["final_loss"] == pytest.approx(straight["final_loss"], rel=2e-2)
+
+
+def test_the_mfu_peak_is_the_one_the_benchmark_measured(tmp_path: Path) -> None:
+    (tmp_path / MEASURED_PEAKS).write_text(json.dumps({torch.cuda.get_device_name(CUDA): {"bf16": 7.5e14}}))
+    assert peak_flops(CUDA, torch.bfloat16, tmp_path) == 7.5e14
+    assert peak_flops(CUDA, torch.bfloat16, tmp_path / "elsewhere") == datasheet_flops(CUDA)

@@ -20,7 +20,7 @@ from train_helpers import job, run_job
 
 from tasks.corpus.build import CorpusConfig
 from tasks.pretrain.checkpoint import load_checkpoint, read_latest
-from tasks.pretrain.train import TrainConfig, Trainer, World, lr_factor
+from tasks.pretrain.train import TrainConfig, Trainer, World, lr_factor, peak_flops
 from tasks.settings import get_settings
 from tasks.store import LocalStore
 
@@ -75,6 +75,14 @@ def test_loss_goes_down_on_the_amazon_corpus(amazon_manifest: str, home: Path) -
     assert {"bpc", "val_bpc", "lr", "chars_per_s", "loss_scale"} <= set(run.data.metrics)
     artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)]
     assert "loss_curve.png" in artifacts
+
+
+def test_the_mfu_peak_is_the_measured_one_when_known(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("MLSTM_PEAK_FLOPS", "2.5e12")
+    assert peak_flops(cpu, torch.float32, tmp_path) == 2.5e12
+    monkeypatch.delenv("MLSTM_PEAK_FLOPS")
+    assert peak_flops(cpu, torch.float32, tmp_path) is None  # a CPU has no datasheet peak here
 
 
 def test_the_fused_recurrence_trains_as_the_reference_cell_does(amazon_manifest: str, home: Path) -> None:

@@ -22,6 +22,7 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -47,8 +48,9 @@ RUN_FIELDS = (
     "corpus", "preset", "batch_size", "seq_len", "lr", "lr_base_batch", "lr_scaling", "warmup_steps",
     "precision", "clip", "seed",
 )  # fmt: skip
-# Dense bf16 tensor-core peaks (FLOP/s) of GPUs by name, for model FLOPs utilisation.
-# The benchmark measures the peak on the device instead; MLSTM_PEAK_FLOPS overrides both.
+# Dense bf16 tensor-core peaks (FLOP/s) of GPUs by name, for model FLOPs utilisation against the datasheet.
+# The `mfu` metric uses a measured peak where one is known (MLSTM_PEAK_FLOPS, or the file
+# benchmarks/pretrain.py writes on a GPU, MEASURED_PEAKS under MLSTM_HOME); the datasheet's stays beside it.
 GPU_PEAK_FLOPS = {
     "H200": 989e12,
     "H100": 989e12,
@@ -169,13 +171,36 @@ def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-def peak_flops(device: torch.device) -> float | None:
-    if os.environ.get("MLSTM_PEAK_FLOPS"):
-        return float(os.environ["MLSTM_PEAK_FLOPS"])
+MEASURED_PEAKS = "peak_flops.json"  # {GPU name: {precision: FLOP/s}}, under MLSTM_HOME
+
+
+def datasheet_flops(device: torch.device) -> float | None:
+    """The GPU's datasheet dense bf16 peak, for the GPUs GPU_PEAK_FLOPS names."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in name), None)
+
+
+def measured_flops(device: torch.device, dtype: torch.dtype, home: Path | None) -> float | None:
+    """MLSTM_PEAK_FLOPS, else the matmul peak benchmarks/pretrain.py measured on this GPU in this dtype."""
+    if os.environ.get("MLSTM_PEAK_FLOPS"):
+        return float(os.environ["MLSTM_PEAK_FLOPS"])
+    if device.type != "cuda" or home is None or not (home / MEASURED_PEAKS).is_file():
+        return None
+    try:
+        peaks = json.loads((home / MEASURED_PEAKS).read_text())
+        value = peaks.get(torch.cuda.get_device_name(device), {}).get(str(dtype).removeprefix("torch."))
+    except (ValueError, AttributeError):
+        return None  # a damaged file costs the metric, never the run
+    return float(value) if value else None
+
+
+def peak_flops(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, home: Path | None = None
+) -> float | None:
+    """The peak ``mfu`` is against: measured where known, else the datasheet's."""
+    return measured_flops(device, dtype, home) or datasheet_flops(device)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
@@ -594,7 +619,8 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
     tracker = Tracker(trainer) if world.is_main else None
     preempted = Preempted()
     tokens_per_step = config.batch_size * config.seq_len
-    peak = peak_flops(world.device)
+    peak = peak_flops(world.device, trainer.dtype, settings.home)
+    datasheet = datasheet_flops(world.device)
     log(
         world,
         f"run {config.run_name}: {config.preset} ({trainer.model.config.num_params:,} parameters), "
@@ -621,8 +647,11 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
                 "loss_scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0,
                 "skipped_steps": float(trainer.total_skipped_steps()),
             }
+            flops = 6 * trainer.model.config.num_params * chars_per_s
             if peak:
-                metrics["mfu"] = 6 * trainer.model.config.num_params * chars_per_s / (peak * world.size)
+                metrics["mfu"] = flops / (peak * world.size)
+            if datasheet:
+                metrics["mfu_datasheet"] = flops / (datasheet * world.size)
             log(
                 world,
                 "progress "
