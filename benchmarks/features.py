@@ -59,8 +59,10 @@ from models.features import autocast_for, featurize, length_batches, rows_for_me
 from models.mlstm import MLSTM, PRESETS, preset
 from models.text import encode
 
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "sst2" / "test_binary_sent.csv"
-DEFAULT_GPU_DATA = REPO.parent / "shared" / "data" / "imdb" / "test.csv.gz"
+# The shared data beside the checkout, or where MLSTM_SHARED_DIR says (a worktree elsewhere).
+SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) / "data"
+DEFAULT_DATA = SHARED_DATA / "sst2" / "test_binary_sent.csv"
+DEFAULT_GPU_DATA = SHARED_DATA / "imdb" / "test.csv.gz"
 TEXT_COLUMNS = ("sentence", "text", "review")
 # (texts for the fast path, texts for the baseline) per preset, when --texts / --baseline-texts are not
 # given. The CPU ones finish in a few minutes in all on 2 cores (paper_4096 is ~170 MFLOP per byte): 64
