@@ -140,7 +140,9 @@ def test_features_alone_equal_features_in_a_batch() -> None:
     rng = np.random.default_rng(0)
     texts = ["".join(rng.choice(list("good bad film!"), size=n)) for n in (1, 5, 300, 301, 40, 1200, 7)]
     alone = featurize(model, texts, batch_size=1)
-    together = featurize(model, texts)  # memory-sized, length-bucketed, under bf16/fp16 autocast
+    together = featurize(
+        model, texts, batch_size=None
+    )  # memory-sized, length-bucketed, under bf16/fp16 autocast
     scale = np.abs(alone).max(axis=1, keepdims=True)
     assert (np.abs(together - alone) / scale).max() < 5e-2
 
