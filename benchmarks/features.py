@@ -3,10 +3,14 @@
 
 Feature throughput, per preset, on the device at hand (CUDA when torch sees one, under the autocast
 ``models.features.featurize`` uses; else the CPU in fp32), on real review text (SST-2 test sentences by
-default; ``--data`` takes any CSV with a ``sentence``, ``text`` or ``review`` column, ``.csv.gz`` too):
+default on a CPU, IMDB test reviews on a GPU, as issue 13 measures; ``--data`` takes any CSV with a ``sentence``, ``text`` or ``review`` column, ``.csv.gz`` too):
 
 - fast: ``models.features.featurize``, the code the features CLI and the served model run: texts read
-  longest first in length-sorted batches of ``--batch-size``, padding masked in ``final_cell_state``;
+  longest first in length-bucketed batches (padding under 10% of the bytes a batch holds) of as many rows
+  as fit half the device's free memory, or ``--batch-size``; padding masked in ``final_cell_state``,
+  through the fused recurrence (``models/recurrence.py``: rows leave the batch as their text ends);
+- reference: the same, with the model's ``recurrence="reference"`` (the cell step by step, padding
+  masked with ``torch.where``): the path features took before the fused recurrence;
 - baseline: the same model, one text at a time (batch of 1, no sorting, no padding) through
   ``model(bytes[None])``, the feature being the final cell state it returns.
 
@@ -51,18 +55,20 @@ import numpy as np
 import torch
 from common import REPO, machine, new_parser, say  # the working tree on the path
 
-from models.features import autocast_for, featurize
+from models.features import autocast_for, featurize, length_batches, rows_for_memory
 from models.mlstm import MLSTM, PRESETS, preset
 from models.text import encode
 
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "sst2" / "test_binary_sent.csv"
+# The shared data beside the checkout, or where MLSTM_SHARED_DIR says (a worktree elsewhere).
+SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) / "data"
+DEFAULT_DATA = SHARED_DATA / "sst2" / "test_binary_sent.csv"
+DEFAULT_GPU_DATA = SHARED_DATA / "imdb" / "test.csv.gz"
 TEXT_COLUMNS = ("sentence", "text", "review")
 # (texts for the fast path, texts for the baseline) per preset, when --texts / --baseline-texts are not
 # given. The CPU ones finish in a few minutes in all on 2 cores (paper_4096 is ~170 MFLOP per byte): 64
 # texts make one full batch, where batching starts to pay on a CPU.
 CPU_COUNTS = {"tiny": (512, 64), "small": (256, 32), "paper_4096": (64, 4), "paper_8192": (16, 1)}
 GPU_COUNTS = {"tiny": (2048, 256), "small": (2048, 256), "paper_4096": (2048, 128), "paper_8192": (2048, 64)}
-CPU_BATCH, GPU_BATCH = 64, 256
 CPU_REQUESTS, GPU_REQUESTS = 20, 50  # a request of 64 texts of `small` takes seconds on 2 CPU cores
 # The fast path and the baseline run the same weights on the same bytes: in fp32 they differ only by
 # summation order. Under bf16/fp16 autocast the recurrence rounds differently in a batch and alone.
@@ -111,11 +117,16 @@ class FeatureRow:
     num_params: int
     device: str
     precision: str  # "fp32", or the autocast dtype on a GPU
-    batch_size: int
+    batch_size: int  # rows per batch at most: --batch-size, or sized by memory
+    batch_sized_by: str  # "memory" or "--batch-size"
     texts: int
     chars: int  # bytes the model read
+    padding: float  # padding bytes ÷ the bytes the fast path's batches hold
     seconds: float
     chars_per_s: float
+    reference_seconds: float
+    reference_chars_per_s: float
+    vs_reference: float  # fast chars/s ÷ reference chars/s
     baseline_texts: int
     baseline_chars: int
     baseline_seconds: float
@@ -154,22 +165,33 @@ def max_relative_difference(fast_NH: np.ndarray, baseline_NH: np.ndarray) -> flo
 
 
 def feature_row(
-    name: str, pool: list[str], n_fast: int, n_baseline: int, batch_size: int, device: torch.device
+    name: str, pool: list[str], n_fast: int, n_baseline: int, batch_size: int | None, device: torch.device
 ) -> FeatureRow:
     torch.manual_seed(0)
     model = MLSTM(preset(name)).to(device).eval()
+    reference = MLSTM(model.config, recurrence="reference").to(device).eval()
+    reference.load_state_dict(model.state_dict())
+    rows = batch_size or rows_for_memory(model, device)
     fast_texts, baseline_texts = take(pool, n_fast), take(pool, n_baseline)
-    # Warm-up for both (kernels, autocast, allocator): the two shortest texts, not timed.
-    warm = sorted(pool[: max(n_fast, n_baseline)], key=len)[:2]
-    featurize(model, warm, batch_size=batch_size, device=device)
-    baseline_features(model, warm, device)
+    # Warm-up for all three (kernels, compilation, autocast, allocator): a few texts, not timed.
+    warm = sorted(fast_texts, key=len)[:8]
+    featurize(model, warm, batch_size=rows, device=device)
+    featurize(reference, warm[:2], batch_size=rows, device=device)
+    baseline_features(model, warm[:2], device)
 
-    say(f"  {name}: fast path, {n_fast} texts in batches of {batch_size} …")
+    say(f"  {name}: fast path, {n_fast} texts in batches of {rows} …")
     synchronize(device)
     started = time.perf_counter()
-    fast_NH = featurize(model, fast_texts, batch_size=batch_size, device=device)
+    fast_NH = featurize(model, fast_texts, batch_size=rows, device=device)
     synchronize(device)
     seconds = time.perf_counter() - started
+
+    say(f"  {name}: reference recurrence, {n_fast} texts in batches of {rows} …")
+    synchronize(device)
+    started = time.perf_counter()
+    reference_NH = featurize(reference, fast_texts, batch_size=rows, device=device)
+    synchronize(device)
+    reference_seconds = time.perf_counter() - started
 
     say(f"  {name}: baseline, {n_baseline} texts one at a time …")
     synchronize(device)
@@ -180,10 +202,13 @@ def feature_row(
 
     # Parity on every text the baseline read; the fast path's feature of a text does not depend on its batch.
     compare = min(n_fast, n_baseline)
-    extra = featurize(model, baseline_texts[compare:], batch_size=batch_size, device=device)
+    extra = featurize(model, baseline_texts[compare:], batch_size=rows, device=device)
     diff = max_relative_difference(np.concatenate([fast_NH[:compare], extra]), baseline_NH)
+    diff = max(diff, max_relative_difference(fast_NH, reference_NH))
 
-    chars = sum(len(encode(t)) for t in fast_texts)
+    lengths = np.array([len(encode(t)) for t in fast_texts])
+    chars = int(lengths.sum())
+    held = sum(len(batch) * int(lengths[batch].max()) for batch in length_batches(lengths.tolist(), rows))
     baseline_chars = sum(len(encode(t)) for t in baseline_texts)
     precision = precision_of(device)
     row = FeatureRow(
@@ -191,11 +216,16 @@ def feature_row(
         num_params=model.config.num_params,
         device=str(device),
         precision=precision,
-        batch_size=batch_size,
+        batch_size=rows,
+        batch_sized_by="--batch-size" if batch_size else "memory",
         texts=n_fast,
         chars=chars,
+        padding=(held - chars) / held,
         seconds=seconds,
         chars_per_s=chars / seconds,
+        reference_seconds=reference_seconds,
+        reference_chars_per_s=chars / reference_seconds,
+        vs_reference=reference_seconds / seconds,
         baseline_texts=n_baseline,
         baseline_chars=baseline_chars,
         baseline_seconds=baseline_seconds,
@@ -204,7 +234,7 @@ def feature_row(
         max_rel_diff=diff,
         tolerance=TOLERANCE[precision],
     )
-    del model
+    del model, reference
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -324,9 +354,12 @@ def print_report(
     console = Console(file=file, width=None if file.isatty() else 200)
     where = info.get("gpu") or f"{info['cores']} cores ({info['cpu']}), {info['torch_threads']} torch threads"
     console.print(f"{where}, torch {info['torch']}; texts: {source}; random-init weights", highlight=False)
-    table = Table(title="Feature extraction: featurize (length-sorted batches) vs one text at a time")
-    columns = ("preset", "device", "precision", "batch", "texts", "chars", "fast chars/s")
-    columns += ("baseline texts", "baseline chars/s", "fast ÷ baseline", "max rel diff")
+    table = Table(
+        title="Feature extraction: featurize (length-bucketed batches) vs the reference recurrence and one text at a time"
+    )
+    columns = ("preset", "device", "precision", "batch", "texts", "chars", "padding", "fast chars/s")
+    columns += ("reference chars/s", "fast ÷ reference", "baseline texts", "baseline chars/s")
+    columns += ("fast ÷ baseline", "max rel diff")
     for column in columns:
         table.add_column(column, justify="left" if column in ("preset", "device", "precision") else "right")
     for r in features:
@@ -334,10 +367,13 @@ def print_report(
             r.preset,
             r.device,
             r.precision,
-            str(r.batch_size),
+            f"{r.batch_size} ({r.batch_sized_by})",
             str(r.texts),
             f"{r.chars:,}",
+            f"{r.padding:.1%}",
             f"{r.chars_per_s:,.0f}",
+            f"{r.reference_chars_per_s:,.0f}",
+            f"{r.vs_reference:.2f}",
             str(r.baseline_texts),
             f"{r.baseline_chars_per_s:,.0f}",
             f"{r.ratio:.2f}",
@@ -392,8 +428,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--data",
         type=Path,
         help=(
-            f"CSV (or .csv.gz) of texts: a sentence, text or review column (default: {DEFAULT_DATA}; "
-            "the project's generated sample when that is absent)."
+            f"CSV (or .csv.gz) of texts: a sentence, text or review column (default: {DEFAULT_DATA} on a "
+            f"CPU, {DEFAULT_GPU_DATA} on a GPU; the project's generated sample when that is absent)."
         ),
     )
     parser.add_argument("--texts", type=int, help="Texts for the fast path (default: by preset and device).")
@@ -403,7 +439,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=int,
-        help=f"featurize's batch size (default: {GPU_BATCH} on a GPU, {CPU_BATCH} on a CPU).",
+        help="featurize's rows per batch at most (default: as many as fit half the device's free memory).",
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--serve-preset", default="small", help="Preset of the served classifier.")
@@ -446,7 +482,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     info = machine(device)
-    data = args.data or DEFAULT_DATA
+    data = args.data or (DEFAULT_GPU_DATA if cuda else DEFAULT_DATA)
     if data.exists():
         pool, source = load_texts(data), str(data)
     else:
@@ -456,7 +492,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         pool, source = generated_texts(), f"generated sample (tasks.corpus.sample; {data} absent)"
     random.Random(0).shuffle(pool)  # files are often sorted by label; the same order every run
     counts = GPU_COUNTS if cuda else CPU_COUNTS
-    batch_size = args.batch_size or (GPU_BATCH if cuda else CPU_BATCH)
+    batch_size = args.batch_size
 
     features = []
     for name in args.presets:

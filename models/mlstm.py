@@ -11,7 +11,9 @@ weights load without transposes. Per time step:
 
 Weight normalisation on the four matrices of the cell: ``W = g · v / ‖v‖`` per output unit (column).
 The input projections x W_x and x W_mx are one matrix product for all T steps; only the recurrence
-loops. ``final_cell_state`` is the feature of Radford et al.: the cell state after a text's last
+loops, through the fused recurrence of ``models/recurrence.py`` unless ``recurrence="reference"``
+(``MLSTM.cell`` below, step by step under autograd: the same numbers, kept for tests and debugging).
+``final_cell_state`` is the feature of Radford et al.: the cell state after a text's last
 byte, with padding masked out. Single device, no mixed precision or distribution here: the training
 job adds those.
 """
@@ -19,11 +21,18 @@ job adds those.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from models.recurrence import final_states, recurrence
+
 State = tuple[Tensor, Tensor]  # (h_BH, c_BH)
+# "fused": models/recurrence.py (the default); "reference": MLSTM.cell step by step under autograd.
+Recurrence = Literal["fused", "reference"]
+RECURRENCES: tuple[Recurrence, ...] = ("fused", "reference")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,9 +99,16 @@ def weight_norm(v: Tensor, g: Tensor) -> Tensor:
 class MLSTM(nn.Module):
     """Embedding → mLSTM cell over time → linear read-out to next-byte logits."""
 
-    def __init__(self, config: MLSTMConfig) -> None:
+    def __init__(
+        self, config: MLSTMConfig, *, recurrence: Recurrence = "fused", compile_gates: bool = True
+    ) -> None:
         super().__init__()
+        if recurrence not in RECURRENCES:
+            raise ValueError(f"unknown recurrence {recurrence!r}: choose one of {', '.join(RECURRENCES)}")
         self.config = config
+        # How the loop over time runs; neither is a parameter, so checkpoints are the same for both.
+        self.recurrence: Recurrence = recurrence
+        self.compile_gates = compile_gates  # the fused path's gate math through torch.compile (CUDA only)
         E, H, V = config.embed_size, config.hidden_size, config.vocab_size
         self.embed = nn.Embedding(V, E)
         self.w_x = nn.Parameter(torch.empty(E, 4 * H))
@@ -151,6 +167,8 @@ class MLSTM(nn.Module):
     def forward(self, bytes_BT: Tensor, state: State | None = None) -> tuple[Tensor, State, Tensor]:
         """Next-byte logits [B, T, V], the final state, and the cell state after every step [B, T, H]."""
         state = state if state is not None else self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
+        if self.recurrence == "fused":
+            return self._forward_fused(bytes_BT, state)
         x_BTE = self.embed(bytes_BT)
         W_x, W_h, W_mx, W_mh = self.cell_weights()
         xz_BTG = x_BTE @ W_x + self.b  # G = 4H: the input's share of every gate, all steps at once
@@ -166,6 +184,16 @@ class MLSTM(nn.Module):
             cs.append(state[1])
         h_BTH, c_BTH = torch.stack(hs, dim=1), torch.stack(cs, dim=1)
         return self.out(h_BTH), state, c_BTH
+
+    def _forward_fused(self, bytes_BT: Tensor, state: State) -> tuple[Tensor, State, Tensor]:
+        """``forward`` through models/recurrence.py: time-major inside, the same results outside."""
+        x_TBE = self.embed(bytes_BT.T)
+        W_x, W_h, W_mx, W_mh = self.cell_weights()
+        xz_TBG = x_TBE @ W_x + self.b
+        xm_TBH = x_TBE @ W_mx
+        h_TBH, c_TBH = recurrence(xz_TBG, xm_TBH, *state, W_h, W_mh, compile_gates=self.compile_gates)
+        # The read-out is smaller than h (V < H): transpose the logits, not h.
+        return self.out(h_TBH).transpose(0, 1), (h_TBH[-1], c_TBH[-1]), c_TBH.transpose(0, 1)
 
     @torch.no_grad()
     def final_cell_state(self, bytes_BT: Tensor, lengths_B: Tensor, *, chunk_len: int = 256) -> Tensor:
@@ -184,6 +212,19 @@ class MLSTM(nn.Module):
         bytes_BT, lengths_B = bytes_BT[order_B], lengths_B[order_B]
         W_x, W_h, W_mx, W_mh = self.cell_weights()
         h_BH, c_BH = self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
+        if self.recurrence == "fused":
+            # Rows reading at each step, counted once on the host: no device sync inside the loop.
+            lengths = np.sort(lengths_B.cpu().numpy())
+            num_reading = (
+                len(lengths) - np.searchsorted(lengths, np.arange(int(lengths[-1])), "right")
+            ).tolist()
+            for t0 in range(0, len(num_reading), chunk_len):
+                n = num_reading[t0]
+                x_TNE = self.embed(bytes_BT[:n, t0 : t0 + chunk_len].T)
+                xz_TNG, xm_TNH = x_TNE @ W_x + self.b, x_TNE @ W_mx
+                reading = num_reading[t0 : t0 + chunk_len]
+                final_states(xz_TNG, xm_TNH, h_BH, c_BH, W_h, W_mh, reading, compile_gates=self.compile_gates)
+            return c_BH[order_B.argsort()]
         for t0 in range(0, int(lengths_B[0]), chunk_len):
             n = int((lengths_B > t0).sum())  # rows still reading: a prefix, since the longest come first
             x_NTE = self.embed(bytes_BT[:n, t0 : t0 + chunk_len])

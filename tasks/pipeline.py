@@ -40,6 +40,8 @@ PRETRAIN_KEY_IGNORES = {
     "max_steps",
 }
 PRETRAIN_KEY_IGNORES |= {"checkpoint_every", "val_every", "log_every"}
+# How a step runs, not what it learns (equal losses to rounding): a rerun with another need not retrain.
+PRETRAIN_KEY_IGNORES |= {"recurrence", "compile", "cuda_graph"}
 TRANSFER_KEY_IGNORES = {"checkpoint", "datasets", "batch_size"}
 
 

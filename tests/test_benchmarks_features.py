@@ -43,7 +43,9 @@ def test_the_features_benchmark_prints_its_json_report() -> None:
     assert row["chars"] > 32 * 3 and row["baseline_chars"] > 8 * 3  # every text has its 3 pad bytes
     assert row["chars_per_s"] > 0 and row["baseline_chars_per_s"] > 0 and row["ratio"] > 0
     assert row["ratio"] == pytest.approx(row["chars_per_s"] / row["baseline_chars_per_s"])
-    assert row["max_rel_diff"] < 1e-4  # the fast path and the per-text loop read the same features
+    assert row["max_rel_diff"] < 1e-4  # the fast path, the reference and the per-text loop agree
+    assert row["batch_sized_by"] == "--batch-size" and 0 <= row["padding"] < 0.1
+    assert row["vs_reference"] == pytest.approx(row["chars_per_s"] / row["reference_chars_per_s"])
 
     assert [(s["preset"], s["batch"]) for s in report["serving"]] == [("tiny", 1), ("tiny", 64)]
     for serve in report["serving"]:

@@ -20,7 +20,8 @@ from train_helpers import job, run_job
 
 from tasks.corpus.build import CorpusConfig
 from tasks.pretrain.checkpoint import load_checkpoint, read_latest
-from tasks.pretrain.train import TrainConfig, lr_factor
+from tasks.pretrain.train import TrainConfig, Trainer, World, lr_factor, peak_flops
+from tasks.settings import get_settings
 from tasks.store import LocalStore
 
 CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
@@ -74,6 +75,36 @@ def test_loss_goes_down_on_the_amazon_corpus(amazon_manifest: str, home: Path) -
     assert {"bpc", "val_bpc", "lr", "chars_per_s", "loss_scale"} <= set(run.data.metrics)
     artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)]
     assert "loss_curve.png" in artifacts
+
+
+def test_the_mfu_peak_is_the_measured_one_when_known(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("MLSTM_PEAK_FLOPS", "2.5e12")
+    assert peak_flops(cpu, torch.float32, tmp_path) == 2.5e12
+    monkeypatch.delenv("MLSTM_PEAK_FLOPS")
+    assert peak_flops(cpu, torch.float32, tmp_path) is None  # a CPU has no datasheet peak here
+
+
+def test_the_fused_recurrence_trains_as_the_reference_cell_does(amazon_manifest: str, home: Path) -> None:
+    losses = {}
+    for recurrence in ("fused", "reference"):
+        config = TrainConfig(
+            corpus=amazon_manifest,
+            preset="tiny",
+            run_name=recurrence,
+            store=str(home / "store"),
+            batch_size=8,
+            seq_len=32,
+            lr=0.003,
+            precision="fp32",
+            recurrence=recurrence,
+        )
+        trainer = Trainer(config, World(), get_settings(home=home))
+        assert trainer.model.recurrence == recurrence
+        losses[recurrence] = [trainer.train_step().item() for _ in range(20)]
+    assert losses["fused"][-1] < losses["fused"][0] - 0.5  # it learns, so the steps are not all alike
+    for step, (fused, reference) in enumerate(zip(losses["fused"], losses["reference"], strict=True)):
+        assert abs(fused - reference) <= 1e-6, f"step {step}: fused {fused}, reference {reference}"
 
 
 @pytest.mark.slow

@@ -51,6 +51,12 @@ def pretrain(
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints.")] = 1000,
     val_every: Annotated[int, typer.Option(min=1, help="Steps between validations.")] = 1000,
     retries: Annotated[int, typer.Option(min=0, help="Relaunches after a crash (resuming).")] = 2,
+    recurrence: Annotated[
+        str, typer.Option(help="fused, or reference (the cell step by step: debugging).")
+    ] = "fused",
+    cuda_graph: Annotated[
+        str, typer.Option(help="auto (one CUDA graph per step on one GPU) or off.")
+    ] = "auto",
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -67,7 +73,8 @@ def pretrain(
             corpus=corpus, preset=preset, launcher=launcher, nodes=nodes, gpus_per_node=gpus_per_node,
             nproc=nproc, max_steps=max_steps, total_steps=total_steps, run=run, batch_size=batch_size,
             seq_len=seq_len, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps, precision=precision,
-            checkpoint_every=checkpoint_every, val_every=val_every, retries=retries,
+            checkpoint_every=checkpoint_every, val_every=val_every, retries=retries, recurrence=recurrence,
+            cuda_graph=cuda_graph,
         )  # fmt: skip
         result = run_pretrain(params)
     except ValidationError as error:

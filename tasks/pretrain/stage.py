@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from models.mlstm import Recurrence
 from tasks.pretrain.checkpoint import read_latest
 from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, Launcher, LaunchError
 from tasks.pretrain.stream import BatchPlan
@@ -54,6 +55,16 @@ class PretrainParams(BaseModel):
     val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
     log_every: int = Field(default=10, ge=1, description="Steps between progress lines.")
     retries: int = Field(default=2, ge=0, description="Relaunches (resuming from latest) after a crash.")
+    # How a step runs, not what it computes: the same losses to rounding (docs/pretrain.md, "Speed").
+    recurrence: Recurrence = Field(
+        default="fused", description="fused, or reference (the cell step by step)."
+    )
+    compile: Literal["auto", "off"] = Field(
+        default="auto", description="Gate math through torch.compile on CUDA."
+    )
+    cuda_graph: Literal["auto", "off"] = Field(
+        default="auto", description="The step as one CUDA graph on a GPU."
+    )
 
     @property
     def nproc_per_node(self) -> int:

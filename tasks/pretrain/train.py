@@ -22,6 +22,7 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -32,8 +33,9 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from models.mlstm import MLSTM, PRESETS, State, preset
+from models.mlstm import MLSTM, PRESETS, RECURRENCES, Recurrence, State, preset
 from tasks.pretrain import checkpoint
+from tasks.pretrain.graphed import GraphedStep, graph_supported
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 from tasks.pretrain.torchrun import die_with_parent
 from tasks.settings import Settings, get_settings
@@ -46,8 +48,9 @@ RUN_FIELDS = (
     "corpus", "preset", "batch_size", "seq_len", "lr", "lr_base_batch", "lr_scaling", "warmup_steps",
     "precision", "clip", "seed",
 )  # fmt: skip
-# Dense bf16 tensor-core peaks (FLOP/s) of GPUs by name, for model FLOPs utilisation.
-# The benchmark measures the peak on the device instead; MLSTM_PEAK_FLOPS overrides both.
+# Dense bf16 tensor-core peaks (FLOP/s) of GPUs by name, for model FLOPs utilisation against the datasheet.
+# The `mfu` metric uses a measured peak where one is known (MLSTM_PEAK_FLOPS, or the file
+# benchmarks/pretrain.py writes on a GPU, MEASURED_PEAKS under MLSTM_HOME); the datasheet's stays beside it.
 GPU_PEAK_FLOPS = {
     "H200": 989e12,
     "H100": 989e12,
@@ -88,6 +91,18 @@ class TrainConfig(BaseModel):
     val_steps: int = Field(default=16, ge=1, description="Steps of the val split per validation.")
     log_every: int = Field(default=10, ge=1, description="Steps between log lines and metrics.")
     seed: int = Field(default=0, description="Seed of the initial weights.")
+    # How a step runs, not what it computes (the same losses to rounding): free to change on a resume.
+    recurrence: Recurrence = Field(
+        default="fused",
+        description=f"{'|'.join(RECURRENCES)}: the fused recurrence, or the cell step by step.",
+    )
+    compile: Literal["auto", "off"] = Field(
+        default="auto", description="auto: the fused gate math through torch.compile on CUDA; off: never."
+    )
+    cuda_graph: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: capture the training step as one CUDA graph on one GPU; off: never.",
+    )
     mlflow_run_id: str | None = Field(default=None, description="MLflow run to log into (rank 0).")
 
     @field_validator("preset")
@@ -156,13 +171,36 @@ def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-def peak_flops(device: torch.device) -> float | None:
-    if os.environ.get("MLSTM_PEAK_FLOPS"):
-        return float(os.environ["MLSTM_PEAK_FLOPS"])
+MEASURED_PEAKS = "peak_flops.json"  # {GPU name: {precision: FLOP/s}}, under MLSTM_HOME
+
+
+def datasheet_flops(device: torch.device) -> float | None:
+    """The GPU's datasheet dense bf16 peak, for the GPUs GPU_PEAK_FLOPS names."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in name), None)
+
+
+def measured_flops(device: torch.device, dtype: torch.dtype, home: Path | None) -> float | None:
+    """MLSTM_PEAK_FLOPS, else the matmul peak benchmarks/pretrain.py measured on this GPU in this dtype."""
+    if os.environ.get("MLSTM_PEAK_FLOPS"):
+        return float(os.environ["MLSTM_PEAK_FLOPS"])
+    if device.type != "cuda" or home is None or not (home / MEASURED_PEAKS).is_file():
+        return None
+    try:
+        peaks = json.loads((home / MEASURED_PEAKS).read_text())
+        value = peaks.get(torch.cuda.get_device_name(device), {}).get(str(dtype).removeprefix("torch."))
+    except (ValueError, AttributeError):
+        return None  # a damaged file costs the metric, never the run
+    return float(value) if value else None
+
+
+def peak_flops(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, home: Path | None = None
+) -> float | None:
+    """The peak ``mfu`` is against: measured where known, else the datasheet's."""
+    return measured_flops(device, dtype, home) or datasheet_flops(device)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
@@ -298,7 +336,9 @@ class Trainer:
         self.dtype = resolve_precision(config.precision, world.device)
 
         torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP checks them too)
-        self.model = MLSTM(preset(config.preset)).to(world.device)
+        self.model = MLSTM(
+            preset(config.preset), recurrence=config.recurrence, compile_gates=config.compile == "auto"
+        ).to(world.device)
         self.ddp = (
             DistributedDataParallel(
                 self.model, device_ids=[world.device] if world.device.type == "cuda" else None
@@ -306,7 +346,19 @@ class Trainer:
             if world.size > 1
             else self.model
         )
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.effective_lr())
+        # A captured step reads lr from a device tensor the schedule fills (a float would be baked in),
+        # and fused Adam skips an fp16 overflow step on the device, without asking the host.
+        self.graphed = config.cuda_graph == "auto" and graph_supported(world.device, world.size)
+        self.optimizer = (
+            torch.optim.Adam(
+                self.model.parameters(),
+                lr=torch.tensor(config.effective_lr(), device=world.device),
+                fused=True,
+            )
+            if self.graphed
+            else torch.optim.Adam(self.model.parameters(), lr=config.effective_lr())
+        )
+        self.graph_step: GraphedStep | None = None  # captured at the first step, after any resume
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_factor(step, warmup_steps=config.warmup_steps, total_steps=self.total_steps),
@@ -348,7 +400,15 @@ class Trainer:
             )
         state = saved.state
         self.model.load_state_dict(state["model"])
+        # A checkpoint's optimizer settings say how it ran (fused, lr as a number), not how this launch runs.
+        own = [
+            {k: g[k] for k in ("lr", "fused", "capturable", "foreach")} for g in self.optimizer.param_groups
+        ]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, mine in zip(self.optimizer.param_groups, own, strict=True):
+            if isinstance(mine["lr"], Tensor):
+                group["lr"] = mine["lr"].fill_(float(group["lr"]))
+            group.update({k: mine[k] for k in ("fused", "capturable", "foreach")})
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         rows = self.plan.rows
@@ -368,9 +428,14 @@ class Trainer:
         h, c = (self.world.gather_rows(t.detach()) for t in self.state)
         if not self.world.is_main:
             return None
+        optimizer = self.optimizer.state_dict()
+        # The same file whether the step was captured or not: lr a number, Adam's defaults.
+        optimizer["param_groups"] = [
+            {**g, "lr": float(g["lr"]), "fused": None, "capturable": False} for g in optimizer["param_groups"]
+        ]
         state = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "h": h.cpu(),
@@ -388,7 +453,7 @@ class Trainer:
             "corpus": self.config.corpus,
             "cleaning": self.manifest["cleaning"]["name"],
             "total_steps": self.total_steps,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.total_skipped_steps(),
             "loss": self.last_loss,
             "val_bpc": self.last_val_bpc,
             "world_size": self.world.size,
@@ -404,11 +469,36 @@ class Trainer:
         rows = torch.from_numpy(plan.batch(stream, step).astype(np.int64)).to(self.world.device)
         return rows[:, :-1], rows[:, 1:]
 
+    def total_skipped_steps(self) -> int:
+        """fp16 overflow steps: counted on the host, and on the device by a captured step."""
+        on_device = int(self.graph_step.skipped.item()) if self.graph_step is not None else 0
+        return self.skipped_steps + on_device
+
     def train_step(self) -> Tensor:
         step = self.step
         if step and self.plan.epoch_of(step) != self.plan.epoch_of(step - 1):
             self.state = self.model.zero_state(len(self.plan.rows))  # a new epoch starts each row over
+            if self.graph_step is not None:
+                self.graph_step.set_state(self.state)
+                self.state = self.graph_step.state
         inputs, targets = self.batch(self.plan, self.train, step)
+        if self.graphed:
+            if self.graph_step is None:
+                self.graph_step = GraphedStep(
+                    self.ddp,
+                    self.optimizer,
+                    self.scaler,
+                    self.state,
+                    inputs,
+                    targets,
+                    dtype=self.dtype,
+                    clip=self.config.clip,
+                )
+            loss = self.graph_step(inputs, targets)
+            self.state = self.graph_step.state  # the graph's own tensors: they carry to the next replay
+            self.schedule.step()
+            self.step += 1
+            return loss
         loss, self.state, skipped = optimizer_step(
             self.ddp,
             self.optimizer,
@@ -529,7 +619,8 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
     tracker = Tracker(trainer) if world.is_main else None
     preempted = Preempted()
     tokens_per_step = config.batch_size * config.seq_len
-    peak = peak_flops(world.device)
+    peak = peak_flops(world.device, trainer.dtype, settings.home)
+    datasheet = datasheet_flops(world.device)
     log(
         world,
         f"run {config.run_name}: {config.preset} ({trainer.model.config.num_params:,} parameters), "
@@ -554,10 +645,13 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
                 "lr": float(trainer.schedule.get_last_lr()[0]),
                 "chars_per_s": chars_per_s,
                 "loss_scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0,
-                "skipped_steps": float(trainer.skipped_steps),
+                "skipped_steps": float(trainer.total_skipped_steps()),
             }
+            flops = 6 * trainer.model.config.num_params * chars_per_s
             if peak:
-                metrics["mfu"] = 6 * trainer.model.config.num_params * chars_per_s / (peak * world.size)
+                metrics["mfu"] = flops / (peak * world.size)
+            if datasheet:
+                metrics["mfu_datasheet"] = flops / (datasheet * world.size)
             log(
                 world,
                 "progress "
@@ -593,7 +687,7 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
         "total_steps": trainer.total_steps,
         "final_loss": trainer.last_loss,
         "val_bpc": trainer.last_val_bpc,
-        "skipped_steps": trainer.skipped_steps,
+        "skipped_steps": trainer.total_skipped_steps(),
         "preempted": bool(trainer.step < stop),
     }
     log(world, "result " + json.dumps(result))

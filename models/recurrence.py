@@ -1,0 +1,213 @@
+"""The mLSTM recurrence as one autograd function: the cell of ``models/mlstm.py``, fast.
+
+Legend: T time steps, B batch, H hidden units, G = 4H gate pre-activations (i, f, o, u).
+Same equations as ``MLSTM.cell`` (which stays the readable reference):
+
+    hm = h W_mh                      m = xm ⊙ hm
+    z  = xz + m W_h                  (xz = x W_x + b and xm = x W_mx come in, all steps at once)
+    c  = σ(f) ⊙ c + σ(i) ⊙ tanh(u)   h = σ(o) ⊙ tanh(c)
+
+Why a function of its own: autograd through the step-by-step cell makes a full [H, 4H] gradient of
+W_h (and [H, H] of W_mh) at every time step, casts it and adds it into the accumulator; at 4096 units
+that traffic is most of a training step (``/work/shared/notes/gpu.md``). Here the forward loop keeps
+what the backward needs in time-major [T, B, ·] tensors; the backward loop does only the two products
+each step needs (dm = dz W_hᵀ, dh = (dm ⊙ xm) W_mhᵀ), and the weight gradients are two large products
+over all T·B rows after the loop (dW_h = Mᵀ dZ, dW_mh = H_prevᵀ dHM).
+
+Dtypes: the matrix products run in xz's dtype (bf16 or fp16 under autocast, else fp32 or fp64); the
+gate math and the cell state in the wider of that and the initial cell state's (fp32 under autocast).
+The gate math of one step is a plain function, compiled into one kernel per direction on CUDA where
+``torch.compile`` works (``compile_gates``); on a CPU it runs as plain PyTorch, which is faster to start.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+GateStep = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
+GateBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def gates(z_BG: Tensor, c_BH: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One step's gate math: (σ(i, f, o) [B, 3H], tanh(u) [B, H], the new c, the new h), in c's dtype."""
+    z_BG = z_BG.to(c_BH.dtype)
+    H = c_BH.shape[1]
+    s_B3H = torch.sigmoid(z_BG[:, : 3 * H])
+    tu_BH = torch.tanh(z_BG[:, 3 * H :])
+    si_BH, sf_BH, so_BH = s_B3H.chunk(3, dim=1)
+    c_BH = torch.addcmul(sf_BH * c_BH, si_BH, tu_BH)
+    h_BH = so_BH * torch.tanh(c_BH)
+    return s_B3H, tu_BH, c_BH, h_BH
+
+
+def gates_backward(
+    s_B3H: Tensor, tu_BH: Tensor, c_prev_BH: Tensor, c_BH: Tensor, dh_BH: Tensor, dc_BH: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The gradients of one step's gate pre-activations dz [B, G] and of the previous cell state.
+
+    Few, wide operations: on a CPU at small widths each costs about as much as its arithmetic."""
+    si_BH, sf_BH, so_BH = s_B3H.chunk(3, dim=1)
+    tc_BH = torch.tanh(c_BH)
+    dc_BH = torch.addcmul(dc_BH, dh_BH * so_BH, 1 - tc_BH * tc_BH)
+    # dσ(i, f, o): the upstream gradients of the three sigmoid gates at once, times σ' = σ(1 − σ).
+    ds_B3H = torch.cat([dc_BH * tu_BH, dc_BH * c_prev_BH, dh_BH * tc_BH], dim=1) * (s_B3H - s_B3H * s_B3H)
+    du_BH = dc_BH * si_BH * (1 - tu_BH * tu_BH)
+    return torch.cat([ds_B3H, du_BH], dim=1), dc_BH * sf_BH
+
+
+@functools.cache
+def _compiled() -> tuple[GateStep, GateBackward] | None:
+    """The gate functions through torch.compile (one fused kernel each), or None where it cannot run."""
+    try:
+        import triton  # noqa: F401  (torch.compile's CUDA code generator)
+    except ImportError:
+        return None
+    # dynamic=None: a shape seen twice (features: fewer rows as texts end) compiles once, symbolically.
+    return torch.compile(gates, fullgraph=True), torch.compile(gates_backward, fullgraph=True)
+
+
+def gate_functions(device: torch.device, compile_gates: bool) -> tuple[GateStep, GateBackward]:
+    """Compiled on CUDA when asked and available (it pays there: launches dominate); plain otherwise."""
+    if compile_gates and device.type == "cuda":
+        compiled = _compiled()
+        if compiled is not None:
+            return compiled
+    return gates, gates_backward
+
+
+class Recurrence(torch.autograd.Function):
+    """h_TBH, c_TBH from xz_TBG, xm_TBH, the initial state and the normalised W_h, W_mh."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,  # FunctionCtx, which carries our own attributes too
+        xz_TBG: Tensor,
+        xm_TBH: Tensor,
+        h0_BH: Tensor,
+        c0_BH: Tensor,
+        W_h: Tensor,
+        W_mh: Tensor,
+        compile_gates: bool,
+    ) -> tuple[Tensor, Tensor]:
+        step, step_backward = gate_functions(xz_TBG.device, compile_gates)
+        dt = xz_TBG.dtype  # the products' dtype
+        acc = torch.promote_types(dt, c0_BH.dtype)  # the gate math's and the cell state's
+        with torch.autocast(xz_TBG.device.type, enabled=False):
+            W_h_d, W_mh_d = W_h.to(dt), W_mh.to(dt)  # cast once, not every step
+            h_BH, c_BH = h0_BH.to(dt), c0_BH.to(acc)
+            hs, cs, hms, ms, ss, tus = [h_BH], [c_BH], [], [], [], []
+            for xz_BG, xm_BH in zip(xz_TBG.unbind(0), xm_TBH.unbind(0), strict=True):
+                hm_BH = h_BH @ W_mh_d
+                m_BH = xm_BH * hm_BH
+                z_BG = torch.addmm(xz_BG, m_BH, W_h_d)
+                s_B3H, tu_BH, c_BH, h_acc_BH = step(z_BG, c_BH)
+                h_BH = h_acc_BH.to(dt)
+                hs.append(h_BH)
+                cs.append(c_BH)
+                hms.append(hm_BH)
+                ms.append(m_BH)
+                ss.append(s_B3H)
+                tus.append(tu_BH)
+            h_T1BH, c_T1BH = torch.stack(hs), torch.stack(cs)  # step 0 is the initial state
+        ctx.set_materialize_grads(
+            False
+        )  # no gradient for c (training never uses it): no T additions of zeros
+        ctx.save_for_backward(xm_TBH, h_T1BH, c_T1BH, torch.stack(hms), torch.stack(ms), W_h_d, W_mh_d)
+        ctx.gates = (ss, tus)  # per-step tensors, read once each by the backward loop
+        ctx.step_backward = step_backward
+        ctx.dtypes = (h0_BH.dtype, c0_BH.dtype, W_h.dtype, W_mh.dtype)
+        return h_T1BH[1:], c_T1BH[1:]
+
+    @staticmethod
+    def backward(ctx: Any, dh_out_TBH: Tensor | None, dc_out_TBH: Tensor | None) -> tuple[Tensor | None, ...]:
+        xm_TBH, h_T1BH, c_T1BH, hm_TBH, m_TBH, W_h_d, W_mh_d = ctx.saved_tensors
+        ss, tus = ctx.gates
+        step_backward: GateBackward = ctx.step_backward
+        h0_dtype, c0_dtype, W_h_dtype, W_mh_dtype = ctx.dtypes
+        T, B, H = xm_TBH.shape
+        dt, acc = W_h_d.dtype, c_T1BH.dtype
+        with torch.autocast(xm_TBH.device.type, enabled=False):
+            dh_BH = torch.zeros(B, H, dtype=acc, device=xm_TBH.device)
+            dc_BH = torch.zeros(B, H, dtype=acc, device=xm_TBH.device)
+            dzs, dxms, dhms = [], [], []
+            for t in range(T - 1, -1, -1):
+                if dh_out_TBH is not None:
+                    dh_BH = dh_BH + dh_out_TBH[t]
+                if dc_out_TBH is not None:
+                    dc_BH = dc_BH + dc_out_TBH[t]
+                dz_BG, dc_BH = step_backward(ss[t], tus[t], c_T1BH[t], c_T1BH[t + 1], dh_BH, dc_BH)
+                dz_BG = dz_BG.to(dt)
+                dm_BH = dz_BG @ W_h_d.T
+                dxms.append(dm_BH * hm_TBH[t])
+                dhm_BH = dm_BH * xm_TBH[t]
+                dh_BH = (dhm_BH @ W_mh_d.T).to(acc)
+                dzs.append(dz_BG)
+                dhms.append(dhm_BH)
+            dz_TBG, dhm_TBH = torch.stack(dzs[::-1]), torch.stack(dhms[::-1])
+            # The weight gradients: two products over all T·B rows, not T small ones.
+            dW_h = m_TBH.flatten(0, 1).T @ dz_TBG.flatten(0, 1) if ctx.needs_input_grad[4] else None
+            dW_mh = h_T1BH[:-1].flatten(0, 1).T @ dhm_TBH.flatten(0, 1) if ctx.needs_input_grad[5] else None
+        return (
+            dz_TBG,
+            torch.stack(dxms[::-1]),
+            dh_BH.to(h0_dtype),
+            dc_BH.to(c0_dtype),
+            None if dW_h is None else dW_h.to(W_h_dtype),
+            None if dW_mh is None else dW_mh.to(W_mh_dtype),
+            None,
+        )
+
+
+def recurrence(
+    xz_TBG: Tensor,
+    xm_TBH: Tensor,
+    h0_BH: Tensor,
+    c0_BH: Tensor,
+    W_h: Tensor,
+    W_mh: Tensor,
+    *,
+    compile_gates: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """h and c after every step, [T, B, H] each (h in xz's dtype, c in the gate math's)."""
+    if xz_TBG.shape[0] == 0:
+        raise ValueError("the recurrence needs at least one time step")
+    # torch types Function.apply without annotations.
+    result: tuple[Tensor, Tensor] = Recurrence.apply(  # type: ignore[no-untyped-call]
+        xz_TBG.contiguous(), xm_TBH.contiguous(), h0_BH, c0_BH, W_h, W_mh, compile_gates
+    )
+    return result
+
+
+@torch.no_grad()
+def final_states(
+    xz_TBG: Tensor,
+    xm_TBH: Tensor,
+    h_BH: Tensor,
+    c_BH: Tensor,
+    W_h: Tensor,
+    W_mh: Tensor,
+    num_reading_T: list[int],
+    *,
+    compile_gates: bool = True,
+) -> None:
+    """Advance the state (h_BH, c_BH) in place, T steps, without keeping anything for a backward.
+
+    Rows must come longest first: at step t only the first ``num_reading_T[t]`` rows still read a
+    byte of their own, and only they change, so padding never reaches a state and rows that have
+    ended cost nothing.
+    """
+    step, _ = gate_functions(xz_TBG.device, compile_gates)
+    dt = xz_TBG.dtype
+    W_h_d, W_mh_d = W_h.to(dt), W_mh.to(dt)
+    with torch.autocast(xz_TBG.device.type, enabled=False):
+        for t, n in enumerate(num_reading_T):
+            hm_NH = h_BH[:n].to(dt) @ W_mh_d
+            z_NG = torch.addmm(xz_TBG[t, :n], xm_TBH[t, :n] * hm_NH, W_h_d)
+            _, _, c_NH, h_NH = step(z_NG, c_BH[:n])
+            c_BH[:n] = c_NH
+            h_BH[:n] = h_NH

@@ -1,0 +1,170 @@
+"""The fused recurrence, compiled gates and the captured training step on a GPU (skipped without one)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from train_helpers import run_job
+
+from models.features import featurize
+from models.mlstm import MLSTM, MLSTMConfig, small
+from models.recurrence import gate_functions, gates, gates_backward
+from tasks.pretrain.checkpoint import load_checkpoint
+from tasks.pretrain.graphed import GraphedStep
+from tasks.pretrain.train import MEASURED_PEAKS, datasheet_flops, optimizer_step, peak_flops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)"),
+]
+CUDA = torch.device("cuda")
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _gradients(model: MLSTM, bytes_BT: torch.Tensor, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+        logits, _, _ = model(bytes_BT[:, :-1])
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), bytes_BT[:, 1:].flatten()).backward()
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_bf16_gradients_are_as_close_to_float64_as_the_reference_paths() -> None:
+    torch.manual_seed(0)
+    fused = MLSTM(MLSTMConfig(hidden_size=1024)).to(CUDA)
+    reference = MLSTM(fused.config, recurrence="reference").to(CUDA)
+    reference.load_state_dict(fused.state_dict())
+    exact = copy.deepcopy(reference).double()
+    bytes_BT = torch.randint(0, 256, (16, 65), device=CUDA)
+    truth = _gradients(exact, bytes_BT, None)
+    for dtype in (torch.bfloat16, torch.float16):
+        fused_error = max(
+            _relative(g, t) for g, t in zip(_gradients(fused, bytes_BT, dtype), truth, strict=True)
+        )
+        ref_error = max(
+            _relative(g, t) for g, t in zip(_gradients(reference, bytes_BT, dtype), truth, strict=True)
+        )
+        assert fused_error < 5e-2, (dtype, fused_error)  # the issue measured 1.7e-2 in bf16
+        assert fused_error < 1.5 * ref_error + 1e-3, (dtype, fused_error, ref_error)
+    fp32 = max(_relative(g, t) for g, t in zip(_gradients(fused, bytes_BT, None), truth, strict=True))
+    assert fp32 < 1e-3  # TF32 may be on for matmuls
+
+
+def test_compiled_gates_equal_the_plain_ones() -> None:
+    step, step_backward = gate_functions(CUDA, compile_gates=True)
+    torch.manual_seed(0)
+    z, c = torch.randn(8, 64, device=CUDA), torch.randn(8, 16, device=CUDA)
+    for compiled, plain in zip(step(z, c), gates(z, c), strict=True):
+        torch.testing.assert_close(compiled, plain)
+    s, tu, c_new, _ = gates(z, c)
+    dh, dc = torch.randn_like(c), torch.randn_like(c)
+    for compiled, plain in zip(
+        step_backward(s, tu, c, c_new, dh, dc), gates_backward(s, tu, c, c_new, dh, dc), strict=True
+    ):
+        torch.testing.assert_close(compiled, plain)
+
+
+def _trainable(dtype: torch.dtype) -> tuple[MLSTM, torch.optim.Optimizer, torch.amp.GradScaler]:
+    torch.manual_seed(0)
+    model = MLSTM(MLSTMConfig(hidden_size=256)).to(CUDA)
+    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device=CUDA), fused=True)
+    return model, optimizer, torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_replay_equals_eager_steps(dtype: torch.dtype) -> None:
+    batches = [torch.randint(0, 256, (8, 33), device=CUDA) for _ in range(6)]
+    eager, eager_opt, eager_scaler = _trainable(dtype)
+    state = eager.zero_state(8)
+    eager_losses = []
+    for bytes_BT in batches:
+        loss, state, _ = optimizer_step(
+            eager, eager_opt, eager_scaler, bytes_BT[:, :-1], bytes_BT[:, 1:], state, dtype=dtype, clip=1.0
+        )
+        eager_losses.append(loss.item())
+    graphed, opt, scaler = _trainable(dtype)
+    step = GraphedStep(
+        graphed,
+        opt,
+        scaler,
+        graphed.zero_state(8),
+        batches[0][:, :-1],
+        batches[0][:, 1:],
+        dtype=dtype,
+        clip=1.0,
+    )
+    losses = [step(b[:, :-1], b[:, 1:]).item() for b in batches]
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 rounding differs between kernels
+    np.testing.assert_allclose(losses, eager_losses, rtol=tolerance)
+    for (name, p), q in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=tolerance, atol=tolerance, msg=name)
+    torch.testing.assert_close(step.state[1], state[1], rtol=tolerance, atol=tolerance)
+
+
+def test_an_fp16_overflow_step_is_skipped_and_counted_in_the_graph() -> None:
+    model, optimizer, _ = _trainable(torch.float16)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**60)  # overflows fp16 at once
+    before = [p.detach().clone() for p in model.parameters()]
+    bytes_BT = torch.randint(0, 256, (8, 33), device=CUDA)
+    step = GraphedStep(
+        model,
+        optimizer,
+        scaler,
+        model.zero_state(8),
+        bytes_BT[:, :-1],
+        bytes_BT[:, 1:],
+        dtype=torch.float16,
+        clip=1.0,
+    )
+    step(bytes_BT[:, :-1], bytes_BT[:, 1:])
+    assert int(step.skipped.item()) == 1 and scaler.get_scale() == 2.0**59
+    for p, q in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)  # the skipped step moved nothing
+    for _ in range(80):  # the scale halves until the step fits, then steps are taken
+        step(bytes_BT[:, :-1], bytes_BT[:, 1:])
+    assert 1 < int(step.skipped.item()) < 81
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_features_alone_equal_features_in_a_batch() -> None:
+    torch.manual_seed(0)
+    model = MLSTM(small()).to(CUDA)
+    rng = np.random.default_rng(0)
+    texts = ["".join(rng.choice(list("good bad film!"), size=n)) for n in (1, 5, 300, 301, 40, 1200, 7)]
+    alone = featurize(model, texts, batch_size=1)
+    together = featurize(
+        model, texts, batch_size=None
+    )  # memory-sized, length-bucketed, under bf16/fp16 autocast
+    scale = np.abs(alone).max(axis=1, keepdims=True)
+    assert (np.abs(together - alone) / scale).max() < 5e-2
+
+
+@pytest.mark.slow
+def test_a_captured_run_resumes_as_it_would_have_run(sample_manifest: str, home: Path) -> None:
+    common = ["--corpus", sample_manifest, "--store", str(home / "store"), "--preset", "tiny"]
+    common += ["--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--checkpoint-every", "100"]
+    straight = run_job([*common, "--run-name", "straight", "--max-steps", "16"], home)
+    run_job([*common, "--run-name", "halves", "--max-steps", "8"], home)
+    resumed = run_job([*common, "--run-name", "halves", "--max-steps", "16"], home)
+    assert resumed["steps"] == 16
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-2)
+    a = load_checkpoint(straight["checkpoint_uri"]).state
+    b = load_checkpoint(resumed["checkpoint_uri"]).state
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-2, atol=1e-3, msg=name)
+    eager = run_job([*common, "--run-name", "eager", "--max-steps", "16", "--cuda-graph", "off"], home)
+    assert eager["final_loss"] == pytest.approx(straight["final_loss"], rel=2e-2)
+
+
+def test_the_mfu_peak_is_the_one_the_benchmark_measured(tmp_path: Path) -> None:
+    (tmp_path / MEASURED_PEAKS).write_text(json.dumps({torch.cuda.get_device_name(CUDA): {"bf16": 7.5e14}}))
+    assert peak_flops(CUDA, torch.bfloat16, tmp_path) == 7.5e14
+    assert peak_flops(CUDA, torch.bfloat16, tmp_path / "elsewhere") == datasheet_flops(CUDA)

@@ -1,0 +1,108 @@
+"""The fused recurrence (models/recurrence.py) against autograd through the reference cell, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.mlstm import MLSTM, MLSTMConfig
+from models.recurrence import gates, gates_backward, recurrence
+
+RTOL, ATOL = 1e-10, 1e-12
+
+
+def _pair(hidden: int = 12, seed: int = 0) -> tuple[MLSTM, MLSTM]:
+    """The same float64 weights behind the fused and the reference recurrence."""
+    torch.manual_seed(seed)
+    fused = MLSTM(MLSTMConfig(hidden_size=hidden, embed_size=8)).double()
+    with torch.no_grad():  # gains and bias away from their initial values, so every term matters
+        for p in (fused.g_x, fused.g_h, fused.g_mx, fused.g_mh, fused.b):
+            p.add_(torch.randn_like(p) * 0.3)
+    reference = MLSTM(fused.config, recurrence="reference").double()
+    reference.load_state_dict(fused.state_dict())
+    return fused, reference
+
+
+def _loss_and_grads(
+    model: MLSTM, bytes_BT: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, splits: tuple[int, ...]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs and the gradients of every parameter and of (h0, c0), reading the bytes in ``splits`` calls
+    with the state carried from one call to the next."""
+    h0, c0 = h0.clone().requires_grad_(), c0.clone().requires_grad_()
+    torch.manual_seed(1)
+    state, outputs, loss = (h0, c0), [], torch.zeros((), dtype=torch.float64)
+    for part in bytes_BT.split(splits, dim=1):
+        logits, state, cells = model(part, state)
+        # Every output takes part: logits, the cell state of every step, the final h and c.
+        # (randn, not randn_like: the fused outputs are transposed views, and randn_like follows strides)
+        weights_BTV = torch.randn(logits.shape, dtype=logits.dtype)
+        weights_BTH = torch.randn(cells.shape, dtype=cells.dtype)
+        loss = loss + (logits * weights_BTV).sum() + (cells * weights_BTH).sum()
+        outputs += [logits, cells]
+    loss = loss + (state[0] * 0.7).sum() + (state[1] * 1.3).sum()
+    outputs += list(state)
+    grads = torch.autograd.grad(loss, [*model.parameters(), h0, c0])
+    return outputs, list(grads)
+
+
+@pytest.mark.parametrize(
+    ("batch", "splits"),
+    [(3, (7,)), (5, (1,)), (1, (9,)), (3, (4, 5)), (7, (1, 1, 3))],
+    ids=["odd B and T", "T = 1", "B = 1", "state across two calls", "three calls, T = 1 twice"],
+)
+def test_fused_gradients_equal_autograd_through_the_reference_cell(
+    batch: int, splits: tuple[int, ...]
+) -> None:
+    fused, reference = _pair()
+    bytes_BT = torch.randint(0, 256, (batch, sum(splits)))
+    h0, c0 = torch.randn(batch, 12, dtype=torch.float64), torch.randn(batch, 12, dtype=torch.float64)
+    fused_out, fused_grads = _loss_and_grads(fused, bytes_BT, h0, c0, splits)
+    ref_out, ref_grads = _loss_and_grads(reference, bytes_BT, h0, c0, splits)
+    for fast, ref in zip(fused_out, ref_out, strict=True):
+        torch.testing.assert_close(fast, ref, rtol=RTOL, atol=ATOL)
+    names = [name for name, _ in fused.named_parameters()] + ["h0", "c0"]
+    for name, fast, ref in zip(names, fused_grads, ref_grads, strict=True):
+        assert fast.abs().max() > 0, f"gradient of {name} is zero: the test would not see it"
+        torch.testing.assert_close(fast, ref, rtol=RTOL, atol=ATOL, msg=f"gradient of {name}")
+
+
+def test_gate_backward_is_the_derivative_of_the_gate_math() -> None:
+    torch.manual_seed(0)
+    z = torch.randn(3, 20, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    s, tu, c_new, h_new = gates(z, c)
+    dh, dc = torch.randn_like(h_new), torch.randn_like(c_new)
+    dz_auto, dc_auto = torch.autograd.grad((h_new * dh).sum() + (c_new * dc).sum(), [z, c])
+    dz, dc_prev = gates_backward(s, tu, c, c_new, dh, dc)
+    torch.testing.assert_close(dz, dz_auto, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(dc_prev, dc_auto, rtol=RTOL, atol=ATOL)
+
+
+def test_the_recurrence_needs_a_time_step() -> None:
+    empty = torch.zeros(0, 2, 8)
+    with pytest.raises(ValueError, match="at least one time step"):
+        recurrence(
+            empty, empty[..., :2], torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 8), torch.zeros(2, 2)
+        )
+
+
+def test_an_unknown_recurrence_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown recurrence 'cudnn': choose one of fused, reference"):
+        MLSTM(MLSTMConfig(hidden_size=4), recurrence="cudnn")  # type: ignore[arg-type]
+
+
+def test_both_recurrences_have_the_same_checkpoint() -> None:
+    fused, reference = _pair()
+    assert fused.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_final_cell_state_is_the_same_on_both_paths() -> None:
+    fused, reference = _pair(hidden=10)
+    lengths = torch.tensor([5, 70, 1, 70, 33])
+    bytes_BT = torch.randint(0, 256, (5, 75))
+    torch.testing.assert_close(
+        fused.final_cell_state(bytes_BT, lengths, chunk_len=16),
+        reference.final_cell_state(bytes_BT, lengths, chunk_len=16),
+        rtol=RTOL,
+        atol=ATOL,
+    )
