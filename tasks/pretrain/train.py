@@ -30,10 +30,10 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from models.mlstm import MLSTM, PRESETS, State, preset
 from tasks.pretrain import checkpoint
+from tasks.pretrain import sharding as shard
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 from tasks.pretrain.torchrun import die_with_parent
 from tasks.settings import Settings, get_settings
@@ -82,6 +82,10 @@ class TrainConfig(BaseModel):
         default=None, ge=1, description="End this launch after this step (a budget, not the schedule)."
     )
     precision: Precision = Field(default="auto", description="auto: bf16 or fp16 on GPUs, fp32 on CPU.")
+    # Not in RUN_FIELDS: how the state is spread over ranks, not what it is; a resume may change it.
+    sharding: shard.Sharding = Field(
+        default="none", description="none (DDP), optimizer (ZeRO-1) or full (FSDP2, ZeRO-3)."
+    )
     clip: float = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
     checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
     val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
@@ -299,14 +303,14 @@ class Trainer:
 
         torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP checks them too)
         self.model = MLSTM(preset(config.preset)).to(world.device)
-        self.ddp = (
-            DistributedDataParallel(
-                self.model, device_ids=[world.device] if world.device.type == "cuda" else None
-            )
-            if world.size > 1
-            else self.model
+        self.ddp, self.optimizer = shard.wrap(
+            self.model,
+            config.sharding,
+            world_size=world.size,
+            device=world.device,
+            dtype=self.dtype,
+            lr=config.effective_lr(),
         )
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.effective_lr())
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_factor(step, warmup_steps=config.warmup_steps, total_steps=self.total_steps),
@@ -347,8 +351,7 @@ class Trainer:
                 f"{self.total_steps}: relaunch with --total-steps {saved.meta['total_steps']}"
             )
         state = saved.state
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        shard.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         rows = self.plan.rows
@@ -366,11 +369,12 @@ class Trainer:
     def save(self) -> str | None:
         """Every rank gathers the carried state; rank 0 writes. Returns the URI on rank 0."""
         h, c = (self.world.gather_rows(t.detach()) for t in self.state)
+        weights, optimizer_state = shard.full_state(self.model, self.optimizer, is_main=self.world.is_main)
         if not self.world.is_main:
             return None
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": weights,
+            "optimizer": optimizer_state,
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "h": h.cpu(),
@@ -555,6 +559,8 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
                 "chars_per_s": chars_per_s,
                 "loss_scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0,
                 "skipped_steps": float(trainer.skipped_steps),
+                # rank 0's share: what --sharding saves
+                "optimizer_bytes": float(shard.optimizer_state_bytes(trainer.optimizer)),
             }
             if peak:
                 metrics["mfu"] = 6 * trainer.model.config.num_params * chars_per_s / (peak * world.size)
