@@ -40,6 +40,8 @@ PRETRAIN_KEY_IGNORES = {
     "max_steps",
 }
 PRETRAIN_KEY_IGNORES |= {"checkpoint_every", "val_every", "log_every"}
+# How the state is spread over the GPUs, and how much memory they have: the same run either way.
+PRETRAIN_KEY_IGNORES |= {"sharding", "gpu_memory"}
 TRANSFER_KEY_IGNORES = {"checkpoint", "datasets", "batch_size"}
 
 

@@ -9,7 +9,10 @@ import pytest
 import torch
 from train_helpers import job
 
+from tasks.pipeline import pretrain_key
 from tasks.pretrain.checkpoint import load_checkpoint
+from tasks.pretrain.sharding import wrap
+from tasks.pretrain.stage import PretrainParams
 from tasks.pretrain.train import iter_progress
 
 FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--log-every", "1"]
@@ -56,3 +59,23 @@ def test_a_full_checkpoint_at_two_ranks_resumes_at_one(sample_manifest: str, hom
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-4, atol=1e-5, msg=name)
     assert len(b["optimizer"]["state"]) == len(a["optimizer"]["state"])  # whole, not a shard
+
+
+def test_the_sharding_is_a_setting_of_the_launch_not_of_the_run() -> None:
+    """The pipeline finds (and resumes) the same run whatever --sharding a relaunch gives."""
+    params = PretrainParams(corpus="c")
+    key = pretrain_key(params, "corpus-id")
+    assert pretrain_key(params.model_copy(update={"sharding": "full"}), "corpus-id") == key
+    assert pretrain_key(params.model_copy(update={"lr": 1e-3}), "corpus-id") != key
+
+
+def test_full_sharding_refuses_fp16_with_what_to_use() -> None:
+    with pytest.raises(ValueError, match="--precision bf16 or fp32"):
+        wrap(
+            torch.nn.Linear(2, 2),
+            "full",
+            world_size=2,
+            device=torch.device("cpu"),
+            dtype=torch.float16,
+            lr=1e-3,
+        )
