@@ -460,6 +460,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--baseline", action=argparse.BooleanOptionalAction, default=True, help="Also time the baseline."
     )
     parser.add_argument("--json", type=Path, dest="json_path", help="Also write the numbers to this file.")
+    parser.add_argument(
+        "--sharding",
+        help="Instead: step time and memory per rank of these shardings (none,optimizer,full), --nproc ranks.",
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="Ranks for --sharding.")
     args = parser.parse_args(argv)
     args.presets = [name.strip() for name in args.presets.split(",") if name.strip()]
     for name in args.presets:
@@ -496,6 +501,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sharding:
+        return sharding_main(args)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
@@ -568,6 +575,24 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.json_path.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if problems else 0
+
+
+def sharding_main(args: argparse.Namespace) -> int:
+    """``--sharding``: benchmarks/sharding.py's rows, DDP (``none``) first as the baseline."""
+    import sharding as bench
+
+    chosen = [s.strip() for s in args.sharding.split(",") if s.strip()]
+    order = ["none", *[s for s in chosen if s != "none"]]
+    rows = []
+    for name in args.presets:
+        for shard in order:
+            say(f"{name} --sharding {shard}: {args.nproc} ranks, batch {args.batch} × {args.seq_len} …")
+            rows.append(bench.measure(name, shard, args))
+    info = machine(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    bench.report(rows, info)
+    if args.json_path:
+        args.json_path.write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -80,7 +80,27 @@ def paper_8192() -> MLSTMConfig:
     return MLSTMConfig(hidden_size=8192)
 
 
-PRESETS = {"tiny": tiny, "small": small, "paper_4096": paper_4096, "paper_8192": paper_8192}
+# Past one GPU (the job's --sharding; `mlstm-sentiment plan` says how many GPUs). The cell's four
+# matrices are 5·H² + 5·E·H parameters; fp32 weights + gradients + Adam's two moments are 16 bytes each.
+def large_16384() -> MLSTMConfig:
+    """16384 units: 5·16384² ≈ 1.34B parameters, ≈ 21.5 GB of weights + gradients + Adam state."""
+    return MLSTMConfig(hidden_size=16384)
+
+
+def large_32768() -> MLSTMConfig:
+    """32768 units: 5·32768² ≈ 5.37B parameters, ≈ 86 GB of weights + gradients + Adam state, more than
+    one 80 GiB GPU holds before any activation: ``--sharding full`` over at least two."""
+    return MLSTMConfig(hidden_size=32768)
+
+
+PRESETS = {
+    "tiny": tiny,
+    "small": small,
+    "paper_4096": paper_4096,
+    "paper_8192": paper_8192,
+    "large_16384": large_16384,
+    "large_32768": large_32768,
+}
 
 
 def preset(name: str) -> MLSTMConfig:

@@ -42,6 +42,8 @@ PRETRAIN_KEY_IGNORES = {
 PRETRAIN_KEY_IGNORES |= {"checkpoint_every", "val_every", "log_every"}
 # How a step runs, not what it learns (equal losses to rounding): a rerun with another need not retrain.
 PRETRAIN_KEY_IGNORES |= {"recurrence", "compile", "cuda_graph"}
+# How the state is spread over the GPUs, and how much memory they have: the same run either way.
+PRETRAIN_KEY_IGNORES |= {"sharding", "gpu_memory"}
 TRANSFER_KEY_IGNORES = {"checkpoint", "datasets", "batch_size"}
 
 

@@ -48,3 +48,23 @@ def test_the_pretrain_benchmark_writes_its_json_report(
     assert [goal["batch"] for goal in report["goal"]] == [256, 512]
     assert not any(goal["applies"] for goal in report["goal"])  # judged on a GPU in bf16 only
     assert report["checks_failed"] == []
+
+
+@pytest.mark.slow
+def test_the_sharding_benchmark_writes_a_row_per_sharding_against_ddp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
+    spec = importlib.util.spec_from_file_location("pretrain_benchmark_sharding", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+
+    out = tmp_path / "bench.json"
+    argv = ["--sharding", "full", "--presets", "tiny", "--batch", "4", "--seq-len", "8", "--steps", "1"]
+    assert module.main([*argv, "--warmup", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["sharding"] for r in rows] == ["none", "full"]  # DDP first: the baseline
+    assert rows[1]["optimizer_bytes"] * 2 == rows[0]["optimizer_bytes"]
+    assert all(r["step_s"] > 0 and r["peak_bytes"] > 0 for r in rows)

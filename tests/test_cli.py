@@ -9,7 +9,7 @@ from flows.cli import app
 
 COMMANDS = {
     "Corpus": ["corpus"],
-    "Pretrain": ["pretrain"],
+    "Pretrain": ["pretrain", "plan"],
     "Transfer": ["features", "import-weights", "transfer", "predict"],
     "Pipeline": ["pipeline", "run", "status"],
     "Operate": ["demo", "deploy", "promote", "settings"],

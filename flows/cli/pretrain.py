@@ -48,6 +48,8 @@ def pretrain(
     lr_scaling: Annotated[str, typer.Option(help="none, linear or sqrt.")] = "none",
     warmup_steps: Annotated[int, typer.Option(min=0, help="Linear warm-up steps.")] = 0,
     precision: Annotated[str, typer.Option(help="auto, bf16, fp16 or fp32.")] = "auto",
+    sharding: Annotated[str, typer.Option(help="none (DDP), optimizer (ZeRO-1) or full (FSDP2).")] = "none",
+    gpu_memory: Annotated[float, typer.Option(help="GiB per GPU, checked before launch.")] = 80.0,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints.")] = 1000,
     val_every: Annotated[int, typer.Option(min=1, help="Steps between validations.")] = 1000,
     retries: Annotated[int, typer.Option(min=0, help="Relaunches after a crash (resuming).")] = 2,
@@ -73,6 +75,7 @@ def pretrain(
             corpus=corpus, preset=preset, launcher=launcher, nodes=nodes, gpus_per_node=gpus_per_node,
             nproc=nproc, max_steps=max_steps, total_steps=total_steps, run=run, batch_size=batch_size,
             seq_len=seq_len, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps, precision=precision,
+            sharding=sharding, gpu_memory=gpu_memory,
             checkpoint_every=checkpoint_every, val_every=val_every, retries=retries, recurrence=recurrence,
             cuda_graph=cuda_graph,
         )  # fmt: skip
@@ -92,3 +95,43 @@ def pretrain(
     )
     out.print(f"checkpoint: {result['checkpoint_uri']}", highlight=False)
     out.print(f"MLflow run: {result['run_id']}", highlight=False)
+
+
+@app.command(rich_help_panel=PANEL)
+def plan(
+    preset: Annotated[str, typer.Option(help="Model preset, e.g. paper_8192 or large_32768.")],
+    batch_size: Annotated[int, typer.Option(min=1, help="Global batch in rows.")],
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes.")] = 1,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node.")] = 1,
+    seq_len: Annotated[int, typer.Option(min=1, help="Truncated BPTT length in bytes.")] = 256,
+    sharding: Annotated[str, typer.Option(help="none, optimizer or full.")] = "none",
+    gpu_memory: Annotated[float, typer.Option(min=0.001, help="GiB per GPU.")] = 80.0,
+    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32 compute.")] = "bf16",
+    recurrence: Annotated[str, typer.Option(help="fused or reference (the cell step by step).")] = "fused",
+    as_json: JsonOption = False,
+) -> None:
+    """Per-GPU memory of a launch (weights, grads, Adam, activations, workspace): does it fit, and if not, what would."""
+    from models.mlstm import RECURRENCES
+    from tasks.pretrain.memory import plan as plan_memory
+    from tasks.pretrain.sharding import SHARDINGS
+
+    if sharding not in SHARDINGS:
+        raise fail(f"--sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise fail(f"--precision {precision!r}: choose one of bf16, fp16, fp32")
+    if recurrence not in RECURRENCES:
+        raise fail(f"--recurrence {recurrence!r}: choose one of {', '.join(RECURRENCES)}")
+    try:
+        result = plan_memory(
+            preset, nodes=nodes, gpus_per_node=gpus_per_node, batch_size=batch_size, seq_len=seq_len,
+            sharding=sharding, gpu_memory_gib=gpu_memory,  # narrowed by the check above
+            compute_bytes=4 if precision == "fp32" else 2, recurrence=recurrence,
+        )  # fmt: skip
+    except ValueError as error:
+        raise fail(f"--preset: {error}") from None
+    if as_json:
+        print(json.dumps(result.to_json()))
+    else:
+        out.print(result.message(), highlight=False)
+    if not result.fits:
+        raise typer.Exit(1)

@@ -18,9 +18,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from models.mlstm import Recurrence
+from models.mlstm import PRESETS, Recurrence
 from tasks.pretrain.checkpoint import read_latest
 from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, Launcher, LaunchError
+from tasks.pretrain.memory import plan as plan_memory
+from tasks.pretrain.sharding import Sharding
 from tasks.pretrain.stream import BatchPlan
 from tasks.pretrain.train import LrScaling, Precision, TrainConfig, iter_progress
 from tasks.settings import Settings
@@ -51,6 +53,13 @@ class PretrainParams(BaseModel):
     lr_scaling: LrScaling = Field(default="none", description="Scale lr with the batch: none, linear, sqrt.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
     precision: Precision = Field(default="auto", description="auto, bf16, fp16 or fp32.")
+    sharding: Sharding = Field(
+        default="none",
+        description="none (DDP), optimizer (ZeRO-1) or full (FSDP2, ZeRO-3); may change on a resume.",
+    )
+    gpu_memory: float = Field(
+        default=80.0, gt=0, description="GiB per GPU, for the memory check before launch."
+    )
     checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
     val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
     log_every: int = Field(default=10, ge=1, description="Steps between progress lines.")
@@ -100,6 +109,16 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     if params.launcher == "local" and params.nodes != 1:
         raise ValueError(f"--nodes {params.nodes} needs --launcher slurm or kubernetes; local runs one node")
     world_size = params.nodes * nproc
+    if (
+        params.gpus_per_node and params.preset in PRESETS
+    ):  # a launch that cannot fit its GPUs is refused here, not after an OOM
+        memory = plan_memory(
+            params.preset, nodes=params.nodes, gpus_per_node=params.gpus_per_node, batch_size=params.batch_size,
+            seq_len=params.seq_len, sharding=params.sharding, gpu_memory_gib=params.gpu_memory,
+            compute_bytes=4 if params.precision == "fp32" else 2, recurrence=params.recurrence,
+        )  # fmt: skip
+        if not memory.fits:
+            raise ValueError(memory.message())
     store_options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
     corpus = resolve_corpus(params.corpus, settings)
     manifest = read_corpus_manifest(corpus, **store_options)

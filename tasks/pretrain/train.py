@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from models.mlstm import MLSTM, PRESETS, RECURRENCES, Recurrence, State, preset
 from tasks.pretrain import checkpoint
+from tasks.pretrain import sharding as shard
 from tasks.pretrain.graphed import GraphedStep, graph_supported
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 from tasks.pretrain.torchrun import die_with_parent
@@ -85,6 +85,10 @@ class TrainConfig(BaseModel):
         default=None, ge=1, description="End this launch after this step (a budget, not the schedule)."
     )
     precision: Precision = Field(default="auto", description="auto: bf16 or fp16 on GPUs, fp32 on CPU.")
+    # Not in RUN_FIELDS: how the state is spread over ranks, not what it is; a resume may change it.
+    sharding: shard.Sharding = Field(
+        default="none", description="none (DDP), optimizer (ZeRO-1) or full (FSDP2, ZeRO-3)."
+    )
     clip: float = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
     checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
     val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
@@ -339,25 +343,28 @@ class Trainer:
         self.model = MLSTM(
             preset(config.preset), recurrence=config.recurrence, compile_gates=config.compile == "auto"
         ).to(world.device)
-        self.ddp = (
-            DistributedDataParallel(
-                self.model, device_ids=[world.device] if world.device.type == "cuda" else None
-            )
-            if world.size > 1
-            else self.model
-        )
-        # A captured step reads lr from a device tensor the schedule fills (a float would be baked in),
-        # and fused Adam skips an fp16 overflow step on the device, without asking the host.
+        # A captured step (one rank on a GPU) reads lr from a device tensor the schedule fills (a float
+        # would be baked in), and fused Adam skips an fp16 overflow step on the device, without asking
+        # the host. Otherwise the sharding says who holds what.
         self.graphed = config.cuda_graph == "auto" and graph_supported(world.device, world.size)
-        self.optimizer = (
-            torch.optim.Adam(
+        self.ddp: nn.Module
+        self.optimizer: torch.optim.Optimizer
+        if self.graphed:
+            self.ddp = self.model
+            self.optimizer = torch.optim.Adam(
                 self.model.parameters(),
                 lr=torch.tensor(config.effective_lr(), device=world.device),
                 fused=True,
             )
-            if self.graphed
-            else torch.optim.Adam(self.model.parameters(), lr=config.effective_lr())
-        )
+        else:
+            self.ddp, self.optimizer = shard.wrap(
+                self.model,
+                config.sharding,
+                world_size=world.size,
+                device=world.device,
+                dtype=self.dtype,
+                lr=config.effective_lr(),
+            )
         self.graph_step: GraphedStep | None = None  # captured at the first step, after any resume
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -399,16 +406,14 @@ class Trainer:
                 f"{self.total_steps}: relaunch with --total-steps {saved.meta['total_steps']}"
             )
         state = saved.state
-        self.model.load_state_dict(state["model"])
         # A checkpoint's optimizer settings say how it ran (fused, lr as a number), not how this launch runs.
-        own = [
-            {k: g[k] for k in ("lr", "fused", "capturable", "foreach")} for g in self.optimizer.param_groups
-        ]
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group, mine in zip(self.optimizer.param_groups, own, strict=True):
+        keys = ("lr", "fused", "capturable", "foreach")
+        own = [{k: g[k] for k in keys} for g in self.optimizer.param_groups] if self.graphed else []
+        shard.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        for group, mine in zip(self.optimizer.param_groups, own, strict=False):
             if isinstance(mine["lr"], Tensor):
                 group["lr"] = mine["lr"].fill_(float(group["lr"]))
-            group.update({k: mine[k] for k in ("fused", "capturable", "foreach")})
+            group.update({k: mine[k] for k in keys[1:]})
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         rows = self.plan.rows
@@ -426,16 +431,17 @@ class Trainer:
     def save(self) -> str | None:
         """Every rank gathers the carried state; rank 0 writes. Returns the URI on rank 0."""
         h, c = (self.world.gather_rows(t.detach()) for t in self.state)
+        weights, optimizer_state = shard.full_state(self.model, self.optimizer, is_main=self.world.is_main)
         if not self.world.is_main:
             return None
-        optimizer = self.optimizer.state_dict()
-        # The same file whether the step was captured or not: lr a number, Adam's defaults.
-        optimizer["param_groups"] = [
-            {**g, "lr": float(g["lr"]), "fused": None, "capturable": False} for g in optimizer["param_groups"]
-        ]
+        if self.graphed:  # the same file whether the step was captured or not: lr a number, Adam's defaults
+            optimizer_state["param_groups"] = [
+                {**g, "lr": float(g["lr"]), "fused": None, "capturable": False}
+                for g in optimizer_state["param_groups"]
+            ]
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": optimizer,
+            "model": weights,
+            "optimizer": optimizer_state,
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "h": h.cpu(),
@@ -646,6 +652,8 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
                 "chars_per_s": chars_per_s,
                 "loss_scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0,
                 "skipped_steps": float(trainer.total_skipped_steps()),
+                # rank 0's share: what --sharding saves
+                "optimizer_bytes": float(shard.optimizer_state_bytes(trainer.optimizer)),
             }
             flops = 6 * trainer.model.config.num_params * chars_per_s
             if peak:

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Step time and peak memory per rank for each ``--sharding``, against DDP (``none``) in the same run.
+
+``benchmarks/pretrain.py --sharding S[,S…]`` runs this: one torchrun of W ranks per sharding, each
+rank timing the job's own step (``tasks.pretrain.train.optimizer_step`` on the model
+``tasks.pretrain.sharding.wrap`` gives it) on random bytes, B/W rows each. Peak memory is the CUDA
+allocator's peak on a GPU and the process's peak resident set on a CPU (which includes Python and
+torch themselves, ≈ the same for every row); optimizer bytes are the Adam state this rank holds.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/pretrain.py --sharding none,optimizer,full --presets small --nproc 2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker(
+    preset_name: str, sharding: str, batch: int, seq_len: int, steps: int, warmup: int, out: Path
+) -> None:
+    """One rank's measurement (run under torchrun)."""
+    from models.mlstm import MLSTM, preset
+    from tasks.pretrain.sharding import optimizer_state_bytes, wrap
+    from tasks.pretrain.train import World, optimizer_step
+
+    world = World.from_env()
+    dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = MLSTM(preset(preset_name)).to(world.device)
+    module, optimizer = wrap(
+        model, sharding, world_size=world.size, device=world.device, dtype=dtype, lr=5e-4
+    )  # type: ignore[arg-type]
+    scaler = torch.amp.GradScaler(world.device.type, enabled=False)
+    rows = batch // world.size
+    state = model.zero_state(rows)
+    generator = torch.Generator().manual_seed(world.rank)
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(warmup + steps):
+        data = torch.randint(0, 256, (rows, seq_len + 1), generator=generator).to(world.device)
+        world.barrier()
+        start = time.perf_counter()
+        _, state, _ = optimizer_step(
+            module, optimizer, scaler, data[:, :-1], data[:, 1:], state, dtype=dtype, clip=1.0
+        )
+        if world.device.type == "cuda":
+            torch.cuda.synchronize()
+        world.barrier()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if world.device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    result = {
+        "rank": world.rank,
+        "step_s": sorted(times)[len(times) // 2],
+        "peak_bytes": peak,
+        "optimizer_bytes": optimizer_state_bytes(optimizer),
+        "weight_bytes": sum(t.numel() * t.element_size() for t in local),
+    }
+    gathered: list[Any] = [None] * world.size
+    if world.size > 1:
+        dist.all_gather_object(gathered, result)
+    else:
+        gathered = [result]
+    if world.is_main:
+        out.write_text(json.dumps(gathered))
+    world.close()
+
+
+def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
+    """Launch W ranks for one sharding; the slowest rank's step and the largest rank's memory."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "ranks.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+            __file__, "--worker", preset_name, sharding, str(args.batch), str(args.seq_len), str(args.steps),
+            str(args.warmup), str(out),
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        subprocess.run(
+            command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        ranks = json.loads(out.read_text())
+    return {
+        "preset": preset_name,
+        "sharding": sharding,
+        "ranks": args.nproc,
+        "step_s": max(r["step_s"] for r in ranks),
+        "peak_bytes": max(r["peak_bytes"] for r in ranks),
+        "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
+        "weight_bytes": max(r["weight_bytes"] for r in ranks),
+    }
+
+
+def report(rows: list[dict[str, Any]], machine: dict[str, Any]) -> None:
+    """The table, each row against its preset's ``none`` (DDP) row measured in the same run."""
+    print(f"machine: {machine.get('cpu', machine)}")
+    header = f"{'preset':<12} {'sharding':<10} {'ranks':>5} {'step ms':>9} {'× ddp':>6} {'peak MiB/rank':>14} {'weights MiB/rank':>17} {'Adam MiB/rank':>14} {'× ddp':>6}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        base = next(r for r in rows if r["preset"] == row["preset"] and r["sharding"] == "none")
+        mib = 1024**2
+        print(
+            f"{row['preset']:<12} {row['sharding']:<10} {row['ranks']:>5} {row['step_s'] * 1e3:>9.1f} "
+            f"{row['step_s'] / base['step_s']:>6.2f} {row['peak_bytes'] / mib:>14.0f} {row['weight_bytes'] / mib:>17.1f} "
+            f"{row['optimizer_bytes'] / mib:>14.1f} {row['optimizer_bytes'] / base['optimizer_bytes']:>6.2f}"
+        )
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    name, shard, batch, seq_len, steps, warmup, out = sys.argv[2:9]
+    worker(name, shard, int(batch), int(seq_len), int(steps), int(warmup), Path(out))
