@@ -384,3 +384,28 @@ def summary(study: optuna.Study) -> dict[str, Any]:
 def rung_history(study: optuna.Study) -> dict[int, dict[int, float]]:
     """Trial number → {rung steps: objective}: the curves of the objective-by-step plot."""
     return {t.number: dict(t.intermediate_values) for t in study.get_trials(deepcopy=False)}
+
+
+def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
+    """Every sweep in the storage: id, start, trial count by state, best objective."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(storage_url(settings))
+    rows = []
+    for study in optuna.get_all_study_summaries(storage, include_best_trial=True):
+        trials = optuna.load_study(study_name=study.study_name, storage=storage).get_trials(deepcopy=False)
+        counts: dict[str, int] = {}
+        for trial in trials:
+            state = STATES.get(trial.state.name, trial.state.name.lower())
+            counts[state] = counts.get(state, 0) + 1
+        rows.append(
+            {
+                "sweep_id": study.study_name,
+                "started": f"{study.datetime_start:%Y-%m-%d %H:%M:%S}" if study.datetime_start else None,
+                "trials": len(trials),
+                "states": ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+                "best": study.best_trial.value if study.best_trial else None,
+            }
+        )
+    return rows
