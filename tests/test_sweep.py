@@ -19,6 +19,7 @@ import pytest
 from corpus_helpers import build
 
 from tasks.corpus.build import CorpusConfig
+from tasks.corpus.sample import write_labelled_sample
 from tasks.pretrain.stage import PretrainParams
 from tasks.settings import Settings
 from tasks.sweep.engine import Sweep, lease_expired
@@ -281,6 +282,18 @@ def test_an_asha_sweep_of_the_real_job_on_the_shared_corpus(
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert json.loads(straight.stdout)["final_loss"] == pytest.approx(sweep_loss, abs=1e-6)
 
+    # The pipeline takes its pretraining from the sweep: the best checkpoint, the sweep in the lineage.
+    labelled = write_labelled_sample(tmp_path / "labelled", num_reviews=300)
+    done = subprocess.run(
+        [CLI, "pipeline", "--from-sweep", result["sweep_id"], "--dataset", f"reviews={labelled}", "--json"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    registered = json.loads(done.stdout)["transfer"]["registered"]
+    tags = client.get_model_version(registered["name"], str(registered["version"])).tags
+    assert tags["sweep_id"] == result["sweep_id"] and tags["checkpoint_uri"] == best["checkpoint_uri"]
+    assert tags["pretrain_run_id"] == best["run_id"] and tags["sweep_trial"] == str(best["trial"])
+
 
 @pytest.mark.slow
 def test_a_sweep_killed_half_way_finishes_without_redoing_a_rung(
@@ -338,3 +351,27 @@ def test_a_sweep_killed_half_way_finishes_without_redoing_a_rung(
     for run in runs:
         steps = loss_steps(client, run.info.run_id)
         assert len(steps) == len(set(steps)), f"{run.data.tags['run']} trained a step twice: {steps}"
+
+
+def test_the_pipeline_takes_a_sweep_instead_of_pretraining() -> None:
+    from tasks.pipeline import PipelineParams
+
+    params = PipelineParams(stages=["transfer"], from_sweep="sweep-x", transfer={"datasets": ["a=b"]})
+    assert params.checkpoint_uri is None  # the flow takes the sweep's best checkpoint
+    with pytest.raises(ValueError, match="from_sweep: the sweep's best trial is the pretraining"):
+        PipelineParams(
+            stages=["pretrain", "transfer"], from_sweep="s", manifest_uri="m", transfer={"datasets": ["a=b"]}
+        )
+    with pytest.raises(ValueError, match="checkpoint_uri: transfer without the pretraining stage"):
+        PipelineParams(stages=["transfer"], transfer={"datasets": ["a=b"]})
+
+
+def test_from_sweep_names_a_sweep_that_exists(tmp_path: Path) -> None:
+    from tasks.sweep.engine import best_trial
+
+    settings = Settings(home=tmp_path / "home")
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json", trials=1))
+    Sweep(spec, settings, Replay()).run()
+    assert best_trial(spec.sweep_id(), settings)["manifest_uri"] == "/c/manifest.json"
+    with pytest.raises(ValueError, match=f"no sweep 'sweep-nope' in .*sweeps there: {spec.sweep_id()}"):
+        best_trial("sweep-nope", settings)

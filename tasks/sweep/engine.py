@@ -409,3 +409,20 @@ def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def best_trial(sweep_id: str, settings: Settings) -> dict[str, Any]:
+    """The best finished trial of a sweep, with what the pipeline's lineage needs: its checkpoint,
+    runs and corpus. A ``ValueError`` when the sweep has none yet."""
+    study = load_study(sweep_id, settings)
+    best = summary(study)["best"]
+    if best is None or not best.get("checkpoint_uri"):
+        raise ValueError(
+            f"--from-sweep {sweep_id}: no trial has finished yet (`mlstm-sentiment sweep status {sweep_id}`)"
+        )
+    spec = study.user_attrs.get("spec", {})
+    return {
+        **best,
+        "manifest_uri": spec.get("corpus"),
+        "sweep_run_id": study.user_attrs.get("mlflow_run_id"),
+    }
