@@ -375,3 +375,16 @@ def test_from_sweep_names_a_sweep_that_exists(tmp_path: Path) -> None:
     assert best_trial(spec.sweep_id(), settings)["manifest_uri"] == "/c/manifest.json"
     with pytest.raises(ValueError, match=f"no sweep 'sweep-nope' in .*sweeps there: {spec.sweep_id()}"):
         best_trial("sweep-nope", settings)
+
+
+def test_the_sweep_deployment_holds_a_valid_spec() -> None:
+    import yaml
+
+    from tasks.sweep.spec import SweepSpec
+
+    infra = Path(__file__).resolve().parents[1] / "infra" / "prefect.yaml"
+    deployments = yaml.safe_load(infra.read_text())["deployments"]
+    (deployment,) = [d for d in deployments if d["entrypoint"] == "flows/sweep.py:sweep"]
+    spec = SweepSpec(**deployment["parameters"]["spec"])
+    assert spec.rungs() == [1000, 3000, 9000, 27000] and spec.fixed["preset"] == "paper_4096"
+    assert deployment["work_pool"]["name"] == "gpu"
