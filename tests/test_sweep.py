@@ -170,10 +170,11 @@ def test_asha_prunes_and_promotes_by_resuming(tmp_path: Path) -> None:
 
 def test_a_killed_sweep_continues_where_it_stopped(tmp_path: Path) -> None:
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json"))
-    straight = Sweep(spec, Settings(home=tmp_path / "a"), Replay()).run()
+    uninterrupted = Replay()
+    straight = Sweep(spec, Settings(home=tmp_path / "a"), uninterrupted).run()
 
     settings = Settings(home=tmp_path / "b", sweep_lease_seconds=0.2)
-    job = Replay(fail_at=4)
+    job = Replay(fail_at=2)  # trial 0 dies going to its last rung, two rungs promoted
     with pytest.raises(KeyboardInterrupt):
         Sweep(spec, settings, job).run()
     time.sleep(0.3)  # the dead worker's lease lapses
@@ -182,8 +183,9 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path: Path) -> None:
     assert [(r["trial"], r["state"], r["steps"]) for r in again["trials"]] == [
         (r["trial"], r["state"], r["steps"]) for r in straight["trials"]
     ]
-    # No rung trained twice: each launch of a run starts where the last one ended.
+    # No rung trained twice, nor launched again: the continued sweep made the launches a straight one did.
     assert len(set(job.launches)) == len(job.launches)
+    assert sorted(job.launches) == sorted(uninterrupted.launches)
     assert again["steps_trained"] == straight["steps_trained"]
 
 
