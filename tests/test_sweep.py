@@ -242,6 +242,16 @@ def test_an_asha_sweep_of_the_real_job_on_the_shared_corpus(
     for trial in trials:
         assert trial["steps"] == 3 if trial["state"] == "complete" else trial["steps"] in rungs[:-1]
 
+    # The Prefect flow run carries the trial table as an artifact.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as prefect:
+        tables = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sweep-trials"]))
+        )
+    assert trials in [json.loads(t.data) if isinstance(t.data, str) else t.data for t in tables]
+
     # Optuna's storage, MLflow's child runs and the JSON agree on the trials and their states.
     study = optuna.load_study(study_name=result["sweep_id"], storage=f"sqlite:///{home / 'optuna.db'}")
     assert [(t.number, t.state.name.lower()) for t in study.trials] == [
