@@ -72,3 +72,9 @@ def transfer_name() -> str:
 def register_name() -> str:
     report = flow_run.parameters.get("report", {})
     return f"register-{_get(report, 'name', 'classifier')}"
+
+
+def sweep_name() -> str:
+    spec = flow_run.parameters.get("spec", {})
+    budget = _get(spec, "budget", {})
+    return f"sweep-{_get(spec, 'sampler', 'random')}-{_get(budget, 'trials')}x{_get(budget, 'max_steps')}"

@@ -37,6 +37,7 @@ from tasks.pipeline import (
 from tasks.pretrain.stage import job_result, plan_job, read_corpus_manifest, resolve_corpus
 from tasks.settings import Settings, get_settings
 from tasks.store import store_of
+from tasks.sweep.engine import best_trial
 from tasks.tracking import find_run, model_link, run_link
 from tasks.transfer.stage import resolve_checkpoint
 
@@ -96,6 +97,24 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
         checkpoint_uri = (
             resolve_checkpoint(params.checkpoint_uri, settings) if params.checkpoint_uri else None
         )
+        if params.from_sweep:
+            best = best_trial(params.from_sweep, settings)
+            checkpoint_uri = best["checkpoint_uri"]
+            manifest_uri = manifest_uri or best["manifest_uri"]
+            lineage.update(
+                sweep_id=params.from_sweep,
+                sweep_trial=str(best["trial"]),
+                pretrain_run=str(best["run"]),
+                **({"pretrain_run_id": best["run_id"]} if best.get("run_id") else {}),
+                **({"sweep_run_id": best["sweep_run_id"]} if best.get("sweep_run_id") else {}),
+            )
+            get_run_logger().info(
+                "from sweep %s: trial %s (%s), val bpc %.4f",
+                params.from_sweep,
+                best["trial"],
+                best["run"],
+                best["value"],
+            )
         if "pretrain" in params.stages:
             assert manifest_uri is not None  # PipelineParams checks it
             result["pretrain"] = _pretrain(params, settings, manifest_uri, run_id, stages["pretrain"])

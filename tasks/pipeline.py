@@ -86,6 +86,11 @@ class PipelineParams(BaseModel):
     checkpoint_uri: str | None = Field(
         default=None, description="The checkpoint to probe when the pretraining stage does not run."
     )
+    from_sweep: str | None = Field(
+        default=None,
+        description="A sweep id: its best trial's checkpoint is the one probed and registered "
+        "(the pretraining stage does not run).",
+    )
 
     @model_validator(mode="after")
     def _inputs_are_known(self) -> PipelineParams:
@@ -96,8 +101,13 @@ class PipelineParams(BaseModel):
             raise ValueError("sources: the corpus stage needs raw review files or URLs")
         if "pretrain" in self.stages and "corpus" not in self.stages and not self.manifest_uri:
             raise ValueError("manifest_uri: pretraining without the corpus stage needs a corpus manifest")
+        if self.from_sweep:
+            if "pretrain" in self.stages:
+                raise ValueError("from_sweep: the sweep's best trial is the pretraining; leave pretrain out")
+            if self.checkpoint_uri:
+                raise ValueError("from_sweep: give a sweep or a checkpoint_uri, not both")
         if "transfer" in self.stages:
-            if "pretrain" not in self.stages and not self.checkpoint_uri:
+            if "pretrain" not in self.stages and not (self.checkpoint_uri or self.from_sweep):
                 raise ValueError("checkpoint_uri: transfer without the pretraining stage needs a checkpoint")
             if not self.transfer.datasets:
                 raise ValueError("transfer.datasets: the transfer stage needs at least one NAME=PATH")

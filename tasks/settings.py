@@ -51,6 +51,17 @@ class Settings(BaseSettings):
         default="pretrain-gpus",
         description="Prefect global concurrency limit a pretraining job holds a slot of, when it exists.",
     )
+    sweep_storage_uri: str | None = Field(
+        default=None,
+        description="Optuna's database for sweeps (postgresql://… in the team install). "
+        "Default: sqlite:///<home>/optuna.db, beside MLflow's.",
+    )
+    sweep_lease_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long a sweep worker's hold on a trial lasts unrenewed; after it, another "
+        "worker takes the trial over (a dead worker on the same host is seen at once).",
+    )
     task_runner: TaskRunnerName = Field(
         default="process", description="How a flow runs its pieces: process, thread, dask or ray."
     )
@@ -61,7 +72,9 @@ class Settings(BaseSettings):
         default=None, ge=1, description="Parallel pieces on this machine. Default: the CPU count."
     )
 
-    @field_validator("store_uri", "mlflow_tracking_uri", "prefect_api_url", "s3_endpoint_url")
+    @field_validator(
+        "store_uri", "mlflow_tracking_uri", "prefect_api_url", "s3_endpoint_url", "sweep_storage_uri"
+    )
     @classmethod
     def _blank_is_unset(cls, value: str | None) -> str | None:
         return value or None

@@ -12,9 +12,11 @@ COMMANDS = {
     "Pretrain": ["pretrain", "plan"],
     "Transfer": ["features", "import-weights", "transfer", "predict"],
     "Pipeline": ["pipeline", "run", "status"],
+    "Sweep": ["sweep"],
     "Operate": ["demo", "deploy", "promote", "settings"],
 }
 CORPUS = ["build", "show", "rejected", "sample"]
+SWEEP = ["run", "status"]
 
 
 def _help(*args: str) -> str:
@@ -35,7 +37,9 @@ def test_top_level_help_groups_commands_by_stage() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [[c] for commands in COMMANDS.values() for c in commands] + [["corpus", c] for c in CORPUS],
+    [[c] for commands in COMMANDS.values() for c in commands]
+    + [["corpus", c] for c in CORPUS]
+    + [["sweep", c] for c in SWEEP],
     ids=lambda args: " ".join(args),
 )
 def test_every_command_has_help(args: list[str]) -> None:

@@ -127,11 +127,18 @@ def test_deploy_creates_pools_limits_and_every_deployment_idempotently(deployed:
         assert pools["gpu"].concurrency_limit == 1
         assert client.read_global_concurrency_limit_by_name("pretrain-gpus").limit == 1
         deployments = {d.name: d for d in client.read_deployments()}
-    assert set(deployments) == {"corpus-refresh", "pretrain", "transfer-nightly", "pipeline-weekly"}
+    assert set(deployments) == {
+        "corpus-refresh",
+        "pretrain",
+        "sweep-paper-4096",
+        "transfer-nightly",
+        "pipeline-weekly",
+    }
     crons = {name: [s.schedule.cron for s in d.schedules] for name, d in deployments.items()}  # type: ignore[union-attr]
     assert crons == {
         "corpus-refresh": ["0 3 * * 1"],
         "pretrain": [],
+        "sweep-paper-4096": [],
         "transfer-nightly": ["0 2 * * *"],
         "pipeline-weekly": ["0 6 * * 1"],
     }

@@ -38,8 +38,11 @@ def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> dict[
 @app.command("pipeline", rich_help_panel=PANEL)
 def pipeline_command(
     sources: Annotated[
-        list[str], typer.Argument(help="Raw reviews: files, folders, globs, s3:// or http(s)://.")
-    ],
+        list[str] | None,
+        typer.Argument(
+            help="Raw reviews: files, folders, globs, s3:// or http(s)://. Not with --from-sweep."
+        ),
+    ] = None,
     dataset: Annotated[
         list[str] | None, typer.Option(help="NAME=PATH for the probes, repeatable (SST, IMDB, a table).")
     ] = None,
@@ -49,6 +52,10 @@ def pipeline_command(
     force: Annotated[
         list[str] | None, typer.Option(help="Run this stage even if its inputs are unchanged; repeatable.")
     ] = None,
+    from_sweep: Annotated[
+        str | None,
+        typer.Option(help="A sweep id: its best trial's checkpoint goes on to transfer and the registry."),
+    ] = None,
     set_: SetOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -56,7 +63,15 @@ def pipeline_command(
     from tasks.pipeline import apply_overrides, validated
 
     try:
-        values = pipeline_values(sources=sources, force=force or [])
+        if from_sweep and sources:
+            raise ValueError(
+                "--from-sweep: the sweep's trials already trained on their corpus; give no SOURCES"
+            )
+        if not from_sweep and not sources:
+            raise ValueError("SOURCES: give raw review files or URLs, or --from-sweep SWEEP")
+        values = pipeline_values(sources=sources or [], force=force or [])
+        if from_sweep:
+            values.update(from_sweep=from_sweep, stages=["transfer"])
         values["pretrain"].update(preset=preset, launcher=launcher, max_steps=max_steps)
         values["transfer"]["datasets"] = dataset or []
         params = validated(apply_overrides(values, set_ or []))

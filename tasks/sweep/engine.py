@@ -1,0 +1,428 @@
+"""ASHA on Optuna, with promotion as resumption: a trial that goes on to the next rung relaunches the
+same pretraining run with a larger ``max_steps``, so it continues from its checkpoint.
+
+Optuna holds the sweep (its RDB storage: SQLite beside MLflow's database, or Postgres): the trials,
+their parameters, the objective at each rung, the successive-halving decisions. Our own bookkeeping
+rides in each trial's user attributes: the run name, the steps trained, each rung's decision, and a
+lease that says which worker holds the trial. A worker that dies (a SIGKILL, a lost node) leaves its
+lease to expire; the next worker takes the trial over at the rung it had reached, so a rerun of a
+killed sweep redoes no finished rung, and several workers can share one sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tasks.pretrain.stage import PretrainParams, absolute_uri, plan_job, resolve_corpus
+from tasks.settings import Settings
+from tasks.sweep.spec import Choice, IntUniform, LogUniform, SpecError, SweepSpec, Uniform
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import FrozenTrial
+
+# A launch of one trial up to a rung: the pretraining job's result (``job_result``'s dict).
+Launch = Callable[[PretrainParams], dict[str, Any]]
+# Told after each rung: (trial number, its MLflow run id, rung steps, objective, decision).
+RungHook = Callable[[int, str | None, int, float, str], None]
+
+STATES = {
+    "COMPLETE": "complete",
+    "PRUNED": "pruned",
+    "RUNNING": "running",
+    "FAIL": "failed",
+    "WAITING": "waiting",
+}
+
+
+def storage_url(settings: Settings) -> str:
+    """Optuna's database: ``MLSTM_SWEEP_STORAGE_URI``, else a SQLite file beside MLflow's."""
+    if settings.sweep_storage_uri:
+        return settings.sweep_storage_uri
+    home = settings.home.resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home / 'optuna.db'}"
+
+
+def prepare(spec: SweepSpec, settings: Settings) -> SweepSpec:
+    """The spec on a fixed corpus (``newest`` resolved, paths absolute), checked against it: every
+    batch and sequence length a trial can draw fits the corpus and the ranks, before any trial starts."""
+    corpus = absolute_uri(resolve_corpus(spec.corpus, settings))
+    spec = spec.model_copy(update={"corpus": corpus})
+    batches = spec.batch_values()
+    seq_lens = _values(spec, "seq_len") or [int(spec.fixed.get("seq_len", 256))]
+    try:
+        # The largest batch of the longest rows is the hardest on the train split.
+        params = spec.trial_params(
+            {"batch_size": max(batches), "seq_len": max(seq_lens)}, "preflight", spec.budget.max_steps
+        )
+        plan_job(params, settings)
+    except ValueError as error:
+        raise SpecError(f"sweep on {corpus}: {error}") from None
+    return spec
+
+
+def _values(spec: SweepSpec, name: str) -> list[int]:
+    dist = spec.space.get(name)
+    if isinstance(dist, Choice):
+        return [int(v) for v in dist.choice]
+    if isinstance(dist, IntUniform):
+        return list(dist.int_uniform)
+    return []
+
+
+def open_study(spec: SweepSpec, settings: Settings) -> optuna.Study:
+    """The sweep's study, created on first use; the same spec opens the same study again."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = storage_url(settings)
+    # SQLite: wait for another worker's write instead of failing at once.
+    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    study = optuna.create_study(
+        study_name=spec.sweep_id(),
+        storage=storage,
+        direction="minimize",
+        sampler=sampler_for(spec, 0),
+        pruner=optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=spec.asha.min_steps, reduction_factor=spec.asha.eta, min_early_stopping_rate=0
+        ),
+        load_if_exists=True,
+    )
+    if "spec" not in study.user_attrs:
+        study.set_user_attr("spec", spec.model_dump(mode="json"))
+    return study
+
+
+def load_study(sweep_id: str, settings: Settings) -> optuna.Study:
+    """An existing sweep by id, or a ``ValueError`` listing the sweeps there are."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(storage_url(settings))
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    if sweep_id not in names:
+        known = ", ".join(names) or "none yet"
+        raise ValueError(f"no sweep {sweep_id!r} in {storage_url(settings)} (sweeps there: {known})")
+    return optuna.load_study(study_name=sweep_id, storage=storage)
+
+
+def sampler_for(spec: SweepSpec, trial_number: int) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, seeded by the sweep's seed and the trial's number: trial k draws the same
+    parameters whether the sweep ran straight through or was killed and continued."""
+    import optuna
+
+    seed = spec.seed * 1_000_003 + trial_number
+    if spec.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if spec.sampler == "grid":
+        grid = {name: list(dist.choice) for name, dist in spec.space.items() if isinstance(dist, Choice)}
+        return optuna.samplers.GridSampler(grid, seed=spec.seed)
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def suggest(trial: optuna.Trial, spec: SweepSpec) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, dist in spec.space.items():
+        if isinstance(dist, LogUniform):
+            values[name] = trial.suggest_float(name, *dist.log_uniform, log=True)
+        elif isinstance(dist, Uniform):
+            values[name] = trial.suggest_float(name, *dist.uniform)
+        elif isinstance(dist, IntUniform):
+            values[name] = trial.suggest_int(name, *dist.int_uniform)
+        else:
+            values[name] = trial.suggest_categorical(name, dist.choice)
+    return values
+
+
+def run_name(sweep_id: str, number: int) -> str:
+    return f"{sweep_id}-t{number:03d}"
+
+
+# -- leases -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Worker:
+    """Who holds a trial: this process (host and pid, so a dead one on this host is seen at once)."""
+
+    owner: str
+    lease_seconds: float
+
+    @classmethod
+    def here(cls, lease_seconds: float) -> Worker:
+        return cls(f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", lease_seconds)
+
+    def lease(self) -> dict[str, Any]:
+        return {"owner": self.owner, "until": time.time() + self.lease_seconds}
+
+
+def lease_expired(lease: dict[str, Any] | None, now: float | None = None) -> bool:
+    """True when nobody holds the trial: no lease, a lease run out, or its owner dead on this host."""
+    if not lease:
+        return True
+    if (now or time.time()) > float(lease["until"]):
+        return True
+    host, pid, _ = str(lease["owner"]).split(":")
+    if host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def holding(study: optuna.Study, trial_id: int, worker: Worker) -> Iterator[None]:
+    """Renew the lease on a trial while this worker trains it."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(worker.lease_seconds / 3):
+            with contextlib.suppress(Exception):  # a missed renewal is retried; the lease is generous
+                study._storage.set_trial_user_attr(trial_id, "lease", worker.lease())
+
+    thread = threading.Thread(target=renew, name=f"lease-{trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+# -- the sweep --------------------------------------------------------------------------------------
+
+
+class Sweep:
+    """Run a spec's trials rung by rung, ``parallel`` at once, resuming what a dead worker left."""
+
+    def __init__(
+        self,
+        spec: SweepSpec,
+        settings: Settings,
+        launch: Launch,
+        *,
+        on_rung: RungHook | None = None,
+        lease_seconds: float | None = None,
+        poll_seconds: float = 2.0,
+    ) -> None:
+        self.spec, self.settings, self.launch = spec, settings, launch
+        self.on_rung = on_rung or (lambda *args: None)
+        self.study = open_study(spec, settings)
+        self.worker = Worker.here(lease_seconds or settings.sweep_lease_seconds)
+        self.rungs = spec.rungs()
+        self.poll_seconds = poll_seconds
+        self._lock = threading.Lock()  # one study object, shared by this process's worker threads
+
+    @property
+    def sweep_id(self) -> str:
+        return self.spec.sweep_id()
+
+    def run(self, parallel: int = 1) -> dict[str, Any]:
+        """Work until every trial of the budget is finished (by this worker or another); the summary."""
+        if parallel == 1:
+            self._work()
+        else:
+            with ThreadPoolExecutor(parallel, thread_name_prefix="sweep-worker") as pool:
+                # Each thread carries this one's context (a Prefect flow run's, when there is one).
+                futures = [pool.submit(contextvars.copy_context().run, self._work) for _ in range(parallel)]
+                for future in futures:
+                    future.result()
+        return summary(self.study)
+
+    def _work(self) -> None:
+        while True:
+            claimed = self._claim()
+            if claimed is None:
+                if not self._others_running():
+                    return
+                time.sleep(self.poll_seconds)  # another worker's trials may yet free a lease
+                continue
+            with holding(self.study, claimed._trial_id, self.worker):
+                self._run_trial(claimed)
+
+    def _claim(self) -> optuna.Trial | None:
+        """A trial whose worker is gone, else a new trial while the budget allows, else None."""
+        import optuna
+        from optuna.trial import TrialState
+
+        with self._lock:
+            for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if lease_expired(frozen.user_attrs.get("lease")):
+                    self.study._storage.set_trial_user_attr(frozen._trial_id, "lease", self.worker.lease())
+                    return optuna.Trial(self.study, frozen._trial_id)
+            number = len(self.study.get_trials(deepcopy=False))
+            if number >= self.spec.budget.trials:
+                return None
+            self.study.sampler = sampler_for(self.spec, number)
+            trial = self.study.ask()
+            values = suggest(trial, self.spec)
+            for key, value in {
+                "run": run_name(self.sweep_id, trial.number),
+                "lease": self.worker.lease(),
+                "values": values,
+                "steps": 0,
+                "steps_trained": 0,
+            }.items():
+                trial.set_user_attr(key, value)
+            return trial
+
+    def _others_running(self) -> bool:
+        from optuna.trial import TrialState
+
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+    def _frozen(self, trial: optuna.Trial) -> FrozenTrial:
+        return self.study._storage.get_trial(trial._trial_id)
+
+    def _run_trial(self, trial: optuna.Trial) -> None:
+        from optuna.trial import TrialState
+
+        frozen = self._frozen(trial)
+        values, run = frozen.user_attrs["values"], frozen.user_attrs["run"]
+        value = float("nan")
+        for rung in self.rungs:
+            decision = frozen.user_attrs.get(f"rung_{rung}")
+            if decision == "promoted":
+                continue  # a finished rung: never trained again
+            if decision == "pruned":
+                self._tell(trial, TrialState.PRUNED)
+                return
+            try:
+                result = self.launch(self.spec.trial_params(values, run, rung))
+            except Exception:
+                self._tell(trial, TrialState.FAIL)
+                raise
+            reported = result.get("val_bpc")
+            if reported is None:
+                self._tell(trial, TrialState.FAIL)
+                raise ValueError(
+                    f"trial {trial.number} (run {run}) reported no val_bpc at step {rung}: the val split "
+                    "is shorter than one batch row per rank"
+                )
+            value = float(reported)
+            trained = int(result["steps"]) - int(frozen.user_attrs["steps"])
+            for key, attr in {
+                "steps": int(result["steps"]),
+                "steps_trained": int(frozen.user_attrs["steps_trained"]) + max(trained, 0),
+                "mlflow_run_id": result.get("run_id"),
+                "checkpoint_uri": result.get("checkpoint_uri"),
+            }.items():
+                trial.set_user_attr(key, attr)
+            if rung != self.rungs[-1]:
+                # The pruner's own successive-halving rule, told the objective at this rung.
+                with self._lock:
+                    trial.report(value, rung)
+                    decision = "pruned" if trial.should_prune() else "promoted"
+            else:
+                trial.report(value, rung)
+                decision = "complete"
+            trial.set_user_attr(f"rung_{rung}", decision)
+            self.on_rung(trial.number, result.get("run_id"), rung, value, decision)
+            if decision == "pruned":
+                self._tell(trial, TrialState.PRUNED)
+                return
+            frozen = self._frozen(trial)
+        self._tell(trial, TrialState.COMPLETE, value)
+
+    def _tell(self, trial: optuna.Trial, state: Any, value: float | None = None) -> None:
+        with self._lock:
+            self.study.tell(trial, value, state=state)
+
+
+def trial_row(frozen: FrozenTrial) -> dict[str, Any]:
+    values = frozen.intermediate_values
+    last = values[max(values)] if values else None
+    return {
+        "trial": frozen.number,
+        "state": STATES.get(frozen.state.name, frozen.state.name.lower()),
+        "steps": int(frozen.user_attrs.get("steps", 0)),
+        "value": frozen.value if frozen.value is not None else last,
+        "run": frozen.user_attrs.get("run"),
+    }
+
+
+def summary(study: optuna.Study) -> dict[str, Any]:
+    """What ``sweep --json`` prints: the best finished trial, every trial, the steps really trained."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state is TrialState.COMPLETE and t.value is not None]
+    best = None
+    if complete:
+        top = min(complete, key=lambda t: (t.value, t.number))
+        best = {
+            "trial": top.number,
+            "params": top.user_attrs.get("values", top.params),
+            "value": top.value,
+            "run": top.user_attrs.get("run"),
+            "checkpoint_uri": top.user_attrs.get("checkpoint_uri"),
+            "run_id": top.user_attrs.get("mlflow_run_id"),
+        }
+    return {
+        "sweep_id": study.study_name,
+        "best": best,
+        "trials": [trial_row(t) for t in trials],
+        "steps_trained": sum(int(t.user_attrs.get("steps_trained", 0)) for t in trials),
+    }
+
+
+def rung_history(study: optuna.Study) -> dict[int, dict[int, float]]:
+    """Trial number → {rung steps: objective}: the curves of the objective-by-step plot."""
+    return {t.number: dict(t.intermediate_values) for t in study.get_trials(deepcopy=False)}
+
+
+def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
+    """Every sweep in the storage: id, start, trial count by state, best objective."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(storage_url(settings))
+    rows = []
+    for study in optuna.get_all_study_summaries(storage, include_best_trial=True):
+        trials = optuna.load_study(study_name=study.study_name, storage=storage).get_trials(deepcopy=False)
+        counts: dict[str, int] = {}
+        for trial in trials:
+            state = STATES.get(trial.state.name, trial.state.name.lower())
+            counts[state] = counts.get(state, 0) + 1
+        rows.append(
+            {
+                "sweep_id": study.study_name,
+                "started": f"{study.datetime_start:%Y-%m-%d %H:%M:%S}" if study.datetime_start else None,
+                "trials": len(trials),
+                "states": ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+                "best": study.best_trial.value if study.best_trial else None,
+            }
+        )
+    return rows
+
+
+def best_trial(sweep_id: str, settings: Settings) -> dict[str, Any]:
+    """The best finished trial of a sweep, with what the pipeline's lineage needs: its checkpoint,
+    runs and corpus. A ``ValueError`` when the sweep has none yet."""
+    study = load_study(sweep_id, settings)
+    best = summary(study)["best"]
+    if best is None or not best.get("checkpoint_uri"):
+        raise ValueError(
+            f"--from-sweep {sweep_id}: no trial has finished yet (`mlstm-sentiment sweep status {sweep_id}`)"
+        )
+    spec = study.user_attrs.get("spec", {})
+    return {
+        **best,
+        "manifest_uri": spec.get("corpus"),
+        "sweep_run_id": study.user_attrs.get("mlflow_run_id"),
+    }
