@@ -105,3 +105,46 @@ def test_the_job_itself_starts_a_new_run_when_its_run_id_is_gone(home: Path, tmp
     run = start_tracking(settings, run_id=gone, run_name="pretrain-gone", tags={"stage": "pretrain"})
     mlflow.end_run()
     assert run.info.run_id != gone and run.data.tags["resumed_from_run_id"] == gone
+
+
+@pytest.mark.slow
+def test_a_store_that_cannot_be_written_fails_before_any_source_is_read(
+    s3_server: str, home: Path, tmp_path: Path
+) -> None:
+    import uuid
+
+    import boto3
+
+    from tasks.corpus.sample import write_sample
+
+    files = write_sample(tmp_path / "raw", num_reviews=50)
+    bucket = f"missing-{uuid.uuid4().hex[:12]}"
+    env = {**os.environ, "MLSTM_S3_ENDPOINT_URL": s3_server}
+    command = [CLI, "corpus", "build", str(tmp_path / "raw"), "--store", f"s3://{bucket}/corpora"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    message = " ".join(done.stderr.split())
+    assert bucket in message and s3_server in message
+    assert (
+        "MLSTM_STORE_URI" in message and "MLSTM_S3_ENDPOINT_URL" in message and "--create-bucket" in message
+    )
+
+    done = subprocess.run(
+        [*command, "--create-bucket", "--json"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    keys = [
+        o["Key"]
+        for o in boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=bucket)["Contents"]
+    ]
+    assert any(k.endswith("manifest.json") for k in keys) and not any("write-check" in k for k in keys)
+    assert files
+
+
+def test_a_store_folder_that_cannot_be_made_is_one_clear_error(tmp_path: Path) -> None:
+    from tasks.store import StoreError, open_store
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(StoreError, match=r"a-file.*MLSTM_STORE_URI"):
+        open_store(str(tmp_path / "a-file" / "store")).check_writable()
