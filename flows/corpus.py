@@ -82,6 +82,7 @@ def build_corpus(
     logger = get_run_logger()
     started = time.perf_counter()
     target = store_of(settings)
+    target.check_writable()  # before any source is read
     plan = plan_corpus_task(
         sources,
         config,

@@ -6,6 +6,7 @@ Reading the settings has no side effects: no folder is created and no tracking U
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,14 @@ class Settings(BaseSettings):
     )
     s3_max_attempts: int = Field(default=10, ge=1, description="botocore retry attempts per call.")
     mlflow_tracking_uri: str | None = Field(
-        default=None, description="MLflow tracking server. Default: sqlite:///<home>/mlflow.db."
+        default=None,
+        description="MLflow tracking server. Default: MLflow's own MLFLOW_TRACKING_URI, else "
+        "sqlite:///<home>/mlflow.db.",
+    )
+    mlflow_registry_uri: str | None = Field(
+        default=None,
+        description="MLflow model registry. Default: MLflow's own MLFLOW_REGISTRY_URI, else the "
+        "tracking URI.",
     )
     mlflow_experiment: str = Field(default="mlstm-sentiment", description="MLflow experiment name.")
     model_name: str = Field(
@@ -73,7 +81,12 @@ class Settings(BaseSettings):
     )
 
     @field_validator(
-        "store_uri", "mlflow_tracking_uri", "prefect_api_url", "s3_endpoint_url", "sweep_storage_uri"
+        "store_uri",
+        "mlflow_tracking_uri",
+        "mlflow_registry_uri",
+        "prefect_api_url",
+        "s3_endpoint_url",
+        "sweep_storage_uri",
     )
     @classmethod
     def _blank_is_unset(cls, value: str | None) -> str | None:
@@ -84,8 +97,32 @@ class Settings(BaseSettings):
         return self.store_uri or str(self.home / "store")
 
     @cached_property
+    def mlflow_tracking_uri_source(self) -> tuple[str, str]:
+        """The tracking URI in force and the setting it came from: ours, MLflow's own variable (the
+        one `mlflow ui` and every MLflow client read), else the local SQLite file."""
+        if self.mlflow_tracking_uri:
+            return self.mlflow_tracking_uri, "MLSTM_MLFLOW_TRACKING_URI"
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+        return f"sqlite:///{(self.home / 'mlflow.db').resolve()}", "default"
+
+    @cached_property
     def resolved_mlflow_tracking_uri(self) -> str:
-        return self.mlflow_tracking_uri or f"sqlite:///{(self.home / 'mlflow.db').resolve()}"
+        return self.mlflow_tracking_uri_source[0]
+
+    @cached_property
+    def mlflow_registry_uri_source(self) -> tuple[str, str]:
+        """The registry URI in force and its source, read the same way; MLflow's default is the
+        tracking URI."""
+        if self.mlflow_registry_uri:
+            return self.mlflow_registry_uri, "MLSTM_MLFLOW_REGISTRY_URI"
+        if os.environ.get("MLFLOW_REGISTRY_URI"):
+            return os.environ["MLFLOW_REGISTRY_URI"], "MLFLOW_REGISTRY_URI"
+        return self.resolved_mlflow_tracking_uri, f"tracking URI ({self.mlflow_tracking_uri_source[1]})"
+
+    @cached_property
+    def resolved_mlflow_registry_uri(self) -> str:
+        return self.mlflow_registry_uri_source[0]
 
 
 def get_settings(**overrides: object) -> Settings:

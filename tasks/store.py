@@ -42,6 +42,9 @@ class Store(ABC):
     def exists(self, key: str) -> bool: ...
 
     @abstractmethod
+    def check_writable(self, *, create_bucket: bool = False) -> None: ...
+
+    @abstractmethod
     def read_bytes(self, key: str) -> bytes: ...
 
     @abstractmethod
@@ -144,6 +147,17 @@ class LocalStore(Store):
         else:
             target.unlink(missing_ok=True)
 
+    def check_writable(self, *, create_bucket: bool = False) -> None:
+        """Before any work: the folder can be made and written."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".tmp-write-check-"):
+                pass
+        except OSError as error:
+            raise StoreError(
+                f"store folder {self.root} cannot be written: {error} [MLSTM_STORE_URI]"
+            ) from None
+
     def _publish(self, local: Path, key: str) -> None:
         os.replace(local, self.path(key))
 
@@ -238,6 +252,31 @@ class S3Store(Store):
                     f"cannot delete {len(errors)} objects under {self.url(prefix)}, "
                     f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
                 )
+
+    def check_writable(self, *, create_bucket: bool = False) -> None:
+        """Before any work: the bucket exists (or is created when asked) and a tiny object can be
+        written and deleted under the prefix; otherwise one StoreError naming what to change."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        where = f"bucket {self.bucket!r} at {self.endpoint_url or 'AWS S3 (boto3 default endpoint)'}"
+        fix = "[MLSTM_STORE_URI, MLSTM_S3_ENDPOINT_URL]"
+        try:
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except ClientError as error:
+                if error.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+                    raise
+                if not create_bucket:
+                    raise StoreError(
+                        f"{where} does not exist: create it (--create-bucket) or fix the store {self.uri} "
+                        f"{fix}"
+                    ) from None
+                self.client.create_bucket(Bucket=self.bucket)
+            probe = self._key(f".write-check-{uuid.uuid4().hex}")
+            self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"ok")
+            self.client.delete_object(Bucket=self.bucket, Key=probe)
+        except (ClientError, BotoCoreError) as error:
+            raise StoreError(f"{where} cannot be written under {self.uri}: {error} {fix}") from None
 
     def _publish(self, local: Path, key: str) -> None:
         self.client.upload_file(str(local), self.bucket, self._key(key), Config=self.transfer_config)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
 
 from tasks.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class TrackingUnavailable(RuntimeError):
@@ -19,20 +22,20 @@ def connect(settings: Settings) -> Any:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
 
-    uri = settings.resolved_mlflow_tracking_uri
+    uri, source = settings.mlflow_tracking_uri_source
+    setting = "MLSTM_MLFLOW_TRACKING_URI" if source == "default" else source
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri.removeprefix("sqlite:///")) or ".", exist_ok=True)
-    check_server(uri)
+    check_server(uri, setting)
     mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(settings.resolved_mlflow_registry_uri)
     try:
         return mlflow.set_experiment(settings.mlflow_experiment)
     except Exception as error:
-        raise TrackingUnavailable(
-            f"MLflow at {uri} cannot be used ({error}); fix MLSTM_MLFLOW_TRACKING_URI"
-        ) from error
+        raise TrackingUnavailable(f"MLflow at {uri} cannot be used ({error}); fix {setting}") from error
 
 
-def check_server(uri: str) -> None:
+def check_server(uri: str, setting: str = "MLSTM_MLFLOW_TRACKING_URI") -> None:
     """A tracking server that does not answer is one quick, clear error, not minutes of MLflow's retries."""
     if not uri.startswith(("http://", "https://")):
         return
@@ -42,8 +45,7 @@ def check_server(uri: str) -> None:
         httpx.get(f"{uri.rstrip('/')}/health", timeout=10).raise_for_status()
     except httpx.HTTPError as error:
         raise TrackingUnavailable(
-            f"the MLflow tracking server at {uri} does not answer ({error}); start it, or fix "
-            "MLSTM_MLFLOW_TRACKING_URI"
+            f"the MLflow tracking server at {uri} does not answer ({error}); start it, or fix {setting}"
         ) from error
 
 
@@ -96,11 +98,34 @@ def mlflow_run(settings: Settings, *, run_name: str, tags: dict[str, str]) -> It
         yield run
 
 
+def run_exists(run_id: str) -> bool:
+    """Whether the connected tracking server has this run (a reset or changed server does not)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient().get_run(run_id)
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return True
+
+
 def start_tracking(settings: Settings, *, run_id: str | None, run_name: str, tags: dict[str, str]) -> Any:
-    """Make an MLflow run active: ``run_id``'s (a flow's run, or a resumed one's), else a new one."""
+    """Make an MLflow run active: ``run_id``'s (a flow's run, or a resumed one's), else a new one.
+    A ``run_id`` this server does not have starts a new run tagged with it."""
     import mlflow
 
     connect(settings)
+    if run_id and not run_exists(run_id):
+        log.warning(
+            "MLflow run %s is not at %s: logging into a new run tagged resumed_from_run_id",
+            run_id,
+            settings.resolved_mlflow_tracking_uri,
+        )
+        tags = {**tags, "resumed_from_run_id": run_id}
+        run_id = None
     if run_id:
         run = mlflow.start_run(run_id=run_id)
         mlflow.set_tags(tags)

@@ -26,6 +26,7 @@ def run_corpus_build(
     task_runner: TaskRunnerName | None = None,
     workers: int | None = None,
     show_progress: bool = True,
+    create_bucket: bool = False,
 ) -> dict[str, Any]:
     """Build a corpus as a Prefect flow run, or return at once if it is already built."""
     from flows import progress
@@ -38,6 +39,8 @@ def run_corpus_build(
 
     settings = get_settings(store_uri=store, task_runner=task_runner, max_workers=workers)
     target = store_of(settings)
+    # A store that cannot be written fails now, not after every source is parsed.
+    target.check_writable(create_bucket=create_bucket)
     if any(s.startswith(("s3://", "http://", "https://")) for s in sources):
         # A missing source is an error before any flow run, remote ones included.
         expand_sources(sources, s3_endpoint_url=settings.s3_endpoint_url)
@@ -68,6 +71,9 @@ def corpus_build(
     task_runner: Annotated[
         str | None, typer.Option(help="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]")
     ] = None,
+    create_bucket: Annotated[
+        bool, typer.Option("--create-bucket", help="Create the store's S3 bucket if it does not exist.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Shard raw Amazon reviews (2014/2018/2023 formats) into deduplicated Arrow files with a manifest."""
@@ -83,6 +89,7 @@ def corpus_build(
             config=config,
             task_runner=task_runner,  # type: ignore[arg-type]  # the settings validate the name
             workers=workers,
+            create_bucket=create_bucket,
         )
     except user_errors() as error:
         raise fail(error) from None

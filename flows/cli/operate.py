@@ -161,4 +161,7 @@ def show_settings() -> None:
     values = settings.model_dump(mode="json")
     values["resolved_store_uri"] = settings.resolved_store_uri
     values["resolved_mlflow_tracking_uri"] = settings.resolved_mlflow_tracking_uri
+    values["mlflow_tracking_uri_from"] = settings.mlflow_tracking_uri_source[1]
+    values["resolved_mlflow_registry_uri"] = settings.resolved_mlflow_registry_uri
+    values["mlflow_registry_uri_from"] = settings.mlflow_registry_uri_source[1]
     print(json.dumps(values, indent=2))

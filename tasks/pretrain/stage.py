@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from tasks.pretrain.stream import BatchPlan
 from tasks.pretrain.train import LrScaling, Precision, TrainConfig, iter_progress
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, split_object_uri, store_of
+
+log = logging.getLogger(__name__)
 
 LauncherName = Literal["local", "slurm", "kubernetes"]
 
@@ -203,6 +206,7 @@ def job_environment(settings: Settings, launcher: LauncherName = "local") -> dic
     or a Slurm cluster's shared disk, the same caches; a pod keeps its own)."""
     env = {
         "MLSTM_MLFLOW_TRACKING_URI": settings.resolved_mlflow_tracking_uri,
+        "MLSTM_MLFLOW_REGISTRY_URI": settings.resolved_mlflow_registry_uri,
         "MLSTM_MLFLOW_EXPERIMENT": settings.mlflow_experiment,
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "MLFLOW_LOGGING_LEVEL": os.environ.get("MLFLOW_LOGGING_LEVEL", "WARNING"),
@@ -221,16 +225,31 @@ def open_mlflow_run(
     ``parent_run_id``, a pipeline's run, when given)."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import connect
+    from tasks.tracking import connect, run_exists
 
     experiment = connect(settings)
     client = MlflowClient()
     store = open_store(job.config.store or settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
     latest = read_latest(store, job.config.run_name)
     if latest and latest.get("mlflow_run_id"):
-        for key, value in tags.items():
-            client.set_tag(latest["mlflow_run_id"], key, value)
-        return str(latest["mlflow_run_id"])
+        old_run_id = str(latest["mlflow_run_id"])
+        if run_exists(old_run_id):
+            for key, value in tags.items():
+                client.set_tag(old_run_id, key, value)
+            return old_run_id
+        # The server changed or its database was reset: the weights resume, the record starts anew.
+        tags = {
+            **tags,
+            "resumed_from_run_id": old_run_id,
+            "resumed_from_checkpoint": latest["checkpoint_uri"],
+        }
+        log.warning(
+            "run %s: MLflow run %s is not at %s; resuming %s into a new MLflow run tagged with both",
+            job.config.run_name,
+            old_run_id,
+            settings.resolved_mlflow_tracking_uri,
+            latest["checkpoint_uri"],
+        )
     if parent_run_id:
         tags = {**tags, "mlflow.parentRunId": parent_run_id}
     run = client.create_run(experiment.experiment_id, run_name=f"pretrain-{job.config.run_name}", tags=tags)
