@@ -306,3 +306,25 @@ def test_copying_a_source_elsewhere_keeps_the_corpus_id(amazon_dir: Path, tmp_pa
     here = plan_corpus([str(tmp_path / "Gift_Cards_5.json.gz")], SMALL_SPLIT)
     there = plan_corpus([str(amazon_dir / "Gift_Cards_5.json.gz")], SMALL_SPLIT)
     assert here.corpus_id == there.corpus_id
+
+
+@pytest.mark.parametrize(
+    ("content", "rejected_count"),
+    [
+        (b"", 0),  # an empty file
+        (b'{"title": "a book", "price": 3}\n{"asin": "B00"}\n', 2),  # another schema
+        (b"\xff\xfe\x00bad\n\xc3\x28\n", 2),  # not UTF-8
+    ],
+)
+def test_sources_yielding_no_row_publish_nothing(content: bytes, rejected_count: int, tmp_path: Path) -> None:
+    """Guards: a corpus of 0 rows is an error naming the source, the rejected count and the quarantine."""
+    source = tmp_path / "raw" / "Nothing_5.json"
+    source.parent.mkdir()
+    source.write_bytes(content)
+    with pytest.raises(SourceError) as raised:
+        build([source], tmp_path / "store", SMALL_SPLIT)
+    message = str(raised.value)
+    assert str(source) in message and f"{rejected_count} rejected" in message, message
+    assert ("rejected lines are in" in message) == bool(rejected_count), message
+    assert not list((tmp_path / "store").rglob("manifest.json"))
+    assert not list((tmp_path / "store").rglob("_work"))

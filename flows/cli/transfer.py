@@ -211,7 +211,12 @@ def predict(
 
     settings = get_settings()
     try:
+        for position, text in enumerate(texts or [], start=1):
+            # An empty text has nothing to score, yet the model would still give it a probability.
+            if not text.strip():
+                raise fail(f"text {position} of the arguments is empty; give each text some words")
         if input is not None:
+            # read_table names the file, line and column of an empty or non-string text.
             texts = [*(texts or []), *read_table(input, text_column=text_column)[0]]
         if not texts:
             raise fail("nothing to score: give texts as arguments or --input FILE")

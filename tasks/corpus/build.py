@@ -45,6 +45,7 @@ from tasks.corpus.sources import (
     FingerprintCache,
     Piece,
     Source,
+    SourceError,
     expand_sources,
     fingerprint,
     iter_blocks,
@@ -573,7 +574,19 @@ def build_manifest(
 
 
 def publish_manifest(plan: CorpusPlan, store: Store, manifest: dict[str, Any]) -> str:
-    """Write the manifest last, then drop the work files. Returns the manifest URI."""
+    """Write the manifest last, then drop the work files. Returns the manifest URI.
+
+    A corpus of no row is not published: its count would mean nothing, and the rejected lines say why.
+    """
+    totals = manifest["totals"]
+    if totals["kept"] == 0:
+        store.delete_prefix(plan.work_key())
+        names = ", ".join(source["uri"] for source in manifest["sources"])
+        where = f"; the rejected lines are in {manifest['rejected_uri']}" if totals["rejected"] else ""
+        raise SourceError(
+            f"no review could be read from {names}: {totals['records']} records, "
+            f"{totals['rejected']} rejected{where}; nothing was published"
+        )
     store.write_bytes(plan.manifest_key, json.dumps(manifest, indent=2, sort_keys=False).encode() + b"\n")
     store.delete_prefix(plan.work_key())
     return store.url(plan.manifest_key)
