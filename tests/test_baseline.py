@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,36 @@ def test_a_one_class_train_split_is_one_error_naming_the_source(tmp_path: Path) 
     _write(folder, "train", [(text, 1) for text, _ in _rows(50, 4)])
     with pytest.raises(DatasetError, match=r"/d: the train split has only positive labels"):
         fit_baseline(load_dataset(f"cue={folder}"))
+
+
+CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
+
+
+@pytest.mark.slow  # starts the CLI
+def test_baseline_json_names_each_dataset_with_its_figures(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [CLI, "baseline", "--dataset", f"cue={_dataset(tmp_path / 'd')}", "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    figures = json.loads(done.stdout)["cue"]
+    assert set(figures) == {"test_accuracy", "dev_accuracy", "C", "seconds"}
+    assert figures["test_accuracy"] > 0.9
+
+
+@pytest.mark.slow  # starts the CLI once per case
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b'text,label\n"good \xff film",1\nbad,0\n', "not UTF-8"),
+        (b"text,stars\ngood,1\nbad,0\n", "no column 'label'"),
+        (b"text,label\n" + b"".join(b"good film %d,1\n" % i for i in range(40)), "only positive labels"),
+    ],
+    ids=["non-utf8", "missing-label-column", "one-class"],
+)
+def test_bad_input_is_one_line_naming_the_file(tmp_path: Path, content: bytes, problem: str) -> None:
+    path = tmp_path / "reviews.csv"
+    path.write_bytes(content)
+    done = subprocess.run([CLI, "baseline", "--dataset", f"x={path}"], capture_output=True, text=True)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and problem in lines[0], done.stderr
