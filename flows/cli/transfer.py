@@ -263,7 +263,7 @@ def baseline(
         try:
             data = load_dataset(spec)
             results[data.name] = fit_baseline(data).as_dict()
-        except (*user_errors(), UnicodeDecodeError) as error:
+        except user_errors() as error:
             raise fail(error) from None
     if as_json:
         print(json.dumps(results, indent=2))
