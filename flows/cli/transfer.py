@@ -247,3 +247,39 @@ def predict(
         color = "green" if label == "positive" else "red"
         table.add_row(f"[{color}]{label}[/]", f"{probability:.3f}", text[:200])
     out.print(table)
+
+
+@app.command(rich_help_panel=PANEL)
+def baseline(
+    dataset: Annotated[
+        list[str], typer.Option(help="NAME=PATH or PATH of a labelled dataset; repeat for several.")
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print {NAME: {test_accuracy, …}} as JSON.")
+    ] = False,
+) -> None:
+    """Measure the TF-IDF + logistic-regression baseline on each dataset (C chosen on dev)."""
+    from tasks.transfer.baseline import fit_baseline
+    from tasks.transfer.datasets import load_dataset
+
+    check_datasets(dataset)
+    results: dict[str, dict[str, float]] = {}
+    for spec in dataset:
+        try:
+            data = load_dataset(spec)
+            results[data.name] = fit_baseline(data).as_dict()
+        except user_errors() as error:
+            raise fail(error) from None
+    if as_json:
+        print(json.dumps(results, indent=2))
+        return
+    table = Table("dataset", "test accuracy", "dev accuracy", "C", "seconds")
+    for name, r in results.items():
+        table.add_row(
+            name,
+            f"{r['test_accuracy']:.2%}",
+            f"{r['dev_accuracy']:.2%}",
+            f"{r['C']:g}",
+            f"{r['seconds']:.1f}",
+        )
+    out.print(table)
