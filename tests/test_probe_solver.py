@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
+from click.testing import Result
+from typer.testing import CliRunner
 
+from tasks.transfer.features import features_table
 from tasks.transfer.probe import DEFAULT_CS, ProbeResult, fit_probe
 from tasks.transfer.solver import l1_logistic_path
 
@@ -99,3 +106,80 @@ def test_the_gpu_gives_the_cpus_accuracies(data: Data, fast: ProbeResult) -> Non
     on_gpu = fit_probe(*data["train"], *data["dev"], *data["test"], solver="torch", device="cuda")
     assert on_gpu.C == fast.C
     assert abs(on_gpu.test_accuracy - fast.test_accuracy) <= 0.005
+
+
+# --- mlstm-sentiment probe on precomputed feature files -------------------------------------------------
+
+
+def _write(path: Path, X: np.ndarray, y: np.ndarray, *, label: str = "label") -> str:
+    pa_ipc_write(path, features_table(X, **{label: y}))
+    return str(path)
+
+
+def pa_ipc_write(path: Path, table: pa.Table) -> None:
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+@pytest.fixture(scope="module")
+def files(data: Data, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    folder = tmp_path_factory.mktemp("features")
+    return [_write(folder / f"{split}.arrow", *data[split]) for split in ("train", "dev", "test")]
+
+
+def _probe(*args: str) -> Result:
+    from flows.cli import app
+
+    return CliRunner().invoke(app, ["probe", *args])
+
+
+def test_probe_prints_the_json_summary_and_a_line_per_C(files: list[str], fast: ProbeResult) -> None:
+    train, dev, test = files
+    result = _probe("--train", train, "--dev", dev, "--test", test, "--solver", "torch", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert set(summary) == {
+        "test_accuracy",
+        "dev_accuracy",
+        "C",
+        "nonzero",
+        "top_unit",
+        "top_unit_accuracy",
+        "seconds",
+    }
+    assert summary["test_accuracy"] == fast.test_accuracy and summary["C"] == fast.C
+    assert result.stderr.count("dev accuracy") == len(DEFAULT_CS)
+
+
+def _bad_files(kind: str, data: Data, folder: Path) -> str:
+    X, y = data["dev"]
+    if kind == "no label":
+        return _write(folder / "nolabel.arrow", X, y, label="target")
+    if kind == "one class":
+        return _write(folder / "oneclass.arrow", X, np.ones_like(y))
+    if kind == "nan":
+        X = X.copy()
+        X[3, 5] = np.nan
+        return _write(folder / "nan.arrow", X, y)
+    ragged = pa.array([row.tolist()[: 256 - (i % 2)] for i, row in enumerate(X)], type=pa.list_(pa.float32()))
+    pa_ipc_write(folder / "ragged.arrow", pa.table({"features": ragged, "label": y}))
+    return str(folder / "ragged.arrow")
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("no label", "no column 'label'"),
+        ("one class", "column 'label' holds one class only"),
+        ("nan", "column 'features' holds 1 NaN or inf values (first in row 3)"),
+        ("ragged", "column 'features' has rows of different widths"),
+    ],
+)
+def test_a_bad_feature_file_gets_one_error_naming_file_and_column(
+    kind: str, words: str, files: list[str], data: Data, tmp_path: Path
+) -> None:
+    bad = _bad_files(kind, data, tmp_path)
+    result = _probe("--train", files[0], "--dev", bad, "--test", files[2])
+    assert result.exit_code == 2
+    assert bad in " ".join(result.stderr.split()) and words in " ".join(result.stderr.split())
+    assert "Traceback" not in result.output and "dev accuracy" not in result.stderr

@@ -42,7 +42,7 @@ def features(
     output: Annotated[str, typer.Option(help="Arrow file to write: a path or s3://bucket/key.arrow.")],
     text_column: Annotated[str, typer.Option(help="The column holding the text.")] = "text",
     label_column: Annotated[
-        str | None, typer.Option(help="A label column to copy beside the features.")
+        str | None, typer.Option(help="A label column, checked to hold 0/1 (every other column is kept too).")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Texts per batch (similar lengths together).")] = 64,
     store: StoreOption = None,
@@ -50,8 +50,8 @@ def features(
     """Write the mLSTM's final cell state for every row of a file (cached in the store)."""
     from tasks.pretrain.checkpoint import load_checkpoint
     from tasks.store import store_of
-    from tasks.transfer.datasets import read_table
-    from tasks.transfer.features import cached_features, features_table, write_output
+    from tasks.transfer.datasets import other_columns, read_table
+    from tasks.transfer.features import FEATURES, cached_features, features_table, write_output
 
     settings = get_settings(store_uri=store)
     try:
@@ -67,7 +67,10 @@ def features(
                 batch_size=batch_size,
                 on_batch=lambda rows, _: bar.advance(task_id, rows),
             )
-        columns = {label_column: labels} if label_column and labels is not None else {}
+        # The input's other columns ride along (labels, ids), so `probe` can read the output alone.
+        columns: dict[str, Any] = dict(other_columns(input, skip=(text_column, FEATURES)))
+        if label_column and labels is not None:
+            columns[label_column] = labels  # checked 0/1 by read_table
         uri = write_output(
             features_table(found.features, **columns), output, endpoint_url=settings.s3_endpoint_url
         )
@@ -98,6 +101,63 @@ def import_weights_command(
     except user_errors() as error:
         raise fail(error) from None
     print(uri)  # stdout holds only the URI: CKPT=$(mlstm-sentiment import-weights openai model/)
+
+
+@app.command(rich_help_panel=PANEL)
+def probe(
+    train: Annotated[str, typer.Option(help="Arrow features of the train split (a path or s3:// URI).")],
+    dev: Annotated[str, typer.Option(help="Arrow features of the dev split: chooses C.")],
+    test: Annotated[str, typer.Option(help="Arrow features of the test split: scores the probe.")],
+    features_column: Annotated[str, typer.Option(help="The column of feature vectors.")] = "features",
+    label_column: Annotated[str, typer.Option(help="The column of 0/1 labels.")] = "label",
+    solver: Annotated[
+        str, typer.Option(help="liblinear (the reference) or torch (CPU threads or GPU).")
+    ] = "liblinear",
+    c_min_log2: Annotated[int, typer.Option(help="Smallest C of the sweep, as a power of 2.")] = -8,
+    c_max_log2: Annotated[int, typer.Option(help="Largest C of the sweep, as a power of 2.")] = 2,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print {test_accuracy, dev_accuracy, C, nonzero, top_unit, …, seconds}."),
+    ] = False,
+) -> None:
+    """Fit the L1 probe on precomputed features (what `features` writes); one line per C on stderr."""
+    import torch
+
+    from tasks.transfer.precomputed import probe_files
+    from tasks.transfer.probe import SOLVERS, SweepPoint
+
+    if solver not in SOLVERS:
+        raise fail(f"--solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
+    if c_min_log2 > c_max_log2:
+        raise fail(f"--c-min-log2 {c_min_log2} is above --c-max-log2 {c_max_log2}")
+    settings = get_settings()
+
+    def on_fit(point: SweepPoint) -> None:
+        err.print(
+            f"C = {point.C:<10g} dev accuracy {point.dev_accuracy:.4f}  non-zero {point.nonzero:,}",
+            highlight=False,
+        )
+
+    try:
+        _, summary = probe_files(
+            train, dev, test,
+            features_column=features_column, label_column=label_column,
+            solver=solver,  # checked against SOLVERS above
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            Cs=tuple(2.0**k for k in range(c_min_log2, c_max_log2 + 1)),
+            endpoint_url=settings.s3_endpoint_url, on_fit=on_fit,
+        )  # fmt: skip
+    except user_errors() as error:  # FeatureFileError is a ValueError
+        raise fail(error) from None
+    if as_json:
+        print(json.dumps(summary))
+        return
+    out.print(
+        f"test accuracy {summary['test_accuracy']:.4f} (dev {summary['dev_accuracy']:.4f}) at C = {summary['C']:g}, "
+        f"{summary['nonzero']:,} non-zero weights; unit {summary['top_unit']} alone: "
+        f"{summary['top_unit_accuracy']:.4f}; {summary['seconds']:.1f} s",
+        highlight=False,
+    )
 
 
 def run_transfer(params: TransferParams, *, show_progress: bool = True) -> dict[str, Any]:

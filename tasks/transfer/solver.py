@@ -56,9 +56,9 @@ def l1_logistic_path(
     the same device: no sampling, a fixed sequence of reductions.
     """
     device = torch.device(device)
-    dtype = torch.float32
-    X = torch.as_tensor(np.asarray(X_NH), device=device).to(dtype)
-    s_N = torch.as_tensor(np.asarray(y_N), device=device).to(dtype) * 2 - 1  # 0/1 → -1/+1
+    # A copy: the input may be a read-only memory map, which torch will not wrap.
+    X = torch.from_numpy(np.array(X_NH, dtype=np.float32)).to(device)
+    s_N = torch.from_numpy(np.asarray(y_N, dtype=np.float32) * 2 - 1).to(device)  # 0/1 → -1/+1
     N, H = X.shape
     rms_H = X.square().mean(0).sqrt().clamp_min(1e-6)  # an all-zero column stays zero
     Xs = X / rms_H  # [N, H], every column of mean square 1
@@ -66,8 +66,8 @@ def l1_logistic_path(
     # The gradient of the mean logistic loss is (1/4)·||[Xs 1]||²/N-Lipschitz; the norm by power iteration.
     step = 1.0 / (0.25 * _squared_norm(Xs) / N)
 
-    v_H = torch.zeros(H, device=device, dtype=dtype)  # weights on standardised columns
-    b = torch.zeros((), device=device, dtype=dtype)
+    v_H = torch.zeros(H, device=device, dtype=Xs.dtype)  # weights on the scaled columns
+    b = torch.zeros((), device=device, dtype=Xs.dtype)
     for C in Cs:
         lam_H = 1.0 / (C * N * rms_H)  # the raw-unit L1 weight, seen through the scaling
         v_H, b, iterations, converged = _fista(Xs, s_N, v_H, b, lam_H, 1.0 / (C * N), step, tol, max_iter)
