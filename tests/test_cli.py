@@ -10,7 +10,7 @@ from flows.cli import app
 COMMANDS = {
     "Corpus": ["corpus"],
     "Pretrain": ["pretrain"],
-    "Transfer": ["features", "import-weights", "transfer", "predict"],
+    "Transfer": ["features", "import-weights", "probe", "transfer", "predict"],
     "Pipeline": ["pipeline", "run", "status"],
     "Operate": ["demo", "deploy", "promote", "settings"],
 }

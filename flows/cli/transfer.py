@@ -186,6 +186,9 @@ def transfer(
         typer.Option(help="Dataset whose classifier is registered. [default: the first; none: none]"),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the probe's solver.")] = 0,
+    solver: Annotated[
+        str, typer.Option(help="Probe solver: liblinear (the reference) or torch.")
+    ] = "liblinear",
     store: StoreOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print {dataset: {test_accuracy, …}} on stdout.")
@@ -202,7 +205,7 @@ def transfer(
     try:
         params = TransferParams(
             checkpoint=checkpoint, datasets=dataset, text_column=text_column, label_column=label_column,
-            batch_size=batch_size, c_min_log2=c_min_log2, c_max_log2=c_max_log2, register_dataset=register, seed=seed,
+            batch_size=batch_size, c_min_log2=c_min_log2, c_max_log2=c_max_log2, register_dataset=register, seed=seed, solver=solver,
         )  # fmt: skip
         check_datasets(params.datasets)
         result = run_transfer(params)
