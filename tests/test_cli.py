@@ -10,7 +10,7 @@ from flows.cli import app
 COMMANDS = {
     "Corpus": ["corpus"],
     "Pretrain": ["pretrain", "plan"],
-    "Transfer": ["features", "import-weights", "transfer", "predict"],
+    "Transfer": ["features", "import-weights", "transfer", "predict", "probe", "baseline"],
     "Pipeline": ["pipeline", "run", "status"],
     "Sweep": ["sweep"],
     "Operate": ["demo", "deploy", "promote", "settings"],

@@ -42,7 +42,7 @@ def features(
     output: Annotated[str, typer.Option(help="Arrow file to write: a path or s3://bucket/key.arrow.")],
     text_column: Annotated[str, typer.Option(help="The column holding the text.")] = "text",
     label_column: Annotated[
-        str | None, typer.Option(help="A label column to copy beside the features.")
+        str | None, typer.Option(help="A label column, checked to hold 0/1 (every other column is kept too).")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Texts per batch (similar lengths together).")] = 64,
     store: StoreOption = None,
@@ -50,8 +50,8 @@ def features(
     """Write the mLSTM's final cell state for every row of a file (cached in the store)."""
     from tasks.pretrain.checkpoint import load_checkpoint
     from tasks.store import store_of
-    from tasks.transfer.datasets import read_table
-    from tasks.transfer.features import cached_features, features_table, write_output
+    from tasks.transfer.datasets import other_columns, read_table
+    from tasks.transfer.features import FEATURES, cached_features, features_table, write_output
 
     settings = get_settings(store_uri=store)
     try:
@@ -67,7 +67,10 @@ def features(
                 batch_size=batch_size,
                 on_batch=lambda rows, _: bar.advance(task_id, rows),
             )
-        columns = {label_column: labels} if label_column and labels is not None else {}
+        # The input's other columns ride along (labels, ids), so `probe` can read the output alone.
+        columns: dict[str, Any] = dict(other_columns(input, skip=(text_column, FEATURES)))
+        if label_column and labels is not None:
+            columns[label_column] = labels  # checked 0/1 by read_table
         uri = write_output(
             features_table(found.features, **columns), output, endpoint_url=settings.s3_endpoint_url
         )
@@ -126,6 +129,9 @@ def transfer(
         typer.Option(help="Dataset whose classifier is registered. [default: the first; none: none]"),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the probe's solver.")] = 0,
+    solver: Annotated[
+        str, typer.Option(help="Probe solver: liblinear (the reference) or torch.")
+    ] = "liblinear",
     store: StoreOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print {dataset: {test_accuracy, …}} on stdout.")
@@ -142,7 +148,7 @@ def transfer(
     try:
         params = TransferParams(
             checkpoint=checkpoint, datasets=dataset, text_column=text_column, label_column=label_column,
-            batch_size=batch_size, c_min_log2=c_min_log2, c_max_log2=c_max_log2, register_dataset=register, seed=seed,
+            batch_size=batch_size, c_min_log2=c_min_log2, c_max_log2=c_max_log2, register_dataset=register, seed=seed, solver=solver,
         )  # fmt: skip
         check_datasets(params.datasets)
         result = run_transfer(params)
@@ -246,40 +252,4 @@ def predict(
     for text, label, probability in rows:
         color = "green" if label == "positive" else "red"
         table.add_row(f"[{color}]{label}[/]", f"{probability:.3f}", text[:200])
-    out.print(table)
-
-
-@app.command(rich_help_panel=PANEL)
-def baseline(
-    dataset: Annotated[
-        list[str], typer.Option(help="NAME=PATH or PATH of a labelled dataset; repeat for several.")
-    ],
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print {NAME: {test_accuracy, …}} as JSON.")
-    ] = False,
-) -> None:
-    """Measure the TF-IDF + logistic-regression baseline on each dataset (C chosen on dev)."""
-    from tasks.transfer.baseline import fit_baseline
-    from tasks.transfer.datasets import load_dataset
-
-    check_datasets(dataset)
-    results: dict[str, dict[str, float]] = {}
-    for spec in dataset:
-        try:
-            data = load_dataset(spec)
-            results[data.name] = fit_baseline(data).as_dict()
-        except user_errors() as error:
-            raise fail(error) from None
-    if as_json:
-        print(json.dumps(results, indent=2))
-        return
-    table = Table("dataset", "test accuracy", "dev accuracy", "C", "seconds")
-    for name, r in results.items():
-        table.add_row(
-            name,
-            f"{r['test_accuracy']:.2%}",
-            f"{r['dev_accuracy']:.2%}",
-            f"{r['C']:g}",
-            f"{r['seconds']:.1f}",
-        )
     out.print(table)

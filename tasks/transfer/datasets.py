@@ -41,7 +41,7 @@ import os
 import re
 import tarfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -536,3 +536,17 @@ def _imdb_splits(reviews: Reviews, source: Path) -> dict[str, Split]:
         split: Split([row[2] for row in rows], np.array([row[0] for row in rows]))
         for split, rows in parts.items()
     }
+
+
+def other_columns(path: Path, *, skip: Sequence[str]) -> dict[str, np.ndarray]:
+    """Every column of a CSV or JSON-lines file but ``skip``, in file order: what ``features`` keeps
+    beside the features (labels, ids), so a probe on the output needs no other file."""
+    import pandas as pd
+
+    path = Path(path)
+    frame = (
+        pd.read_csv(path)
+        if _table_stem(path.name) and ".csv" in path.name
+        else pd.read_json(path, lines=True)
+    )
+    return {str(name): frame[name].to_numpy() for name in frame.columns if name not in skip}

@@ -14,20 +14,27 @@ evidence, and the top unit is the paper's unit. Labels are 0 (negative) and 1 (p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from matplotlib.figure import Figure
 from sklearn.linear_model import LogisticRegression
 
 from models.classifier import probability
+from tasks.transfer.solver import l1_logistic_path
 
 # 2^-8 … 2^2: from a probe with no non-zero weight to one that overfits 4096 features on 25k reviews.
 DEFAULT_CS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 3))
 
 # liblinear's default of 100 Newton steps is short for raw, unscaled cell states at the large-C end.
 MAX_ITER = 1000
+
+# liblinear: the paper's solver, the reference. torch: the warm-started FISTA path of solver.py, on
+# CPU threads or a GPU; same objective (its intercept unpenalised).
+Solver = Literal["liblinear", "torch"]
+SOLVERS: tuple[Solver, ...] = ("liblinear", "torch")
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ def fit_probe(
     Cs: Sequence[float] = DEFAULT_CS,
     seed: int = 0,
     on_fit: Callable[[SweepPoint], None] | None = None,
+    solver: Solver = "liblinear",
+    device: str = "cpu",
 ) -> ProbeResult:
     """Sweeps C on dev, keeps the best probe, and finds its top unit.
 
@@ -87,6 +96,8 @@ def fit_probe(
         Cs: inverse L1 strengths to try; swept in ascending order whatever the order given.
         seed: liblinear's random_state, so that the same inputs give the same probe.
         on_fit: called with each C's sweep point as soon as it is scored, for progress.
+        solver: ``liblinear`` (the reference) or ``torch`` (warm-started path, see solver.py).
+        device: where the torch solver runs ("cpu", "cuda"); liblinear ignores it.
 
     Raises:
         ValueError: naming the split, for mismatched shapes, labels other than 0/1, a split holding
@@ -103,13 +114,24 @@ def fit_probe(
     Cs = _checked_cs(Cs)
     (X_tr, y_tr), (X_dev, y_dev), (X_te, y_te) = splits["train"], splits["dev"], splits["test"]
 
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
+
     sweep: list[SweepPoint] = []
-    models: list[LogisticRegression] = []
-    for C in Cs:
-        model = _l1_logistic(C, seed).fit(X_tr, y_tr)
-        point = SweepPoint(C=C, dev_accuracy=float(model.score(X_dev, y_dev)), nonzero=_nonzero(model))
+    probes: list[tuple[np.ndarray, float]] = []  # (coef [H] float64, intercept) per C
+    fits = (
+        _liblinear_path(X_tr, y_tr, Cs, seed)
+        if solver == "liblinear"
+        else _torch_path(X_tr, y_tr, Cs, device)
+    )
+    for C, (coef_H, intercept) in zip(Cs, fits, strict=True):
+        point = SweepPoint(
+            C=C,
+            dev_accuracy=_accuracy(coef_H, intercept, X_dev, y_dev),
+            nonzero=int(np.count_nonzero(coef_H)),
+        )
         sweep.append(point)
-        models.append(model)
+        probes.append((coef_H, intercept))
         if on_fit is not None:
             on_fit(point)
 
@@ -117,9 +139,8 @@ def fit_probe(
     # regularised, sparser probe, which is the one more likely to hold up on test.
     best = int(np.argmax([p.dev_accuracy for p in sweep]))
     # The refit on train with the chosen C would repeat this very fit (same data, same random_state,
-    # and liblinear is deterministic), so the sweep's model is the refit probe.
-    probe = models[best]
-    coef = probe.coef_.ravel()
+    # and both solvers are deterministic), so the sweep's model is the refit probe.
+    coef, intercept = probes[best]
 
     top_unit = int(np.argmax(np.abs(coef)))
     # No L1 for one feature: the 1-d fit is a learned threshold on the unit's activation.
@@ -133,13 +154,13 @@ def fit_probe(
     return ProbeResult(
         C=float(sweep[best].C),
         dev_accuracy=sweep[best].dev_accuracy,
-        test_accuracy=float(probe.score(X_te, y_te)),
+        test_accuracy=_accuracy(coef, intercept, X_te, y_te),
         nonzero=sweep[best].nonzero,
         top_unit=top_unit,
         top_unit_accuracy=float(alone.score(X_te[:, [top_unit]], y_te)),
         top_unit_sign=top_unit_sign,
         coef=coef32,
-        intercept=float(probe.intercept_.ravel()[0]),
+        intercept=float(intercept),
         sweep=tuple(sweep),
     )
 
@@ -197,8 +218,26 @@ def _l1_logistic(C: float, seed: int) -> LogisticRegression:
     return LogisticRegression(C=C, l1_ratio=1.0, solver="liblinear", max_iter=MAX_ITER, random_state=seed)
 
 
-def _nonzero(model: LogisticRegression) -> int:
-    return int(np.count_nonzero(model.coef_))
+def _liblinear_path(
+    X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], seed: int
+) -> Iterator[tuple[np.ndarray, float]]:
+    # A generator, so each C's progress line comes as soon as its fit ends.
+    for C in Cs:
+        model = _l1_logistic(C, seed).fit(X, y)
+        yield model.coef_.ravel().astype(np.float64), float(model.intercept_.ravel()[0])
+
+
+def _torch_path(
+    X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], device: str
+) -> Iterator[tuple[np.ndarray, float]]:
+    for point in l1_logistic_path(X, y, Cs, device=device):
+        yield point.coef, point.intercept
+
+
+def _accuracy(coef_H: np.ndarray, intercept: float, X: np.ndarray, y: np.ndarray) -> float:
+    # scikit-learn's predict: positive where the score is > 0.
+    predicted = (X @ coef_H + intercept) > 0
+    return float((predicted == (y == 1)).mean())
 
 
 def _checked(name: str, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -60,6 +60,10 @@ class TransferParams(BaseModel):
         description="Dataset whose classifier is registered in MLflow. Default: the first; 'none': none.",
     )
     seed: int = Field(default=0, description="Seed of the probe's solver.")
+    solver: Literal["liblinear", "torch"] = Field(
+        default="liblinear",
+        description="Probe solver: liblinear (the reference) or torch (CPU threads or GPU).",
+    )
 
     @field_validator("datasets")
     @classmethod
@@ -176,8 +180,9 @@ def probe(
     """Fit the L1 probe on one dataset's features; write its weights, report and plots to the store."""
     data = {split: _read_split(extracted["splits"][split]["uri"], settings) for split in SPLITS}
     result = fit_probe(
-        *data["train"], *data["dev"], *data["test"], Cs=params.Cs, seed=params.seed, on_fit=on_fit
-    )
+        *data["train"], *data["dev"], *data["test"], Cs=params.Cs, seed=params.seed, on_fit=on_fit,
+        solver=params.solver, device=_probe_device(params.solver),
+    )  # fmt: skip
     store = store_of(settings)
     prefix = f"transfer/{extracted['weights']}/{extracted['checksum'][:16]}"
     with tempfile.TemporaryDirectory(prefix="mlstm-probe-") as scratch:
@@ -207,6 +212,12 @@ def probe(
     }
     store.write_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())
     return {**report, "report_uri": store.url(f"{prefix}/report.json")}
+
+
+def _probe_device(solver: str) -> str:
+    import torch
+
+    return "cuda" if solver == "torch" and torch.cuda.is_available() else "cpu"
 
 
 def _figures(result: ProbeResult, name: str, test_X: np.ndarray, test_y: np.ndarray) -> dict[str, Any]:

@@ -1,0 +1,185 @@
+"""The torch probe solver against liblinear, the reference: same accuracies, same C, deterministic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from click.testing import Result
+from typer.testing import CliRunner
+
+from tasks.transfer.features import features_table
+from tasks.transfer.probe import DEFAULT_CS, ProbeResult, fit_probe
+from tasks.transfer.solver import l1_logistic_path
+
+Data = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def _sparse_problem(width: int, seed: int = 0) -> Data:
+    """Correlated, unequally scaled columns (as cell states are) whose labels depend on 8 of them."""
+    rng = np.random.default_rng(seed)
+    mixing = rng.standard_normal((32, width)) / 4
+    scale_H = rng.uniform(0.2, 3.0, width)
+    w_true = np.zeros(width)
+    w_true[:8] = rng.choice([-2.0, 2.0], 8)
+
+    def split(n: int) -> tuple[np.ndarray, np.ndarray]:
+        X = np.tanh(rng.standard_normal((n, 32)) @ mixing + 0.5 * rng.standard_normal((n, width))) * scale_H
+        y = (rng.random(n) < 1 / (1 + np.exp(-(X @ w_true)))).astype(np.int64)
+        return X.astype(np.float32), y
+
+    return {"train": split(2000), "dev": split(500), "test": split(800)}
+
+
+def _fit(data: Data, solver: str, Cs: tuple[float, ...] = DEFAULT_CS) -> ProbeResult:
+    return fit_probe(*data["train"], *data["dev"], *data["test"], Cs=Cs, solver=solver)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def data() -> Data:
+    return _sparse_problem(256)
+
+
+@pytest.fixture(scope="module")
+def reference(data: Data) -> ProbeResult:
+    return _fit(data, "liblinear")
+
+
+@pytest.fixture(scope="module")
+def fast(data: Data) -> ProbeResult:
+    return _fit(data, "torch")
+
+
+def test_dev_accuracy_matches_liblinear_at_every_C(reference: ProbeResult, fast: ProbeResult) -> None:
+    for ours, theirs in zip(fast.sweep, reference.sweep, strict=True):
+        assert ours.C == theirs.C
+        assert abs(ours.dev_accuracy - theirs.dev_accuracy) <= 0.005, (ours, theirs)
+
+
+def test_the_chosen_C_is_liblinears_or_ties_on_dev(reference: ProbeResult, fast: ProbeResult) -> None:
+    theirs = {p.C: p.dev_accuracy for p in reference.sweep}
+    assert fast.C == reference.C or abs(theirs[fast.C] - reference.dev_accuracy) <= 0.005
+    assert abs(fast.test_accuracy - reference.test_accuracy) <= 0.005
+
+
+def test_the_known_sparse_answer_is_found(fast: ProbeResult) -> None:
+    # The labels depend on columns 0-7 only: the strongest weight is one of them.
+    assert fast.top_unit < 8
+    assert 0 < fast.nonzero < 256
+
+
+def test_the_same_inputs_give_the_same_probe(data: Data, fast: ProbeResult) -> None:
+    again = _fit(data, "torch")
+    np.testing.assert_array_equal(again.coef, fast.coef)
+    assert again.intercept == fast.intercept and again.sweep == fast.sweep
+
+
+def test_every_C_converges(data: Data) -> None:
+    X, y = data["train"]
+    points = list(l1_logistic_path(X, y, DEFAULT_CS))
+    assert [p.C for p in points] == list(DEFAULT_CS)
+    assert all(p.converged for p in points), [(p.C, p.iterations) for p in points]
+
+
+def test_an_unknown_solver_is_refused(data: Data) -> None:
+    with pytest.raises(ValueError, match="solver must be one of liblinear, torch"):
+        _fit(data, "saga")
+
+
+@pytest.mark.slow
+def test_a_4096_wide_problem_matches_liblinear() -> None:
+    data = _sparse_problem(4096, seed=1)
+    Cs = DEFAULT_CS[:6]  # 2^-8 … 2^-3: liblinear's large-C end alone takes minutes at this width
+    reference, fast = _fit(data, "liblinear", Cs), _fit(data, "torch", Cs)
+    for ours, theirs in zip(fast.sweep, reference.sweep, strict=True):
+        assert abs(ours.dev_accuracy - theirs.dev_accuracy) <= 0.005, (ours, theirs)
+    assert abs(fast.test_accuracy - reference.test_accuracy) <= 0.005
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_gives_the_cpus_accuracies(data: Data, fast: ProbeResult) -> None:
+    on_gpu = fit_probe(*data["train"], *data["dev"], *data["test"], solver="torch", device="cuda")
+    assert on_gpu.C == fast.C
+    assert abs(on_gpu.test_accuracy - fast.test_accuracy) <= 0.005
+
+
+# --- mlstm-sentiment probe on precomputed feature files -------------------------------------------------
+
+
+def _write(path: Path, X: np.ndarray, y: np.ndarray, *, label: str = "label") -> str:
+    pa_ipc_write(path, features_table(X, **{label: y}))
+    return str(path)
+
+
+def pa_ipc_write(path: Path, table: pa.Table) -> None:
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+@pytest.fixture(scope="module")
+def files(data: Data, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    folder = tmp_path_factory.mktemp("features")
+    return [_write(folder / f"{split}.arrow", *data[split]) for split in ("train", "dev", "test")]
+
+
+def _probe(*args: str) -> Result:
+    from flows.cli import app
+
+    return CliRunner().invoke(app, ["probe", *args])
+
+
+def test_probe_prints_the_json_summary_and_a_line_per_C(files: list[str], fast: ProbeResult) -> None:
+    train, dev, test = files
+    result = _probe("--train", train, "--dev", dev, "--test", test, "--solver", "torch", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert set(summary) == {
+        "test_accuracy",
+        "dev_accuracy",
+        "C",
+        "nonzero",
+        "top_unit",
+        "top_unit_accuracy",
+        "seconds",
+    }
+    assert summary["test_accuracy"] == fast.test_accuracy and summary["C"] == fast.C
+    assert result.stderr.count("dev accuracy") == len(DEFAULT_CS)
+
+
+def _bad_files(kind: str, data: Data, folder: Path) -> str:
+    X, y = data["dev"]
+    if kind == "no label":
+        return _write(folder / "nolabel.arrow", X, y, label="target")
+    if kind == "one class":
+        return _write(folder / "oneclass.arrow", X, np.ones_like(y))
+    if kind == "nan":
+        X = X.copy()
+        X[3, 5] = np.nan
+        return _write(folder / "nan.arrow", X, y)
+    ragged = pa.array([row.tolist()[: 256 - (i % 2)] for i, row in enumerate(X)], type=pa.list_(pa.float32()))
+    pa_ipc_write(folder / "ragged.arrow", pa.table({"features": ragged, "label": y}))
+    return str(folder / "ragged.arrow")
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("no label", "no column 'label'"),
+        ("one class", "column 'label' holds one class only"),
+        ("nan", "column 'features' holds 1 NaN or inf values (first in row 3)"),
+        ("ragged", "column 'features' has rows of different widths"),
+    ],
+)
+def test_a_bad_feature_file_gets_one_error_naming_file_and_column(
+    kind: str, words: str, files: list[str], data: Data, tmp_path: Path
+) -> None:
+    bad = _bad_files(kind, data, tmp_path)
+    result = _probe("--train", files[0], "--dev", bad, "--test", files[2])
+    assert result.exit_code == 2
+    assert bad in " ".join(result.stderr.split()) and words in " ".join(result.stderr.split())
+    assert "Traceback" not in result.output and "dev accuracy" not in result.stderr
