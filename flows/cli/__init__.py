@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli import corpus, operate, pipeline, pretrain, transfer
+from flows.cli import corpus, neuron, operate, pipeline, pretrain, transfer
 
 app = typer.Typer(
     name="mlstm-sentiment",
@@ -20,7 +20,7 @@ app = typer.Typer(
 )
 app.add_typer(corpus.app, name="corpus", rich_help_panel="Corpus")
 # The other stages' commands sit at the top level (`mlstm-sentiment pretrain …`), grouped by stage.
-for stage in (pretrain, transfer, pipeline, operate):
+for stage in (pretrain, transfer, neuron, pipeline, operate):
     app.add_typer(stage.app)
 
 
