@@ -10,7 +10,16 @@ from flows.cli import app
 COMMANDS = {
     "Corpus": ["corpus"],
     "Pretrain": ["pretrain", "plan"],
-    "Transfer": ["features", "import-weights", "transfer", "predict", "probe", "baseline"],
+    "Transfer": [
+        "features",
+        "import-weights",
+        "transfer",
+        "predict",
+        "probe",
+        "baseline",
+        "explain",
+        "generate",
+    ],
     "Pipeline": ["pipeline", "run", "status"],
     "Sweep": ["sweep"],
     "Operate": ["demo", "deploy", "promote", "settings"],

@@ -1,0 +1,194 @@
+"""Show the sentiment neuron: a text's per-byte reading as characters, rendered for a terminal (rich),
+a PNG heatmap in the style of Radford et al. (2017, Figure 3) and one self-contained HTML file.
+
+Multi-byte UTF-8 characters are one cell carrying the value after their last byte; newlines and tabs
+are shown as ``↵`` and ``→`` so they stay visible.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from models.classifier import SentimentClassifier
+from models.neuron import read_bytes
+from models.text import encode
+
+VISIBLE = {"\n": "↵", "\t": "→", "\r": "␍"}
+PNG_COLUMNS = 64
+PNG_MAX_ROWS = 60
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One cleaned text as characters, with the unit's cell value and P(positive) after each."""
+
+    text: str
+    unit: int
+    chars: list[str]
+    values: np.ndarray
+    probability: np.ndarray
+
+    @property
+    def final(self) -> float:
+        return float(self.probability[-1])
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "text": self.text,
+            "unit": self.unit,
+            "values": [round(float(v), 6) for v in self.values],
+            "probability": [round(float(p), 6) for p in self.probability],
+            "final": self.final,
+        }
+
+
+def check_text(text: str, *, where: str = "text") -> None:
+    if not text.strip():
+        raise ValueError(f"{where} is empty or only whitespace: give a review to read")
+
+
+def char_ends(data: bytes) -> list[tuple[str, int]]:
+    """Each character of UTF-8 ``data`` with the index of its last byte (invalid bytes become U+FFFD)."""
+    out: list[tuple[str, int]] = []
+    start = 0
+    while start < len(data):
+        lead = data[start]
+        size = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
+        size = size if lead >> 3 != 0b11111 else 1
+        chunk = data[start : start + size]
+        try:
+            char = chunk.decode("utf-8")
+        except UnicodeDecodeError:
+            char, size = "\ufffd", 1
+        out.append((char, start + size - 1))
+        start += size
+    return out
+
+
+def explain(classifier: SentimentClassifier, text: str, *, unit: int) -> Reading:
+    """Read ``text`` as the classifier does (same cleaning) and keep the unit and probability per character."""
+    check_text(text)
+    data = encode(text)
+    readings = list(read_bytes(classifier.model, data, classifier.coef_H, classifier.intercept, unit=unit))
+    values_T = np.concatenate([r.values_T for r in readings])
+    probability_T = np.concatenate([r.probability_T for r in readings])
+    ends = char_ends(data)
+    index = np.array([end for _, end in ends])
+    return Reading(
+        text=data.decode("utf-8", errors="replace"),
+        unit=unit,
+        chars=[c for c, _ in ends],
+        values=values_T[index],
+        probability=probability_T[index],
+    )
+
+
+def _scale(values: np.ndarray) -> float:
+    return float(np.abs(values).max()) or 1.0
+
+
+def _rgb(value: float, scale: float) -> tuple[int, int, int]:
+    """Diverging red (negative) → white (0) → green (positive)."""
+    a = max(-1.0, min(1.0, value / scale))
+    if a >= 0:
+        return (int(255 * (1 - a)), int(255 - 80 * a), int(255 * (1 - a)))
+    return (255, int(255 * (1 + a)), int(255 * (1 + a)))
+
+
+def to_rich(reading: Reading) -> object:
+    """A rich ``Text`` of the characters on backgrounds coloured by the unit."""
+    from rich.text import Text
+
+    scale, out = _scale(reading.values), Text()
+    for char, value in zip(reading.chars, reading.values, strict=True):
+        r, g, b = _rgb(float(value), scale)
+        out.append(VISIBLE.get(char, char), style=f"black on rgb({r},{g},{b})")
+        if char == "\n":
+            out.append("\n")
+    return out
+
+
+def to_html(reading: Reading, *, title: str = "sentiment neuron") -> str:
+    """One HTML file, no external assets: each character a span coloured by the unit, its value on hover."""
+    scale = _scale(reading.values)
+    spans = []
+    for char, value, p in zip(reading.chars, reading.values, reading.probability, strict=True):
+        r, g, b = _rgb(float(value), scale)
+        shown = html.escape(VISIBLE.get(char, char))
+        spans.append(
+            f'<span style="background:rgb({r},{g},{b})" title="{value:.3f} · p={p:.3f}">{shown}</span>'
+            + ("<br>" if char == "\n" else "")
+        )
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        "<style>body{font-family:monospace;white-space:pre-wrap;line-height:1.6}</style></head><body>"
+        f"<p>unit {reading.unit} · final P(positive) = {reading.final:.3f}</p><div>{''.join(spans)}</div>"
+        "</body></html>\n"
+    )
+
+
+def to_png(
+    reading: Reading, path: Path, *, columns: int = PNG_COLUMNS, max_rows: int = PNG_MAX_ROWS
+) -> str | None:
+    """The heatmap (text in rows, each cell coloured by the unit, centred at zero, with a colour bar) and,
+    beneath, P(positive) after each character. Returns a note when rows were capped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_rows = -(-len(reading.chars) // columns)
+    note = None
+    if n_rows > max_rows:
+        note = f"the PNG shows the first {max_rows} of {n_rows} rows ({max_rows * columns} characters)"
+        n_rows = max_rows
+    shown = n_rows * columns
+    grid = np.full((n_rows, columns), np.nan)
+    flat = reading.values[:shown]
+    grid.flat[: len(flat)] = flat
+    scale = _scale(reading.values)
+    fig, (ax, ax_p) = plt.subplots(
+        2, 1, figsize=(columns * 0.16 + 1.5, n_rows * 0.28 + 2.2), height_ratios=[max(n_rows, 1) * 0.28, 1.6]
+    )
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=-scale, vmax=scale, aspect="auto")
+    for i, char in enumerate(reading.chars[:shown]):
+        ax.text(
+            i % columns,
+            i // columns,
+            VISIBLE.get(char, char),
+            ha="center",
+            va="center",
+            fontsize=7,
+            family="monospace",
+        )
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(f"unit {reading.unit}" + (f" ({note})" if note else ""), fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="cell value")
+    ax_p.plot(reading.probability[:shown], color="black", linewidth=1)
+    ax_p.axhline(0.5, color="grey", linewidth=0.5, linestyle="--")
+    ax_p.set_ylim(0, 1)
+    ax_p.set_xlim(0, max(shown - 1, 1))
+    ax_p.set_ylabel("P(positive)", fontsize=8)
+    ax_p.set_xlabel("character", fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return note
+
+
+def held_value(
+    features_NH: np.ndarray, labels_N: np.ndarray, unit: int, sentiment: str, *, push: float = 2.0
+) -> float:
+    """The value to hold the unit at for ``positive``/``negative``: that class's mean of the unit on the
+    probe's training features, pushed ``push`` times as far from the midpoint of the two class means."""
+    if sentiment not in ("positive", "negative"):
+        return float(sentiment)
+    values_N = features_NH[:, unit]
+    pos, neg = float(values_N[labels_N == 1].mean()), float(values_N[labels_N == 0].mean())
+    mid = (pos + neg) / 2
+    target = pos if sentiment == "positive" else neg
+    return mid + push * (target - mid)

@@ -1,0 +1,113 @@
+"""The sentiment neuron: per-byte readings agree with the features path, generation holds the unit,
+and the renderings show every character of the text."""
+
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.classifier import SentimentClassifier
+from models.features import featurize
+from models.mlstm import MLSTM, tiny
+from models.neuron import generate, read_bytes
+from models.text import FRONT_PAD, encode
+from tasks.transfer.explain import char_ends, explain, held_value, to_html, to_png
+
+TEXTS = ["Great blender, works perfectly.", "Broke after a week.\tNever again — awful", "café ☕ ok"]
+
+
+@pytest.fixture
+def classifier() -> SentimentClassifier:
+    torch.manual_seed(0)
+    model = MLSTM(tiny())
+    coef_H = np.random.default_rng(0).normal(size=model.config.hidden_size).astype(np.float32)
+    return SentimentClassifier(model=model, coef_H=coef_H, intercept=0.1)
+
+
+def test_last_value_and_probability_equal_the_features_path(classifier: SentimentClassifier) -> None:
+    features_NH = featurize(classifier.model, TEXTS)
+    p_N = classifier.predict_proba(TEXTS)
+    for text, feature_H, p in zip(TEXTS, features_NH, p_N, strict=True):
+        for unit in (0, 17):
+            reading = explain(classifier, text, unit=unit)
+            assert reading.values[-1] == pytest.approx(feature_H[unit], abs=1e-5)
+            assert reading.final == pytest.approx(p, abs=1e-5)
+
+
+def test_streamed_chunks_match_one_pass(classifier: SentimentClassifier) -> None:
+    data = encode(TEXTS[1] * 5)
+    args = (classifier.model, data, classifier.coef_H, classifier.intercept)
+    whole = np.concatenate([r.values_T for r in read_bytes(*args, unit=3)])
+    chunked = np.concatenate([r.values_T for r in read_bytes(*args, unit=3, chunk_len=7)])
+    np.testing.assert_allclose(whole, chunked, atol=1e-6)
+    assert len(whole) == len(data)
+
+
+def test_multibyte_characters_are_one_cell() -> None:
+    ends = char_ends("a☕é".encode())
+    assert ends == [("a", 0), ("☕", 3), ("é", 5)]
+    assert char_ends(b"a\xffb")[1][0] == "\ufffd"
+
+
+def test_bad_input_names_the_problem(classifier: SentimentClassifier) -> None:
+    with pytest.raises(ValueError, match="empty or only whitespace"):
+        explain(classifier, " \n\t ", unit=0)
+    with pytest.raises(ValueError, match="outside the model's 64 units"):
+        explain(classifier, "fine", unit=64)
+    for kwargs, message in (
+        ({"length": 0}, "length must be at least 1"),
+        ({"temperature": -1.0}, "0 \\(greedy\\) or positive"),
+    ):
+        args = {"length": 5, "temperature": 0.4, "samples": 1, "seed": 0} | kwargs
+        with pytest.raises(ValueError, match=message):
+            generate(classifier.model, FRONT_PAD.encode(), **args)  # type: ignore[arg-type]
+
+
+def test_held_unit_is_the_value_at_every_step_and_seeds_reproduce(classifier: SentimentClassifier) -> None:
+    prompt = FRONT_PAD.encode()
+    kwargs = {"length": 40, "temperature": 1.0, "samples": 3, "unit": 5, "value": 2.5}
+    texts, held = generate(classifier.model, prompt, seed=1, **kwargs)  # type: ignore[arg-type]
+    assert np.all(held == np.float32(2.5))
+    again, _ = generate(classifier.model, prompt, seed=1, **kwargs)  # type: ignore[arg-type]
+    other, _ = generate(classifier.model, prompt, seed=2, **kwargs)  # type: ignore[arg-type]
+    assert texts == again and texts != other
+    free, _ = generate(classifier.model, prompt, seed=1, length=40, temperature=1.0, samples=3)
+    assert free != texts  # holding the unit changes what is written
+    greedy, _ = generate(classifier.model, prompt, seed=0, length=10, temperature=0, samples=2)
+    assert greedy[0] == greedy[1]
+
+
+def test_held_value_pushes_class_means_apart() -> None:
+    features = np.array([[1.0], [3.0], [-1.0], [-3.0]])
+    labels = np.array([1, 1, 0, 0])
+    assert held_value(features, labels, 0, "positive") == pytest.approx(4.0)
+    assert held_value(features, labels, 0, "negative") == pytest.approx(-4.0)
+    assert held_value(features, labels, 0, "1.5") == 1.5
+
+
+def test_html_holds_every_character_once_escaped(classifier: SentimentClassifier) -> None:
+    text = "Loved it <script>alert(1)</script> & more ☕"
+    page = to_html(explain(classifier, text, unit=0))
+    assert "<script" not in page and "&lt;" in page
+    shown = [html.unescape(c) for c in re.findall(r'<span style="background[^>]*>([^<]*)</span>', page)]
+    assert "".join(shown) == "↵ " + text + " "  # each character once, in order; the newline made visible
+    assert "src=" not in page and "href=" not in page  # no external assets
+
+
+def test_png_is_an_image_that_grows_with_rows(classifier: SentimentClassifier, tmp_path: Path) -> None:
+    from PIL import Image
+
+    heights = []
+    for n, name in ((1, "short.png"), (6, "long.png")):
+        path = tmp_path / name
+        assert to_png(explain(classifier, "A decent kettle. " * 4 * n, unit=0), path) is None
+        with Image.open(path) as image:
+            heights.append(image.size[1])
+    assert heights[1] > heights[0]
+    note = to_png(explain(classifier, "x" * 500, unit=0), tmp_path / "capped.png", columns=10, max_rows=5)
+    assert note is not None and "first 5 of 51 rows" in note

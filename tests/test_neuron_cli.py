@@ -1,0 +1,79 @@
+"""`mlstm-sentiment explain` and `generate` against a classifier logged to a real MLflow server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.classifier import SentimentClassifier
+from models.mlstm import MLSTM, tiny
+
+CLI = str(Path(sys.executable).with_name("mlstm-sentiment"))
+
+
+def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["explain", "   "], "text 1 is empty or only whitespace"),
+        (["explain", "ok", "--out", "x.pdf"], "give a .png or .html file"),
+        (["generate", "--length", "0"], "--length must be at least 1"),
+        (["generate", "--temperature", "-1"], "0 for greedy"),
+        (["generate", "--sentiment", "happy"], "give positive, negative or a number"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_work(args: list[str], message: str, home: Path) -> None:
+    result = cli(args, {**os.environ, "MLSTM_HOME": str(home)})
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_non_utf8_file_names_the_byte(home: Path, tmp_path: Path) -> None:
+    path = tmp_path / "review.txt"
+    path.write_bytes(b"fine \xff")
+    result = cli(["explain", "--input", str(path)], {**os.environ, "MLSTM_HOME": str(home)})
+    assert f"{path}: not UTF-8 at byte 5" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_explain_and_generate_on_a_registered_model(mlflow_server: str, tmp_path: Path) -> None:
+    import mlflow
+
+    from tasks.transfer.registry import log_classifier
+
+    torch.manual_seed(0)
+    classifier = SentimentClassifier(MLSTM(tiny()), np.random.default_rng(0).normal(size=64), 0.1)
+    mlflow.set_tracking_uri(mlflow_server)
+    with mlflow.start_run() as run:
+        pass
+    uri = log_classifier(run.info.run_id, classifier, "classifier")
+    env = {**os.environ, "MLSTM_HOME": str(tmp_path), "MLSTM_MLFLOW_TRACKING_URI": mlflow_server}
+
+    text = "Works well ☕ <b>"
+    explained = cli(["explain", text, "--model", uri, "--json", "--out", str(tmp_path / "x.html")], env)
+    assert explained.returncode == 0, explained.stderr
+    reading = json.loads(explained.stdout)
+    assert reading["unit"] == int(np.argmax(np.abs(classifier.coef_H)))
+    assert reading["final"] == pytest.approx(float(classifier.predict_proba([text])[0]), abs=1e-5)
+    page = (tmp_path / "x.html").read_text()
+    assert "<b>" not in page and "&gt;" in page
+
+    args = ["generate", "--model", uri, "--sentiment", "2", "--length", "20", "--samples", "2", "--json"]
+    first, again, other = (cli([*args, "--seed", s], env) for s in ("1", "1", "2"))
+    assert first.returncode == 0, first.stderr
+    samples = json.loads(first.stdout)
+    assert samples["value"] == 2.0 and len(samples["samples"]) == 2
+    assert first.stdout == again.stdout and first.stdout != other.stdout
+
+    missing = cli(["explain", "ok", "--model", "models:/no-such-model@champion"], env)
+    assert missing.returncode != 0 and "cannot load models:/no-such-model@champion" in missing.stderr
+    assert "Traceback" not in missing.stderr
