@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -m "not long"
+	$(VENV)/bin/pytest -m "not long" --durations=40
 
 # The end-to-end runs that take minutes each (the demo, the pipeline, a champion's transfer): about 20
 # minutes on two cores, so CI's test command leaves them out.

@@ -30,6 +30,11 @@ os.environ.pop("PREFECT_API_URL", None)
 SHARED = Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 for name in [n for n in os.environ if n.startswith("MLSTM_") and not n.startswith("MLSTM_REQUIRE_")]:
     del os.environ[name]
+# MLflow's own variables are settings too (below ours): a developer's exported tracking server must not
+# receive the tests' runs.
+_MLFLOW_STATE = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID")
+for name in _MLFLOW_STATE:
+    os.environ.pop(name, None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -48,6 +53,25 @@ def _require_shared() -> Path:
             pytest.fail(f"the shared data is required here but {SHARED / 'data'} is missing")
         pytest.skip(f"needs the shared data at {SHARED / 'data'} (set MLSTM_SHARED_DIR)")
     return SHARED / "data"
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_state_reset() -> Iterator[None]:
+    """MLflow's fluent API keeps process-wide state (tracking and registry URI, active experiment and run)
+    and mirrors it into MLFLOW_* variables, which the project reads as settings: left over, one test's
+    server or database becomes the next one's. Every test starts from none of it."""
+    yield
+    if "mlflow" in sys.modules:
+        import mlflow
+        from mlflow.tracking import fluent
+
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
+        mlflow.set_registry_uri(None)  # type: ignore[arg-type]
+        fluent._active_experiment_id = None
+    for name in _MLFLOW_STATE:
+        os.environ.pop(name, None)
 
 
 @pytest.fixture(scope="session")

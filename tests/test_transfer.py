@@ -227,9 +227,8 @@ def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
     # Another test set: the champion is scored on ours (0.80 here), and 0.75 does not beat it.
     other = register(model_uri, report(0.75, checksum="b" * 64), settings, score_on_test=score)
     assert scored == ["models:/promotion-rule@champion"] and not other["promoted"]
-    assert MlflowClient().get_model_version_by_alias("promotion-rule", CHAMPION).version == str(
-        better["version"]
-    )
+    champion = MlflowClient(mlflow_server).get_model_version_by_alias("promotion-rule", CHAMPION)
+    assert str(champion.version) == str(better["version"])
 
 
 def test_saved_classifier_loads_without_pickles_and_predicts_the_same(tmp_path: Path) -> None:
