@@ -32,7 +32,13 @@ for name in [n for n in os.environ if n.startswith("MLSTM_") and not n.startswit
     del os.environ[name]
 # MLflow's own variables are settings too (below ours): a developer's exported tracking server must not
 # receive the tests' runs.
-_MLFLOW_STATE = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID")
+_MLFLOW_STATE = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_REGISTRY_URI",
+    "MLFLOW_EXPERIMENT_ID",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_RUN_ID",
+)
 for name in _MLFLOW_STATE:
     os.environ.pop(name, None)
 
