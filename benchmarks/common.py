@@ -138,5 +138,5 @@ def record(
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / (f"{name}-{variant}.json" if variant else f"{name}.json")
     path.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
-    say(f"results written to {path.relative_to(REPO)}")
+    say(f"results written to {path}")
     return path

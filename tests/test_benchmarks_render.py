@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -72,3 +73,20 @@ def test_a_section_shows_its_run_or_the_command_that_records_it(render: ModuleTy
     assert "| sst-sized × 64 | 12.5 | 2.5 | 5.00× |" in page
     assert "python benchmarks/probe.py --cases sst:64 --record cpu" in page
     assert "`0123456789`" in page and "2026-11-24 21:00 UTC" in page and "2 × Some CPU" in page
+
+
+def test_a_recorded_run_keeps_its_machine_command_commit_and_date(
+    render: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    common = sys.modules["common"]  # loaded by render.py
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    assert common.record("probe", None, {"rows": [1]}) is None and not list(tmp_path.iterdir())
+
+    argv = ["--cases", "sst:64", "--record", "cpu"]
+    path = common.record("probe", "cpu", {"machine": {"cpu": "Some CPU"}, "rows": [1]}, argv=argv)
+    document = json.loads(path.read_text())
+    assert path == tmp_path / "probe-cpu.json"
+    assert document["command"] == "python benchmarks/probe.py --cases sst:64 --record cpu"
+    assert document["machine"] == {"cpu": "Some CPU"} and document["results"] == {"rows": [1]}
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", document["commit"])
+    assert document["date"].endswith(" UTC")
