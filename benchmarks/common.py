@@ -90,14 +90,24 @@ def add_record_option(parser: argparse.ArgumentParser) -> None:
 
 
 def git_commit() -> str:
-    """The checkout's commit, with ``-dirty`` when tracked files differ from it (the figures then
-    measured code no commit holds)."""
+    """The checkout's commit, with ``-dirty`` when tracked files other than docs/ and the results differ
+    from it (the figures then measured code no commit holds)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            # The page and the result files change as runs are recorded; they are not measured code.
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!docs",
+                ":!benchmarks/results",
+            ],
             cwd=REPO,
             capture_output=True,
             text=True,
