@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import json
 import os
 import platform
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -68,3 +73,80 @@ def describe(info: dict[str, Any]) -> str:
     """The machine in one line, for a table's title."""
     where = info.get("gpu") or f"{info['cores']} × {info['cpu']}"
     return f"{where}, {info['ram_gib']} GiB, Python {info['python']}"
+
+
+def add_record_option(parser: argparse.ArgumentParser) -> None:
+    """``--record [VARIANT]``: keep this run's figures as ``benchmarks/results/NAME[-VARIANT].json``."""
+    parser.add_argument(
+        "--record",
+        nargs="?",
+        const="",
+        metavar="VARIANT",
+        help=(
+            "Write the results to benchmarks/results/NAME.json, or NAME-VARIANT.json (e.g. cpu, gpu), "
+            "from which benchmarks/render.py renders docs/benchmarks.md."
+        ),
+    )
+
+
+def git_commit() -> str:
+    """The checkout's commit, with ``-dirty`` when tracked files other than docs/ and the results differ
+    from it (the figures then measured code no commit holds)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            # The page and the result files change as runs are recorded; they are not measured code.
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!docs",
+                ":!benchmarks/results",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{commit}-dirty" if dirty else commit
+
+
+def record(
+    name: str,
+    variant: str | None,
+    results: dict[str, Any],
+    *,
+    argv: list[str] | None = None,
+    script: str | None = None,
+) -> Path | None:
+    """Write one run's results beside the machine, command line, commit and date it ran with.
+
+    Does nothing when ``variant`` is None (no ``--record``). ``results`` is the benchmark's own report;
+    its ``machine`` entry, when there is one, moves to the top level. ``script`` names the file that was
+    run when it is not ``benchmarks/NAME.py``."""
+    if variant is None:
+        return None
+    results = dict(results)
+    info = results.pop("machine", None) or machine()
+    arguments = sys.argv[1:] if argv is None else argv
+    document = {
+        "benchmark": name,
+        "variant": variant or None,
+        "command": shlex.join(["python", f"benchmarks/{script or name}.py", *arguments]),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": info,
+        "results": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / (f"{name}-{variant}.json" if variant else f"{name}.json")
+    path.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    say(f"results written to {path}")
+    return path

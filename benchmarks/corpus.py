@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from common import REPO, machine, new_parser, say  # the working tree on the path
+from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
 
 MB = 1_000_000
 # The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
@@ -653,6 +653,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Runs of each row; the fastest is reported, the peaks are the highest of all runs.",
     )
     parser.add_argument("--json", type=Path, dest="json_path", help="Also write the numbers to this file.")
+    add_record_option(parser)
     return parser.parse_args(argv)
 
 
@@ -828,7 +829,7 @@ def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
             "and wrote the same shards"
         )
 
-    if args.json_path:
+    if args.json_path or args.record is not None:
         report = {
             "machine": info,
             "command": " ".join(["python", *sys.argv]),
@@ -846,7 +847,9 @@ def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
             "goal": goal,
             "checks_failed": problems,
         }
-        args.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        if args.json_path:
+            args.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        record("corpus", args.record, report)
     return 1 if problems else 0
 
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import REPO, machine, new_parser, say  # the working tree on the path
+from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
 
 from models.features import autocast_for, featurize, length_batches, rows_for_memory
 from models.mlstm import MLSTM, PRESETS, preset
@@ -461,6 +461,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="Print the results as JSON on stdout (the tables then go to stderr), or write them to PATH.",
     )
+    add_record_option(parser)
     args = parser.parse_args(argv)
     args.presets = _names(args.presets)
     for name in (*args.presets, args.serve_preset):
@@ -545,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
     elif args.json_path:
         Path(args.json_path).write_text(text)
+    record("features", args.record, report, argv=argv)
     return 1 if report["checks_failed"] else 0
 
 

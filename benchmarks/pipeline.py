@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import describe, machine, new_parser
+from common import add_record_option, describe, machine, new_parser, record
 
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "mlstm-sentiment")
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--reviews", type=int, default=3000, help="reviews in the generated sample")
     parser.add_argument("--steps", type=int, default=300, help="pretraining steps of the tiny mLSTM")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    add_record_option(parser)
     args = parser.parse_args()
 
     from tasks.corpus.sample import write_labelled_sample, write_sample
@@ -96,6 +97,8 @@ def main() -> None:
         print(f"{run['run']:<16} {run['seconds']:>8.1f} {run['ratio']:>11.1f}×  {stages}", file=sys.stderr)
     if args.json:
         print(json.dumps({"machine": info, "runs": runs}))
+    settings = {"reviews": args.reviews, "steps": args.steps}
+    record("pipeline", args.record, {"machine": info, "settings": settings, "runs": runs})
 
 
 if __name__ == "__main__":

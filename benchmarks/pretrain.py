@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import machine, new_parser, say  # the working tree on the path
+from common import add_record_option, machine, new_parser, record, say  # the working tree on the path
 from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
@@ -460,6 +460,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--baseline", action=argparse.BooleanOptionalAction, default=True, help="Also time the baseline."
     )
     parser.add_argument("--json", type=Path, dest="json_path", help="Also write the numbers to this file.")
+    add_record_option(parser)
     parser.add_argument(
         "--sharding",
         help="Instead: step time and memory per rank of these shardings (none,optimizer,full), --nproc ranks.",
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"CHECK FAILED: {problem}", file=sys.stderr)
 
-    if args.json_path:
+    if args.json_path or args.record is not None:
         report = {
             "machine": info,
             "command": shlex.join(
@@ -573,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
             "goal": goals,
             "checks_failed": problems,
         }
-        args.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        if args.json_path:
+            args.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        record("pretrain", args.record, report, argv=argv)
     return 1 if problems else 0
 
 
@@ -592,6 +595,13 @@ def sharding_main(args: argparse.Namespace) -> int:
     bench.report(rows, info)
     if args.json_path:
         args.json_path.write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
+    settings = {"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "nproc": args.nproc}
+    record(
+        "sharding",
+        args.record,
+        {"machine": info, "settings": settings, "rows": rows},
+        script="pretrain",
+    )
     return 0
 
 

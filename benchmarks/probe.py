@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 import torch
-from common import describe, machine, new_parser, say
+from common import add_record_option, describe, machine, new_parser, record, say
 
 from tasks.transfer.probe import ProbeResult, Solver, fit_probe
 
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--c-min-log2", type=int, default=-8)
     parser.add_argument("--c-max-log2", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="JSON on stdout, the table on stderr")
+    add_record_option(parser)
     args = parser.parse_args()
     Cs = tuple(2.0**k for k in range(args.c_min_log2, args.c_max_log2 + 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,6 +111,7 @@ def main() -> None:
     say("\n".join(lines)) if args.json else print("\n".join(lines))
     if args.json:
         print(json.dumps({"machine": info, "Cs": list(Cs), "rows": rows}, indent=2))
+    record("probe", args.record, {"machine": info, "Cs": list(Cs), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common import new_parser
+from common import add_record_option, new_parser, record
 
 from models.mlstm import MLSTMConfig, preset
 
@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # The H100 ran a bf16 8192³ matmul at 793 TFLOP/s: the MFU denominator it states.
     parser.add_argument("--peak-tflops", type=float, default=793.0)
     parser.add_argument("--json", type=Path, dest="json_path")
+    add_record_option(parser)
     return parser.parse_args(argv)
 
 
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {value} |")
     if args.json_path:
         args.json_path.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    record("scaling", args.record, {"model": asdict(result), "peak_tflops": args.peak_tflops}, argv=argv)
     return 0
 
 

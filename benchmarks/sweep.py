@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO, describe, machine, new_parser, say
+from common import REPO, add_record_option, describe, machine, new_parser, record, say
 
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--eta", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    add_record_option(parser)
     args = parser.parse_args()
 
     import os
@@ -170,6 +171,8 @@ def main() -> None:
         for seed in range(args.seeds):
             say(f"seed {seed}: ASHA sweep of {args.trials} trials, then the pruned ones to the end")
             rows.append(one_seed(seed, args, corpus, home))
+    settings = {k: getattr(args, k) for k in ("seeds", "trials", "max_steps", "min_steps", "eta", "seq_len")}
+    record("sweep", args.record, {"machine": info, "settings": settings, "rows": rows})
     if args.json:
         print(json.dumps({"machine": info, "rows": rows}, indent=2))
         return
