@@ -219,3 +219,34 @@ def test_the_cli_says_when_no_scheduler_answers(prefect_api_url: str, home: Path
     assert done.returncode == 2, done.stderr
     assert "no Dask scheduler answers at tcp://127.0.0.1:" in done.stderr
     assert "MLSTM_TASK_RUNNER_ADDRESS" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.long
+def test_a_ray_cluster_builds_the_same_corpus_as_the_process_pool(
+    raw: list[str], pool_build: tuple[Path, dict[str, Any]], home: Path, tmp_path: Path
+) -> None:
+    # Ray is not in the dask extra (278 MB, about 1.5 min to install here): where it is installed, a
+    # head node started from the venv's `ray`, in its own process group, runs the same build.
+    pytest.importorskip("prefect_ray", reason="needs ray and prefect-ray")
+    import tempfile
+
+    port = free_port()
+    # Short: Ray's Unix sockets live under it, and a socket path is limited to about 107 bytes.
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    command = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
+        "--num-cpus", "2", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(temp),
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    log = (tmp_path / "ray.log").open("wb")
+    head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_for_port(port, timeout=180)
+        pool_store, pool_summary = pool_build
+        summary = _build(raw, tmp_path / "store", "ray", f"127.0.0.1:{port}")
+        assert summary == {**pool_summary, "manifest_uri": summary["manifest_uri"]}
+        assert _digests(tmp_path / "store", summary) == _digests(pool_store, pool_summary)
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
