@@ -10,7 +10,9 @@ them and the build does its full work. Rows, all on the same files, in MB/s of u
 - json.loads loop: one Python process reading line by line;
 - full build (flow): ``flows.cli.corpus.run_corpus_build`` through Prefect with the process pool;
 - full build (plain functions): the same stage functions in a ProcessPoolExecutor, without Prefect;
-- second run: the flow build again, with the manifest already there.
+- second run: the flow build again, with the manifest already there;
+- full build (flow, Dask N workers): the flow with ``MLSTM_TASK_RUNNER=dask``, its temporary local
+  cluster of N worker processes (one thread each) started inside the timer, as the pool's workers are.
 
 Peak RSS is sampled from /proc every 0.1 s over this process and all of its descendants.
 
@@ -467,7 +469,7 @@ def run_plain(inputs: InputSet, store_dir: Path, cache_path: Path, workers: int)
     }
 
 
-def run_flow(inputs: InputSet, store_dir: Path, workers: int) -> dict[str, Any]:
+def run_flow(inputs: InputSet, store_dir: Path, workers: int, runner: str = "process") -> dict[str, Any]:
     """The build as users run it: ``corpus build`` without the command line around it."""
     from flows.cli.corpus import run_corpus_build
     from tasks.corpus.build import CorpusConfig
@@ -477,7 +479,7 @@ def run_flow(inputs: InputSet, store_dir: Path, workers: int) -> dict[str, Any]:
         [inputs.folder],
         store=str(store_dir),
         config=CorpusConfig(),
-        task_runner="process",
+        task_runner=runner,  # type: ignore[arg-type]  # "process" or "dask"
         workers=workers,
         show_progress=False,
     )
@@ -652,9 +654,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=3,
         help="Runs of each row; the fastest is reported, the peaks are the highest of all runs.",
     )
+    parser.add_argument(
+        "--dask-workers",
+        default="1,2",
+        help="Worker counts of the Dask rows, comma-separated; empty for none (needs the dask extra).",
+    )
     parser.add_argument("--json", type=Path, dest="json_path", help="Also write the numbers to this file.")
     add_record_option(parser)
     return parser.parse_args(argv)
+
+
+def measure_dask(
+    args: argparse.Namespace,
+    inputs: InputSet,
+    run_dir: Path,
+    problems: list[str],
+    digests: list[list[tuple[str, str]]],
+) -> list[Row]:
+    """The flow build on a temporary local Dask cluster of each --dask-workers size."""
+    import importlib.util
+
+    counts = [int(n) for n in args.dask_workers.split(",") if n.strip()]
+    if counts and importlib.util.find_spec("prefect_dask") is None:
+        say("Dask rows skipped: prefect-dask is not installed (pip install '.[dask]')")
+        return []
+    rows = []
+    for count in counts:
+
+        def dask_run(attempt: int, count: int = count) -> dict[str, Any]:
+            os.environ["MLSTM_HOME"] = str(run_dir / f"home-dask{count}-{attempt}")
+            return run_flow(inputs, run_dir / f"store-dask{count}-{attempt}", count, runner="dask")
+
+        def dask_after(attempt: int, details: dict[str, Any], count: int = count) -> None:
+            manifest = _manifest_of(details["summary"])
+            problems.extend(check_manifest(f"Dask {count} build, run {attempt + 1}", manifest, inputs))
+            digests.append(shard_digests(manifest))
+            details["windows"] = flow_windows(details.pop("called"))
+            shutil.rmtree(run_dir / f"store-dask{count}-{attempt}")
+
+        rows.append(
+            measure(
+                f"full build (flow, Dask {count} worker{'s' if count > 1 else ''})",
+                dask_run,
+                args.repeat,
+                notes=f"MLSTM_TASK_RUNNER=dask: a temporary LocalCluster of {count} processes × 1 thread, "
+                "started and stopped inside the timer",
+                after=dask_after,
+            )
+        )
+    return rows
 
 
 def _isolate(run_dir: Path) -> None:
@@ -785,20 +833,21 @@ def _benchmark(args: argparse.Namespace, workdir: Path, run_dir: Path) -> int:
         )
         if second.details["summary"]["corpus_id"] != flow.details["summary"]["corpus_id"]:
             problems.append("the second run found a different corpus")
+        dask_rows = measure_dask(args, inputs, run_dir, problems, digests)
     shutil.rmtree(last_store, ignore_errors=True)
     if any(d != digests[0] for d in digests):
         problems.append("the builds did not all write the same shards")
     if code_digest() != code:
         problems.append(f"the corpus code changed during the run ({', '.join(CODE_FILES)}): run it again")
 
-    for row in (floor, inferred, loop, flow, plain):
+    for row in (floor, inferred, loop, flow, plain, *dask_rows):
         row.mb_per_s = inputs.bytes / MB / row.seconds
         row.ratio_vs_floor = floor.seconds / row.seconds
     flow.notes += (
         f"; RSS tree without the API server {_gib(flow.peaks.tree_without_api)} "
         f"(server {_gib(flow.peaks.api)}; it and MLflow's database were started untimed, {setup:.1f} s)"
     )
-    rows = [floor, inferred, loop, flow, plain, second]
+    rows = [floor, inferred, loop, flow, plain, second, *dask_rows]
     import prefect
     import pyarrow
 

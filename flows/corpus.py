@@ -12,6 +12,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
+from flows.runtime import check_cluster
 from tasks.corpus.build import (
     BucketResult,
     CorpusConfig,
@@ -83,6 +84,7 @@ def build_corpus(
     started = time.perf_counter()
     target = store_of(settings)
     target.check_writable()  # before any source is read
+    check_cluster(target, get_run_context().task_runner)  # type: ignore[union-attr]
     plan = plan_corpus_task(
         sources,
         config,

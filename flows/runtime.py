@@ -12,10 +12,15 @@ from typing import Any
 
 from tasks.corpus.build import cpu_count
 from tasks.settings import Settings
+from tasks.store import LocalStore, Store, StoreError
 
 
 class PrefectUnavailable(RuntimeError):
     """The configured Prefect API does not answer."""
+
+
+class ClusterUnavailable(RuntimeError):
+    """The Dask scheduler named by the settings does not answer."""
 
 
 def configured_api_url(settings: Settings) -> str | None:
@@ -142,12 +147,76 @@ def task_runner(settings: Settings) -> Any:
             raise RuntimeError("MLSTM_TASK_RUNNER=dask needs `pip install prefect-dask`") from error
         if settings.task_runner_address:
             return DaskTaskRunner(address=settings.task_runner_address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": workers})
+        # One thread per worker process: MLSTM_MAX_WORKERS means parallel pieces, as for the pool.
+        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1})
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as error:
         raise RuntimeError("MLSTM_TASK_RUNNER=ray needs `pip install prefect-ray`") from error
     return RayTaskRunner(address=settings.task_runner_address)
+
+
+def check_cluster(store: Store, runner: Any) -> None:
+    """Before any work on a Dask cluster: every worker reads back what this process just wrote to the
+    store, and reaches the Prefect API its task runs report to.
+
+    The pieces are written by one worker and read by another (and by this process for the manifest),
+    so a folder on each worker's own disk would scatter the corpus over the workers' disks: it fails
+    here, with the setting to change, instead of after the parse. Other runners run on this machine.
+    """
+    if type(runner).__module__.partition(".")[0] != "prefect_dask":
+        return
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        client = runner.client
+    except OSError as error:  # distributed's "Timed out trying to connect to …"
+        raise ClusterUnavailable(
+            f"no Dask scheduler answers at {runner.address}: {error} [MLSTM_TASK_RUNNER_ADDRESS]"
+        ) from None
+    key = f"_cluster-check-{os.getpid()}-{id(runner):x}"
+    token = os.urandom(16).hex().encode()
+    store.write_bytes(key, token)
+    try:
+        answers = client.run(_worker_check, store, key, token, PREFECT_API_URL.value(), on_error="return")
+    finally:
+        store.delete_prefix(key)
+    for worker, answer in sorted(answers.items()):
+        problem = answer if isinstance(answer, str) else f"cannot run this project's code ({answer!r})"
+        if not problem:
+            continue
+        if problem.startswith("store"):
+            where = (
+                "a folder on this machine; use s3://… or a folder every worker mounts at the same path"
+                if isinstance(store, LocalStore)
+                else "give the workers the same endpoint and credentials"
+            )
+            raise StoreError(
+                f"Dask worker {worker} cannot read the store {store.uri}: {problem.partition(': ')[2]} "
+                f"(the workers write the corpus there and read each other's pieces: {where}) "
+                "[MLSTM_STORE_URI]"
+            )
+        raise PrefectUnavailable(
+            f"Dask worker {worker} {problem}: its task runs report to that API, so run a Prefect server "
+            "the workers can reach [MLSTM_PREFECT_API_URL]"
+        )
+
+
+def _worker_check(store: Store, key: str, token: bytes, api_url: str | None) -> str:
+    """Run on each Dask worker: '' when it sees the store and the API, else what it cannot do."""
+    import httpx
+
+    try:
+        if store.read_bytes(key) != token:
+            return "store: it holds other bytes under the same name (another folder)"
+    except Exception as error:
+        return f"store: {type(error).__name__}: {error}"
+    if api_url:
+        try:
+            httpx.get(f"{api_url.rstrip('/')}/health", timeout=10).raise_for_status()
+        except httpx.HTTPError as error:
+            return f"cannot reach the Prefect API at {api_url} ({error})"
+    return ""
 
 
 def submit_deployment(name: str, parameters: dict[str, Any]) -> str:

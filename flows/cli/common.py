@@ -76,13 +76,13 @@ def user_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
     from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from flows.runtime import PrefectUnavailable
+    from flows.runtime import ClusterUnavailable, PrefectUnavailable
     from tasks.corpus.sources import SourceError
     from tasks.store import StoreError
     from tasks.tracking import TrackingUnavailable
 
     return (
-        SourceError, StoreError, PrefectUnavailable, TrackingUnavailable, ValueError,
+        SourceError, StoreError, PrefectUnavailable, ClusterUnavailable, TrackingUnavailable, ValueError,
         ClientError, BotoCoreError, Boto3Error, *more,
     )  # fmt: skip
 
