@@ -26,7 +26,7 @@ from prefect.exceptions import TerminationSignal
 
 from flows import names, progress
 from tasks.pretrain.launchers import launcher_for
-from tasks.pretrain.launchers.base import JobHandle, Launcher
+from tasks.pretrain.launchers.base import JobError, JobHandle, Launcher
 from tasks.pretrain.stage import Job, PretrainParams, job_result, open_mlflow_run, plan_job, watch
 from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
@@ -73,7 +73,18 @@ def gpu_slot(limit: str) -> Iterator[None]:
         yield
 
 
-@task(name="train", cache_policy=NO_CACHE)
+def _worth_relaunching(task: Any, task_run: Any, state: Any) -> bool:
+    """A crash (a killed rank, a lost node) is relaunched; an error the job reported itself is not."""
+    try:
+        state.result()
+    except JobError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(name="train", cache_policy=NO_CACHE, retry_condition_fn=_worth_relaunching)
 def train(job: Job, launcher: Launcher) -> dict[str, Any]:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
     logger = get_run_logger()

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     max_workers: int | None = Field(
         default=None, ge=1, description="Parallel pieces on this machine. Default: the CPU count."
     )
+    max_text_chars: int = Field(
+        default=20_000,
+        ge=1,
+        description="Longest text (characters) a classifier logged now will score, served or by `predict`; "
+        "stored with the model. Longer texts are refused, not cut.",
+    )
 
     @field_validator(
         "store_uri",

@@ -30,9 +30,32 @@ def connect(settings: Settings) -> Any:
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(settings.resolved_mlflow_registry_uri)
     try:
+        root = artifact_root(settings, uri)
+        if root and mlflow.get_experiment_by_name(settings.mlflow_experiment) is None:
+            _create_experiment(settings.mlflow_experiment, root)
         return mlflow.set_experiment(settings.mlflow_experiment)
     except Exception as error:
         raise TrackingUnavailable(f"MLflow at {uri} cannot be used ({error}); fix {setting}") from error
+
+
+def artifact_root(settings: Settings, tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: with an embedded SQLite store, a folder under
+    MLSTM_HOME (MLflow's own default is ``./mlruns`` of whatever folder the command ran in); with a
+    tracking server, None: the server's ``--default-artifact-root`` (S3 in the team install) decides."""
+    if not tracking_uri.startswith("sqlite:"):
+        return None
+    return (settings.home.resolve() / "mlartifacts").as_uri()
+
+
+def _create_experiment(name: str, artifact_location: str) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient().create_experiment(name, artifact_location=artifact_location)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":  # another process made it first: fine
+            raise
 
 
 def check_server(uri: str, setting: str = "MLSTM_MLFLOW_TRACKING_URI") -> None:

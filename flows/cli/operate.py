@@ -33,7 +33,7 @@ def demo(
     from tasks.corpus.build import CorpusConfig
     from tasks.corpus.sample import write_labelled_sample, write_sample
     from tasks.pipeline import PipelineParams, PretrainStage, TransferStage
-    from tasks.transfer.serve import invoke, served
+    from tasks.transfer.serve import invoke, serve_command, served
 
     settings = get_settings()
     err.print(f"[bold]mlstm-sentiment demo[/] · home {settings.home.resolve()}")
@@ -77,10 +77,15 @@ def demo(
         out.print(f"  {line}", highlight=False, soft_wrap=True)
     out.print(f'  model: {model_uri}  (`mlstm-sentiment predict "…"`)', highlight=False)
     out.print(
-        f"  MLFLOW_TRACKING_URI={settings.resolved_mlflow_tracking_uri} "
-        f"mlflow models serve -m {model_uri} --env-manager local -p 5001",
+        "  "
+        + serve_command(
+            model_uri,
+            settings.resolved_mlflow_tracking_uri,
+            registry_uri=settings.resolved_mlflow_registry_uri,
+        ),
         highlight=False,
         soft_wrap=True,
+        markup=False,
     )
 
 

@@ -191,10 +191,15 @@ def _print_transfer(result: dict[str, Any]) -> None:
             f"registered {registered['name']} v{registered['version']}: {registered['reason']}",
             highlight=False,
         )
-        out.print(
-            f"serve it:  mlflow models serve -m {registered['champion_uri']} --env-manager local",
-            highlight=False,
+        from tasks.transfer.serve import serve_command
+
+        settings = get_settings()
+        command = serve_command(
+            registered["champion_uri"],
+            settings.resolved_mlflow_tracking_uri,
+            registry_uri=settings.resolved_mlflow_registry_uri,
         )
+        out.print(f"serve it:  {command}", highlight=False, soft_wrap=True, markup=False)
     out.print(f"MLflow run: {result['run_id']}", highlight=False)
 
 
@@ -238,7 +243,12 @@ def predict(
             raise fail(
                 f"cannot load {uri} from {settings.resolved_mlflow_tracking_uri}: {error.message}"
             ) from None
-        predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
+        from models.serving import TextRejected
+
+        try:
+            predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
+        except TextRejected as error:  # the model's own rule, as served: rows count arguments, then --input
+            raise fail(f"{uri} refuses {error.message}") from None
     except user_errors() as error:  # DatasetError is a ValueError
         raise fail(error) from None
     rows = zip(texts, predicted["label"], predicted["probability"], strict=True)

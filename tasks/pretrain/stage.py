@@ -21,11 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from models.mlstm import PRESETS, Recurrence
 from tasks.pretrain.checkpoint import read_latest
-from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, Launcher, LaunchError
+from tasks.pretrain.launchers.base import JobError, JobHandle, JobSpec, JobState, Launcher, LaunchError
 from tasks.pretrain.memory import plan as plan_memory
 from tasks.pretrain.sharding import Sharding
 from tasks.pretrain.stream import BatchPlan
-from tasks.pretrain.train import LrScaling, Precision, TrainConfig, iter_progress
+from tasks.pretrain.train import JOB_ERROR_PREFIX, LrScaling, Precision, TrainConfig, iter_progress
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, split_object_uri, store_of
 
@@ -283,6 +283,7 @@ def watch(
 ) -> JobState:
     """Follow a job to its end, passing on each line of rank 0's log and each progress line."""
     offset = 0
+    errors: list[str] = []  # the job's own `error: …` lines (tasks/pretrain/train.py main)
 
     def drain() -> None:
         nonlocal offset
@@ -290,6 +291,8 @@ def watch(
         lines = text.splitlines()
         for line in lines:
             on_line(line)
+            if line.startswith(JOB_ERROR_PREFIX):
+                errors.append(line.removeprefix(JOB_ERROR_PREFIX))
         for progress in iter_progress(iter(lines)):
             on_progress(progress)
 
@@ -298,6 +301,8 @@ def watch(
         drain()
         if status.state.finished:
             drain()
+            if status.state is JobState.FAILED and errors:
+                raise JobError(f"job {handle.job_id} failed: {errors[-1]}")
             if status.state is JobState.FAILED:
                 raise LaunchError(f"job {handle.job_id} failed: {status.message}")
             if status.state is JobState.CANCELLED:

@@ -304,6 +304,9 @@ class Preempted:
         self.signalled = True
 
 
+JOB_ERROR_PREFIX = "error: "  # a line of rank 0's log that says why the job gave up
+
+
 def log(world: World, message: str) -> None:
     if world.is_main:
         print(message, flush=True)
@@ -381,12 +384,12 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        latest = checkpoint.read_latest(self.store, self.config.run_name)
-        if latest is None:
+        found = checkpoint.load_intact(self.store, self.config.run_name)
+        if found is None:
             return False
-        saved = checkpoint.load_from(
-            self.store, f"{checkpoint.run_prefix(self.config.run_name)}/{latest['checkpoint']}"
-        )
+        saved, damaged = found
+        if damaged:
+            log(self.world, f"warning: {'; '.join(damaged)}; resuming from step {saved.step} ({saved.uri})")
         mismatched = {
             name: (saved.meta["config"].get(name), value)
             for name, value in self.config.model_dump(include=set(RUN_FIELDS)).items()
@@ -719,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = fit(config, world, get_settings())
     except (StreamError, ValueError) as error:
-        log(world, f"error: {error}")
+        log(world, f"{JOB_ERROR_PREFIX}{error}")  # the launcher's watcher fails the job with it, unretried
         return 2
     finally:
         world.close()

@@ -9,6 +9,7 @@ read from the champion's tags when it was scored on the same data, else measured
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import tempfile
 import warnings
@@ -18,8 +19,8 @@ from typing import Any
 
 import models
 from models.classifier import LABELS, SentimentClassifier
-from models.serving import ARTIFACT
-from tasks.settings import Settings
+from models.serving import ARTIFACT, MAX_TEXT_CHARS_KEY
+from tasks.settings import Settings, get_settings
 from tasks.store import split_object_uri
 from tasks.tracking import connect
 
@@ -107,8 +108,11 @@ def pip_requirements() -> list[str]:
     return requirements
 
 
-def log_classifier(run_id: str, classifier: SentimentClassifier, name: str) -> str:
-    """Log the classifier as a pyfunc under the run; returns its model URI."""
+def log_classifier(
+    run_id: str, classifier: SentimentClassifier, name: str, *, max_text_chars: int | None = None
+) -> str:
+    """Log the classifier as a pyfunc under the run; returns its model URI. The served copy refuses
+    texts longer than ``max_text_chars`` (default: the MLSTM_MAX_TEXT_CHARS setting)."""
     import mlflow
     import pandas as pd
     from mlflow.models import infer_signature
@@ -117,7 +121,9 @@ def log_classifier(run_id: str, classifier: SentimentClassifier, name: str) -> s
     output = pd.DataFrame({"label": list(LABELS[::-1]), "probability": [0.9, 0.1]})
     signature = infer_signature(example, output, params={"batch_size": 64})
     with tempfile.TemporaryDirectory(prefix="mlstm-classifier-") as scratch, mlflow.start_run(run_id=run_id):
-        folder = classifier.save(Path(scratch) / "classifier")
+        limit = max_text_chars or get_settings().max_text_chars
+        limited = dataclasses.replace(classifier, info={**classifier.info, MAX_TEXT_CHARS_KEY: limit})
+        folder = limited.save(Path(scratch) / "classifier")
         info = mlflow.pyfunc.log_model(
             name=name,
             python_model=str(MODEL_CODE),

@@ -29,6 +29,32 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def serve_command(
+    model_uri: str, tracking_uri: str, *, registry_uri: str | None = None, port: int = 5001
+) -> str:
+    """``mlflow models serve`` as a shell command to print for users: it works as printed, from any
+    folder, with this environment not activated (MLflow starts ``uvicorn`` by name, so this
+    environment's bin goes first on PATH; without it the server dies with return code 127)."""
+    env = [
+        f'PATH={shlex.quote(str(BIN))}{os.pathsep}"$PATH"',
+        f"MLFLOW_TRACKING_URI={shlex.quote(tracking_uri)}",
+    ]
+    if registry_uri and registry_uri != tracking_uri:
+        env.append(f"MLFLOW_REGISTRY_URI={shlex.quote(registry_uri)}")
+    command = [
+        str(BIN / "mlflow"),
+        "models",
+        "serve",
+        "-m",
+        model_uri,
+        "--env-manager",
+        "local",
+        "-p",
+        str(port),
+    ]
+    return " ".join([*env, shlex.join(command)])
+
+
 @contextlib.contextmanager
 def served(model_uri: str, tracking_uri: str, *, log: Path, timeout: float = 180) -> Iterator[str]:
     """Run ``mlflow models serve`` on a free loopback port for the block; yields its base URL.

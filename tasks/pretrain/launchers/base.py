@@ -22,6 +22,13 @@ class LaunchError(RuntimeError):
     """A job could not be submitted, watched or cancelled; the message names the command that failed."""
 
 
+class JobError(LaunchError):
+    """The job stopped on an error it reported itself (an ``error: …`` line of rank 0's log: bad settings,
+    a damaged checkpoint, a shard that fails its checksum). A relaunch would meet it again: not retried."""
+
+    retryable = False
+
+
 class JobState(enum.StrEnum):
     PENDING = "pending"
     RUNNING = "running"

@@ -1,0 +1,139 @@
+"""Damaged checkpoints (issue 19): each ``state.pt`` carries its sha256 in ``meta.json``; a damaged newest
+one falls back to the newest intact one with one warning naming it; none intact is one error naming them,
+and the launcher does not relaunch a job that reported an error no relaunch can mend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import run_job
+
+from tasks.pretrain.checkpoint import (
+    DamagedCheckpoint,
+    load_checkpoint,
+    load_intact,
+    save_checkpoint,
+    step_prefix,
+)
+from tasks.store import LocalStore
+
+CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
+FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--log-every", "4"]
+
+
+def _truncate(path: Path) -> None:
+    """Cut a file short, as a full disk or a killed copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _save_steps(store: LocalStore, run: str, steps: list[int]) -> None:
+    for step in steps:
+        save_checkpoint(store, run, step, {"w": torch.full((64,), float(step))}, {"note": "unit"})
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    _save_steps(store, "r", [10, 20, 30])
+    meta = json.loads(store.read_bytes(f"{step_prefix('r', 30)}/meta.json"))
+    assert len(meta["sha256"]["state.pt"]) == 64
+    _truncate(tmp_path / step_prefix("r", 30) / "state.pt")
+    found = load_intact(store, "r")
+    assert found is not None
+    saved, damaged = found
+    assert saved.step == 20 and float(saved.state["w"][0]) == 20.0
+    assert len(damaged) == 1 and f"{step_prefix('r', 30)}/state.pt is damaged" in damaged[0]
+    # A run folder's URI (what transfer and `features` take) answers with the intact step too.
+    assert load_checkpoint(str(tmp_path / "runs" / "r")).step == 20
+
+
+def test_a_flipped_byte_is_damage_too_and_the_step_uri_names_it(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    _save_steps(store, "r", [10])
+    path = tmp_path / step_prefix("r", 10) / "state.pt"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # same length, loads or not: only the digest can tell
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match=r"step-0000010/state.pt is damaged.*sha256"):
+        load_checkpoint(str(tmp_path / step_prefix("r", 10)))
+
+
+def test_none_intact_names_every_damaged_file(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    _save_steps(store, "r", [10, 20])
+    for step in (10, 20):
+        _truncate(tmp_path / step_prefix("r", step) / "state.pt")
+    with pytest.raises(DamagedCheckpoint) as raised:
+        load_intact(store, "r")
+    message = str(raised.value)
+    assert "run r has no intact checkpoint" in message
+    assert "step-0000010/state.pt is damaged" in message and "step-0000020/state.pt is damaged" in message
+
+
+def test_an_old_checkpoint_without_a_digest_still_loads_and_its_damage_still_shows(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    _save_steps(store, "r", [10, 20])
+    for step in (10, 20):  # as saved before digests were recorded
+        meta_path = tmp_path / step_prefix("r", step) / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["sha256"]
+        meta_path.write_text(json.dumps(meta))
+    assert load_checkpoint(str(tmp_path / "runs" / "r")).step == 20
+    _truncate(tmp_path / step_prefix("r", 20) / "state.pt")
+    found = load_intact(store, "r")
+    assert found is not None and found[0].step == 10
+    assert "step-0000020/state.pt is damaged: it cannot be read" in found[1][0]
+
+
+@pytest.mark.slow
+def test_a_real_run_resumes_from_the_previous_step_when_the_newest_is_cut_short(
+    sample_manifest: str, home: Path
+) -> None:
+    store = home / "store"
+    args = ["--corpus", sample_manifest, "--store", str(store), *FAST, "--run-name", "cut"]
+    args += ["--checkpoint-every", "4", "--val-every", "100"]
+    first = run_job([*args, "--max-steps", "8"], home, name="cut")
+    assert first["steps"] == 8
+    newest = store / step_prefix("cut", 8) / "state.pt"
+    _truncate(newest)
+    again = run_job([*args, "--max-steps", "12"], home, name="cut-again")
+    assert again["steps"] == 12
+    log = (home / "jobs" / "cut-again.log").read_text()
+    warnings = [line for line in log.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1, log
+    assert f"{newest} is damaged" in warnings[0] and "resuming from step 4" in warnings[0]
+    assert "resumed run cut from step 4 " in log
+
+
+@pytest.mark.slow
+def test_all_damaged_is_one_error_naming_them_and_no_relaunch(
+    sample_manifest: str, home: Path, prefect_api_url: str
+) -> None:
+    store = home / "store"
+    common = ["--corpus", sample_manifest, *FAST[:-2], "--checkpoint-every", "4", "--val-every", "100"]
+    run_job(["--store", str(store), *common, "--run-name", "ruined", "--max-steps", "8"], home, name="ruined")
+    for step in (4, 8):
+        _truncate(store / step_prefix("ruined", step) / "state.pt")
+    env = {**os.environ, "MLSTM_HOME": str(home), "PREFECT_API_URL": prefect_api_url}
+    done = subprocess.run(
+        [CLI, "pretrain", *common, "--run", "ruined", "--max-steps", "12", "--retries", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    stderr = " ".join(done.stderr.split())
+    assert "run ruined has no intact checkpoint" in stderr, done.stderr
+    for step in (4, 8):
+        assert f"{store / step_prefix('ruined', step)}/state.pt is damaged" in stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    log = (home / "jobs" / "ruined.log").read_text()
+    launches = [line for line in log.splitlines() if line.startswith("$ ")]
+    assert len(launches) == 2, log  # the run_job above and one CLI launch: no relaunch

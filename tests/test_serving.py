@@ -1,0 +1,182 @@
+"""The served classifier (issue 19): its artifacts stay under MLSTM_HOME, the serve command works as
+printed, and the served model refuses what it should not score with a 400 that names the row or limit.
+
+One model, logged and registered from an empty folder into the embedded SQLite store; one
+`mlflow models serve` started by running the printed command itself, with a PATH that has no
+virtual environment on it, for every request below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tasks.settings import Settings
+from tasks.transfer.serve import _free_port, serve_command
+
+BIN = Path(sys.executable).parent
+LIMIT = 5_000  # MLSTM_MAX_TEXT_CHARS when the model is logged; the server's environment does not have it
+CLEAN_PATH = "/usr/bin:/bin"  # no virtual environment on it
+
+LOG_AND_REGISTER = """
+import mlflow, numpy as np, torch
+from mlflow.tracking import MlflowClient
+from models.classifier import SentimentClassifier
+from models.mlstm import MLSTM, tiny
+from tasks.settings import get_settings
+from tasks.tracking import connect
+from tasks.transfer.registry import log_classifier
+
+settings = get_settings()
+connect(settings)
+torch.manual_seed(0)
+classifier = SentimentClassifier(MLSTM(tiny()), np.random.default_rng(0).normal(size=64), 0.1)
+with mlflow.start_run() as run:
+    pass
+uri = log_classifier(run.info.run_id, classifier, "classifier")
+version = mlflow.register_model(uri, settings.model_name)
+MlflowClient().set_registered_model_alias(settings.model_name, "champion", version.version)
+"""
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any MLflow or MLSTM setting that would point elsewhere."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MLSTM_"))}
+    return {**env, "MLFLOW_DISABLE_TELEMETRY": "true", **extra}
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny classifier logged and made champion by a process started in an empty folder."""
+    home = tmp_path_factory.mktemp("serving-home")
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    done = subprocess.run(
+        [sys.executable, "-c", LOG_AND_REGISTER],
+        cwd=elsewhere,
+        env=_clean_env(MLSTM_HOME=str(home), MLSTM_MAX_TEXT_CHARS=str(LIMIT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return {"home": home, "elsewhere": elsewhere}
+
+
+@pytest.fixture(scope="module")
+def server(registered: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The printed serve command, run exactly as printed by a shell with a clean PATH, from another folder."""
+    settings = Settings(home=registered["home"])
+    port = _free_port()
+    command = serve_command(
+        "models:/mlstm-sentiment@champion", settings.resolved_mlflow_tracking_uri, port=port
+    )
+    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            cwd=tmp_path_factory.mktemp("serve-cwd"),
+            env={
+                "PATH": CLEAN_PATH,
+                "HOME": os.environ.get("HOME", "/tmp"),
+                "MLFLOW_DISABLE_TELEMETRY": "true",
+            },
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, f"`{command}` exited {process.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def _post(url: str, body: Any, *, raw: bytes | None = None) -> httpx.Response:
+    content = raw if raw is not None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(f"{url}/invocations", content=content, headers=headers, timeout=120)
+
+
+def _records(*texts: Any) -> dict[str, Any]:
+    return {"dataframe_records": [{"text": text} for text in texts]}
+
+
+@pytest.mark.slow
+def test_a_model_logged_from_another_folder_keeps_its_files_under_mlstm_home(
+    registered: dict[str, Path],
+) -> None:
+    assert list(registered["elsewhere"].iterdir()) == []  # no ./mlruns, no mlflow.db
+    artifacts = registered["home"] / "mlartifacts"
+    assert list(artifacts.rglob("classifier.npz")), sorted(registered["home"].rglob("*"))
+    saved = json.loads(next(artifacts.rglob("classifier.json")).read_text())
+    assert saved["max_text_chars"] == LIMIT
+
+
+@pytest.mark.slow
+def test_the_printed_command_serves_and_refuses_bad_texts_by_row(server: str) -> None:
+    scored = _post(server, _records("Absolutely love it!", "Broke in a day."))
+    assert scored.status_code == 200, scored.text
+    predictions = scored.json()["predictions"]
+    assert len(predictions) == 2 and all(0.0 <= p["probability"] <= 1.0 for p in predictions)
+
+    started = time.monotonic()
+    huge = _post(server, _records("fine", "x" * 5_000_000))
+    assert huge.status_code == 400, huge.text[:500]
+    assert f"row 2: 'text' has 5,000,000 characters, more than this model's limit of {LIMIT:,}" in huge.text
+    assert time.monotonic() - started < 55  # refused, not read until the server's 60 s timeout
+    at_limit = _post(server, _records("y" * LIMIT))
+    assert at_limit.status_code == 200, at_limit.text[:500]
+
+    for body, message in [
+        (_records("fine", 5), "row 2: 'text' must be a string"),
+        (_records(""), "row 1: 'text' is empty"),
+        (_records("fine", "fine", "   "), "row 3: 'text' is empty"),
+    ]:
+        refused = _post(server, body)
+        assert refused.status_code == 400, (body, refused.text)
+        assert message in refused.text, (body, refused.text)
+
+    # Refused before this change too: they stay 400s.
+    for body, raw in [
+        ({"dataframe_records": [{"review": "fine"}]}, None),
+        ({"dataframe_records": []}, None),
+        (None, b'{"dataframe_records": [{"text": "fine"}'),
+    ]:
+        refused = _post(server, body, raw=raw)
+        assert refused.status_code == 400, (body, raw, refused.text)
+
+
+@pytest.mark.slow
+def test_predict_applies_the_limit_stored_with_the_model(registered: dict[str, Path]) -> None:
+    done = subprocess.run(
+        [str(BIN / "mlstm-sentiment"), "predict", "fine", "z" * (LIMIT + 1)],
+        env=_clean_env(MLSTM_HOME=str(registered["home"])),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    message = " ".join(done.stderr.split())
+    assert f"row 2: 'text' has {LIMIT + 1:,} characters, more than this model's limit of {LIMIT:,}" in message
+    assert "Traceback" not in done.stderr
