@@ -12,6 +12,7 @@ import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
+from tasks.transfer import newton
 from tasks.transfer.features import features_table
 from tasks.transfer.probe import DEFAULT_CS, ProbeResult, fit_probe
 from tasks.transfer.solver import l1_logistic_path
@@ -49,9 +50,22 @@ def reference(data: Data) -> ProbeResult:
     return _fit(data, "liblinear")
 
 
-@pytest.fixture(scope="module")
-def fast(data: Data) -> ProbeResult:
-    return _fit(data, "torch")
+@pytest.fixture(scope="module", params=["torch"])
+def fast(data: Data, request: pytest.FixtureRequest) -> ProbeResult:
+    return _fit(data, request.param)
+
+
+def test_newton_matches_liblinear_at_the_small_C_end(data: Data, reference: ProbeResult) -> None:
+    # 2^-8 … 2^-3, where the working sets stay small; the large-C end is still slow (docs/transfer.md).
+    Cs = DEFAULT_CS[:6]
+    ours = _fit(data, "newton", Cs)
+    for point, theirs in zip(ours.sweep, reference.sweep[:6], strict=True):
+        assert point.C == theirs.C
+        assert abs(point.dev_accuracy - theirs.dev_accuracy) <= 0.005, (point, theirs)
+    X, y = data["train"]
+    assert all(p.converged for p in newton.l1_logistic_path(X, y, Cs))
+    again = _fit(data, "newton", Cs)
+    np.testing.assert_array_equal(again.coef, ours.coef)
 
 
 def test_dev_accuracy_matches_liblinear_at_every_C(reference: ProbeResult, fast: ProbeResult) -> None:
@@ -72,8 +86,10 @@ def test_the_known_sparse_answer_is_found(fast: ProbeResult) -> None:
     assert 0 < fast.nonzero < 256
 
 
-def test_the_same_inputs_give_the_same_probe(data: Data, fast: ProbeResult) -> None:
-    again = _fit(data, "torch")
+def test_the_same_inputs_give_the_same_probe(
+    data: Data, fast: ProbeResult, request: pytest.FixtureRequest
+) -> None:
+    again = _fit(data, request.node.callspec.params["fast"])
     np.testing.assert_array_equal(again.coef, fast.coef)
     assert again.intercept == fast.intercept and again.sweep == fast.sweep
 
@@ -86,15 +102,16 @@ def test_every_C_converges(data: Data) -> None:
 
 
 def test_an_unknown_solver_is_refused(data: Data) -> None:
-    with pytest.raises(ValueError, match="solver must be one of liblinear, torch"):
+    with pytest.raises(ValueError, match="solver must be one of liblinear, newton, torch"):
         _fit(data, "saga")
 
 
 @pytest.mark.slow
-def test_a_4096_wide_problem_matches_liblinear() -> None:
+@pytest.mark.parametrize("solver", ["torch"])
+def test_a_4096_wide_problem_matches_liblinear(solver: str) -> None:
     data = _sparse_problem(4096, seed=1)
     Cs = DEFAULT_CS[:6]  # 2^-8 … 2^-3: liblinear's large-C end alone takes minutes at this width
-    reference, fast = _fit(data, "liblinear", Cs), _fit(data, "torch", Cs)
+    reference, fast = _fit(data, "liblinear", Cs), _fit(data, solver, Cs)
     for ours, theirs in zip(fast.sweep, reference.sweep, strict=True):
         assert abs(ours.dev_accuracy - theirs.dev_accuracy) <= 0.005, (ours, theirs)
     assert abs(fast.test_accuracy - reference.test_accuracy) <= 0.005
@@ -102,8 +119,11 @@ def test_a_4096_wide_problem_matches_liblinear() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_gpu_gives_the_cpus_accuracies(data: Data, fast: ProbeResult) -> None:
-    on_gpu = fit_probe(*data["train"], *data["dev"], *data["test"], solver="torch", device="cuda")
+def test_the_gpu_gives_the_cpus_accuracies(
+    data: Data, fast: ProbeResult, request: pytest.FixtureRequest
+) -> None:
+    solver = request.node.callspec.params["fast"]
+    on_gpu = fit_probe(*data["train"], *data["dev"], *data["test"], solver=solver, device="cuda")
     assert on_gpu.C == fast.C
     assert abs(on_gpu.test_accuracy - fast.test_accuracy) <= 0.005
 
@@ -133,9 +153,12 @@ def _probe(*args: str) -> Result:
     return CliRunner().invoke(app, ["probe", *args])
 
 
-def test_probe_prints_the_json_summary_and_a_line_per_C(files: list[str], fast: ProbeResult) -> None:
+def test_probe_prints_the_json_summary_and_a_line_per_C(
+    files: list[str], fast: ProbeResult, request: pytest.FixtureRequest
+) -> None:
     train, dev, test = files
-    result = _probe("--train", train, "--dev", dev, "--test", test, "--solver", "torch", "--json")
+    solver = request.node.callspec.params["fast"]
+    result = _probe("--train", train, "--dev", dev, "--test", test, "--solver", solver, "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert set(summary) == {

@@ -130,7 +130,7 @@ def transfer(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the probe's solver.")] = 0,
     solver: Annotated[
-        str, typer.Option(help="Probe solver: liblinear (the reference) or torch.")
+        str, typer.Option(help="Probe solver: liblinear (the reference), newton or torch.")
     ] = "liblinear",
     store: StoreOption = None,
     as_json: Annotated[

@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from sklearn.linear_model import LogisticRegression
 
 from models.classifier import probability
+from tasks.transfer import newton
 from tasks.transfer.solver import l1_logistic_path
 
 # 2^-8 … 2^2: from a probe with no non-zero weight to one that overfits 4096 features on 25k reviews.
@@ -31,10 +32,11 @@ DEFAULT_CS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 3))
 # liblinear's default of 100 Newton steps is short for raw, unscaled cell states at the large-C end.
 MAX_ITER = 1000
 
-# liblinear: the paper's solver, the reference. torch: the warm-started FISTA path of solver.py, on
-# CPU threads or a GPU; same objective (its intercept unpenalised).
-Solver = Literal["liblinear", "torch"]
-SOLVERS: tuple[Solver, ...] = ("liblinear", "torch")
+# liblinear: the paper's solver, the reference. newton: the warm-started working-set proximal Newton
+# path of newton.py (BLAS threads or a GPU for the products). torch: the warm-started FISTA path of
+# solver.py. All three solve liblinear's objective, its intercept penalised too.
+Solver = Literal["liblinear", "newton", "torch"]
+SOLVERS: tuple[Solver, ...] = ("liblinear", "newton", "torch")
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,9 @@ def fit_probe(
         Cs: inverse L1 strengths to try; swept in ascending order whatever the order given.
         seed: liblinear's random_state, so that the same inputs give the same probe.
         on_fit: called with each C's sweep point as soon as it is scored, for progress.
-        solver: ``liblinear`` (the reference) or ``torch`` (warm-started path, see solver.py).
-        device: where the torch solver runs ("cpu", "cuda"); liblinear ignores it.
+        solver: ``liblinear`` (the reference), ``newton`` (warm-started proximal Newton path, see
+            newton.py) or ``torch`` (warm-started FISTA path, see solver.py).
+        device: where the newton and torch solvers run ("cpu", "cuda"); liblinear ignores it.
 
     Raises:
         ValueError: naming the split, for mismatched shapes, labels other than 0/1, a split holding
@@ -119,11 +122,11 @@ def fit_probe(
 
     sweep: list[SweepPoint] = []
     probes: list[tuple[np.ndarray, float]] = []  # (coef [H] float64, intercept) per C
-    fits = (
-        _liblinear_path(X_tr, y_tr, Cs, seed)
-        if solver == "liblinear"
-        else _torch_path(X_tr, y_tr, Cs, device)
-    )
+    fits = {
+        "liblinear": lambda: _liblinear_path(X_tr, y_tr, Cs, seed),
+        "newton": lambda: _newton_path(X_tr, y_tr, Cs, device),
+        "torch": lambda: _torch_path(X_tr, y_tr, Cs, device),
+    }[solver]()
     for C, (coef_H, intercept) in zip(Cs, fits, strict=True):
         point = SweepPoint(
             C=C,
@@ -231,6 +234,13 @@ def _torch_path(
     X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], device: str
 ) -> Iterator[tuple[np.ndarray, float]]:
     for point in l1_logistic_path(X, y, Cs, device=device):
+        yield point.coef, point.intercept
+
+
+def _newton_path(
+    X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], device: str
+) -> Iterator[tuple[np.ndarray, float]]:
+    for point in newton.l1_logistic_path(X, y, Cs, device=device):
         yield point.coef, point.intercept
 
 

@@ -60,9 +60,10 @@ class TransferParams(BaseModel):
         description="Dataset whose classifier is registered in MLflow. Default: the first; 'none': none.",
     )
     seed: int = Field(default=0, description="Seed of the probe's solver.")
-    solver: Literal["liblinear", "torch"] = Field(
+    solver: Literal["liblinear", "newton", "torch"] = Field(
         default="liblinear",
-        description="Probe solver: liblinear (the reference) or torch (CPU threads or GPU).",
+        description="Probe solver: liblinear (the reference), newton (proximal Newton) or torch (FISTA); "
+        "newton and torch use CPU threads or a GPU.",
     )
 
     @field_validator("datasets")
@@ -217,7 +218,7 @@ def probe(
 def _probe_device(solver: str) -> str:
     import torch
 
-    return "cuda" if solver == "torch" and torch.cuda.is_available() else "cpu"
+    return "cuda" if solver in ("newton", "torch") and torch.cuda.is_available() else "cpu"
 
 
 def _figures(result: ProbeResult, name: str, test_X: np.ndarray, test_y: np.ndarray) -> dict[str, Any]:
