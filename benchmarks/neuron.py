@@ -20,18 +20,29 @@ from tasks.transfer.explain import write_reviews
 
 
 def measure(
-    model: str | None, *, samples: int, length: int, temperature: float, seed: int, prompt: str
+    model: str | None,
+    *,
+    samples: int,
+    length: int,
+    temperature: float,
+    seed: int,
+    prompt: str,
+    hold: float | None = None,
 ) -> dict[str, object]:
-    """Mean, min and max P(positive) of the positive-held and negative-held samples."""
+    """Mean, min and max P(positive) of the positive-held and negative-held samples; ``hold`` replaces
+    the ±1 of ``--sentiment positive|negative`` by ±hold (in the direction of the probe's weight)."""
     classifier, uri = load_classifier(model)
     unit = top_unit(classifier)
+    sign = 1.0 if classifier.coef_H[unit] >= 0 else -1.0
     result: dict[str, object] = {"model": uri, "unit": unit, "samples": samples, "length": length}
     result |= {"temperature": temperature, "seed": seed, "prompt": prompt}
     for sentiment in ("positive", "negative"):
         written = write_reviews(
             classifier,
             prompt,
-            sentiment=sentiment,
+            sentiment=sentiment
+            if hold is None
+            else str(hold * sign * (1 if sentiment == "positive" else -1)),
             unit=unit,
             length=length,
             temperature=temperature,
@@ -58,6 +69,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt", default="")
+    parser.add_argument("--hold", type=float, help="hold at ±HOLD instead of generate's ±1")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
     result = measure(
@@ -67,6 +79,7 @@ def main() -> None:
         temperature=args.temperature,
         seed=args.seed,
         prompt=args.prompt,
+        hold=args.hold,
     )
     if args.json:
         print(json.dumps(result))
