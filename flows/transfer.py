@@ -16,7 +16,7 @@ from prefect.context import get_run_context
 
 from flows import names, progress
 from tasks.settings import get_settings
-from tasks.tracking import model_link, run_link
+from tasks.tracking import artifact_link, model_link, run_link
 from tasks.transfer import registry
 from tasks.transfer.datasets import dataset_name
 from tasks.transfer.stage import (
@@ -150,14 +150,15 @@ def transfer(
     create_markdown_artifact(
         key="transfer-result",
         markdown=f"# Transfer of `{extracted[0]['checkpoint_uri']}`\n\n"
-        f"{registry.report_markdown(reports, registered)}\n"
+        f"{registry.report_markdown(reports, registered)}"
+        f"{registry.heatmaps_markdown(reports, lambda path: artifact_link(settings, experiment, run_id, path))}\n"
         f"MLflow run: {run_link(settings, experiment, run_id)}\n"
         + (
             f"\nModel version: {model_link(settings, registered['name'], registered['version'])}\n"
             if registered
             else ""
         ),
-        description="The probes beside the papers' numbers, and the registered classifier",
+        description="The probes beside the papers' numbers, the sentiment neuron's heatmaps, the classifier",
     )
     return {
         "run_id": run_id,

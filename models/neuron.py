@@ -51,7 +51,7 @@ def read_bytes(
     model = model.eval()
     device = model.b.device
     W_x, W_h, W_mx, W_mh = model.cell_weights()
-    w_H = torch.as_tensor(np.asarray(coef_H, dtype=np.float32), device=device)
+    w_H = torch.tensor(np.asarray(coef_H, dtype=np.float32), device=device)  # a copy: coef may be read-only
     state = model.zero_state(1, device=device)
     for t0 in range(0, len(data), chunk_len):
         bytes_1T = torch.frombuffer(bytearray(data[t0 : t0 + chunk_len]), dtype=torch.uint8).long()[None]

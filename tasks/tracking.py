@@ -104,6 +104,14 @@ def run_link(settings: Settings, experiment_id: str, run_id: str) -> str:
     return f"[{run_id}]({base}/#/experiments/{experiment_id}/runs/{run_id})"
 
 
+def artifact_link(settings: Settings, experiment_id: str, run_id: str, path: str) -> str:
+    """A markdown link to one artifact of a run in the MLflow UI, or its path when MLflow is a local file."""
+    base = ui_base(settings)
+    if base is None:
+        return f"`{path}` of run `{run_id}`"
+    return f"[{path}]({base}/#/experiments/{experiment_id}/runs/{run_id}/artifactPath/{path})"
+
+
 def model_link(settings: Settings, name: str, version: int | str) -> str:
     base = ui_base(settings)
     if base is None:

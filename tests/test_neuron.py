@@ -16,7 +16,15 @@ from models.features import featurize
 from models.mlstm import MLSTM, tiny
 from models.neuron import generate, read_bytes
 from models.text import FRONT_PAD, encode
-from tasks.transfer.explain import char_ends, explain, held_value, to_html, to_png
+from tasks.transfer.explain import (
+    char_ends,
+    explain,
+    held_value,
+    pick_examples,
+    to_html,
+    to_png,
+    write_reviews,
+)
 
 TEXTS = ["Great blender, works perfectly.", "Broke after a week.\tNever again — awful", "café ☕ ok"]
 
@@ -111,3 +119,39 @@ def test_png_is_an_image_that_grows_with_rows(classifier: SentimentClassifier, t
     assert heights[1] > heights[0]
     note = to_png(explain(classifier, "x" * 500, unit=0), tmp_path / "capped.png", columns=10, max_rows=5)
     assert note is not None and "first 5 of 51 rows" in note
+
+
+def test_six_examples_take_the_extremes_and_the_most_confident_mistakes() -> None:
+    #            0     1     2     3     4     5     6     7     8     9
+    p = np.array([0.99, 0.97, 0.95, 0.90, 0.70, 0.40, 0.20, 0.05, 0.03, 0.01])
+    y = np.array([1, 1, 1, 1, 0, 1, 0, 0, 0, 0])  # 4: a false positive (0.70); 5: a false negative (0.40)
+    picked = {e.role: e.index for e in pick_examples(p, y)}
+    assert picked == {
+        "positive 1": 0,
+        "positive 2": 1,
+        "positive 3, misclassified": 4,
+        "negative 1": 9,
+        "negative 2": 8,
+        "negative 3, misclassified": 5,
+    }
+    # A mistake already among the most extreme stays where it is; no mistakes: the three extremes.
+    y[1], y[4], y[5] = 0, 1, 0
+    assert [e.index for e in pick_examples(p, y)] == [0, 1, 2, 9, 8, 7]
+    assert [e.role for e in pick_examples(p, np.array([1] * 5 + [0] * 5))][2] == "positive 3"
+    assert sorted(e.index for e in pick_examples(p[:4], y[:4])) == [0, 1, 2, 3]  # fewer rows: each once
+
+
+def test_write_reviews_holds_the_unit_in_the_probes_direction(classifier: SentimentClassifier) -> None:
+    unit = int(np.argmax(np.abs(classifier.coef_H)))
+    sign = float(np.sign(classifier.coef_H[unit]))
+    kwargs = {"unit": unit, "length": 12, "temperature": 0.4, "samples": 2, "seed": 3}
+    positive = write_reviews(classifier, "It", sentiment="positive", **kwargs)  # type: ignore[arg-type]
+    negative = write_reviews(classifier, "It", sentiment="negative", **kwargs)  # type: ignore[arg-type]
+    assert (positive.value, negative.value) == (sign, -sign)
+    assert all(t.startswith("It") for t in positive.texts) and len(positive.probability) == 2
+    # What the benchmark reports is the classifier's own P of each written text.
+    np.testing.assert_allclose(positive.probability, classifier.predict_proba(positive.texts))
+    with pytest.raises(ValueError, match="outside the model's 64 units"):
+        write_reviews(classifier, "", sentiment="positive", **(kwargs | {"unit": 64}))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="finite number"):
+        write_reviews(classifier, "", sentiment="nan", **kwargs)  # type: ignore[arg-type]

@@ -27,7 +27,9 @@ def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
     [
         (["explain", "   "], "text 1 is empty or only whitespace"),
         (["explain", "ok", "--out", "x.pdf"], "give a .png or .html file"),
+        (["explain", ""], "text 1 is empty or only whitespace"),
         (["generate", "--length", "0"], "--length must be at least 1"),
+        (["generate", "--length", "-3"], "--length must be at least 1"),
         (["generate", "--temperature", "-1"], "0 for greedy"),
         (["generate", "--sentiment", "happy"], "give positive, negative or a number"),
     ],
@@ -74,6 +76,17 @@ def test_explain_and_generate_on_a_registered_model(mlflow_server: str, tmp_path
     assert samples["value"] == 2.0 and len(samples["samples"]) == 2
     assert first.stdout == again.stdout and first.stdout != other.stdout
 
+    # predict --explain: the same per-byte view as explain, from the served model's own classifier.
+    predicted = cli(["predict", text, "--model", uri, "--explain", "--json"], env)
+    assert predicted.returncode == 0, predicted.stderr
+    line = json.loads(predicted.stdout)
+    assert line["explain"] == reading and line["probability"] == pytest.approx(reading["final"], abs=1e-5)
+    shown = cli(["predict", text, "--model", uri, "--explain"], env)
+    assert f"unit {reading['unit']} · final P(positive) = {reading['final']:.3f}" in shown.stdout
+
+    outside = cli(["explain", "ok", "--model", uri, "--unit", "64"], env)
+    assert outside.returncode != 0 and "unit 64 is outside the model's 64 units" in outside.stderr
+    assert "Traceback" not in outside.stderr
     missing = cli(["explain", "ok", "--model", "models:/no-such-model@champion"], env)
     assert missing.returncode != 0 and "cannot load models:/no-such-model@champion" in missing.stderr
     assert "Traceback" not in missing.stderr

@@ -147,7 +147,8 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
     assert run.data.metrics["reviews_test_accuracy"] == pytest.approx(summary["reviews"]["test_accuracy"])
     assert {i.dataset.name for i in run.inputs.dataset_inputs} >= {"sst2-train", "sst2-dev", "sst2-test"}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "sst2")}
-    assert {"sst2/accuracy_vs_C.png", "sst2/top_unit.png", "sst2/report.json"} <= artifacts
+    assert {"sst2/accuracy_vs_C.png", "sst2/top_unit.png", "sst2/report.json", "sst2/neuron"} <= artifacts
+    assert len(client.list_artifacts(run.info.run_id, "sst2/neuron")) == 6
 
     # The logged model holds no pickle: weights as .npz, code as files.
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@{CHAMPION}"))
@@ -177,6 +178,50 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
     assert lines[0]["probability"] > 0.5 > lines[1]["probability"]
 
     _serve_and_post(env, f"models:/{name}@{CHAMPION}", Path(env["MLSTM_HOME"]) / "logs" / "serve.log")
+
+
+def test_transfer_logs_the_neuron_over_six_test_reviews(
+    trained: dict[str, Any], mlflow_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The stage's functions without Prefect, on the trained model and a small labelled sample: six
+    heatmaps in the store and the MLflow run, each P the classifier's own, listed for the Prefect artifact."""
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
+
+    from tasks.transfer.registry import heatmaps_markdown, log_report, open_transfer_run
+    from tasks.transfer.stage import TransferParams, classifier_of, extract, probe
+
+    monkeypatch.setenv("MLSTM_HOME", str(trained["home"]))
+    monkeypatch.setenv("MLSTM_MLFLOW_TRACKING_URI", mlflow_server)
+    settings = get_settings()
+    small = write_labelled_sample(tmp_path / "small", num_reviews=150)
+    params = TransferParams(
+        checkpoint=trained["checkpoint"], datasets=[f"small={small}"], c_min_log2=-1, c_max_log2=1
+    )
+    report = probe(extract(params, params.datasets[0], settings), params, settings)
+    heatmaps = report["heatmaps"]
+    assert [h["role"].split(",")[0] for h in heatmaps] == [
+        *(f"positive {k}" for k in (1, 2, 3)),
+        *(f"negative {k}" for k in (1, 2, 3)),
+    ]
+    import csv
+
+    with (small / "test.csv").open(newline="") as file:
+        texts = [row["text"] for row in csv.DictReader(file)]
+    p_N = classifier_of(report, settings).predict_proba(texts)
+    for h in heatmaps:  # the heatmap's last probability is what the classifier says of the whole review
+        assert h["probability"] == pytest.approx(p_N[h["row"]], abs=1e-5)
+    assert min(h["probability"] for h in heatmaps[:2]) >= max(np.delete(p_N, [h["row"] for h in heatmaps]))
+
+    run_id = open_transfer_run(None, settings, run_name="neuron", tags={})
+    log_report(run_id, report, settings)
+    client = MlflowClient()
+    logged = sorted(a.path for a in client.list_artifacts(run_id, "small/neuron"))
+    assert logged == sorted(f"small/neuron/{h['uri'].rsplit('/', 1)[-1]}" for h in heatmaps)
+    with Image.open(client.download_artifacts(run_id, logged[0], str(tmp_path))) as image:
+        assert image.size[0] > 200 and image.size[1] > 100
+    markdown = heatmaps_markdown([report], lambda path: f"<{path}>")
+    assert all(f"<{path}>" in markdown for path in logged)
 
 
 def _serve_and_post(env: dict[str, str], model_uri: str, log: Path) -> None:

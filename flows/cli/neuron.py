@@ -14,12 +14,10 @@ from tasks.settings import get_settings
 
 if TYPE_CHECKING:
     from models.classifier import SentimentClassifier
+    from tasks.transfer.explain import Reading
 
 app = typer.Typer()
 PANEL = "Transfer"
-# The unit's value for --sentiment positive|negative, times the sign of the probe's weight on it.
-HELD = 1.0
-
 ModelOption = Annotated[
     str | None, typer.Option(help="MLflow model URI. [default: models:/<MLSTM_MODEL_NAME>@champion]")
 ]
@@ -60,6 +58,15 @@ def read_text_file(path: Path) -> str:
         raise fail(f"{path}: {error.strerror}") from None
 
 
+def print_reading(reading: Reading) -> None:
+    """The terminal view of ``explain`` (and ``predict --explain``): the text coloured by the unit, then
+    the final probability."""
+    from tasks.transfer.explain import to_rich
+
+    out.print(to_rich(reading))
+    out.print(f"unit {reading.unit} · final P(positive) = {reading.final:.3f}")
+
+
 @app.command(rich_help_panel=PANEL)
 def explain(
     texts: Annotated[list[str] | None, typer.Argument(help="Reviews to read (or use --input).")] = None,
@@ -72,7 +79,7 @@ def explain(
     ] = False,
 ) -> None:
     """Show a review byte by byte: the unit's cell value and the classifier's probability as it reads."""
-    from tasks.transfer.explain import check_text, to_html, to_png, to_rich
+    from tasks.transfer.explain import check_text, to_html, to_png
     from tasks.transfer.explain import explain as read
 
     texts = [*(texts or []), *([read_text_file(input)] if input else [])]
@@ -92,8 +99,7 @@ def explain(
         if as_json:
             print(json.dumps(reading.to_json()))
         else:
-            out.print(to_rich(reading))
-            out.print(f"unit {reading.unit} · final P(positive) = {reading.final:.3f}")
+            print_reading(reading)
     if out_file is not None:
         if out_file.suffix.lower() == ".html":
             out_file.write_text(to_html(readings[0]), encoding="utf-8")
@@ -119,8 +125,7 @@ def generate(
     ] = False,
 ) -> None:
     """Write reviews with the language model, optionally with the sentiment unit held fixed."""
-    from models.neuron import generate as sample
-    from models.text import FRONT_PAD
+    from tasks.transfer.explain import write_reviews
 
     if length < 1:
         raise fail(f"--length must be at least 1, got {length}")
@@ -128,30 +133,25 @@ def generate(
         raise fail(f"--temperature must be positive (or 0 for greedy sampling), got {temperature}")
     if samples < 1:
         raise fail(f"--samples must be at least 1, got {samples}")
-    value: float | None = None
     if sentiment is not None and sentiment not in ("positive", "negative"):
         try:
-            value = float(sentiment)
+            float(sentiment)
         except ValueError:
             raise fail(f"--sentiment {sentiment!r}: give positive, negative or a number") from None
     try:
         classifier, _ = load_classifier(model)
         chosen = top_unit(classifier) if unit is None else unit
-        if sentiment in ("positive", "negative"):
-            sign = 1.0 if classifier.coef_H[chosen] >= 0 else -1.0
-            value = HELD * sign * (1.0 if sentiment == "positive" else -1.0)
-        written, _ = sample(
-            classifier.model,
-            (FRONT_PAD + prompt).encode("utf-8"),
+        written = write_reviews(
+            classifier,
+            prompt,
+            sentiment=sentiment,
+            unit=chosen,
             length=length,
             temperature=temperature,
             samples=samples,
             seed=seed,
-            unit=chosen if value is not None else None,
-            value=value,
         )
-        texts = [prompt + data.decode("utf-8", errors="replace") for data in written]
-        p_N = classifier.predict_proba(texts)
+        texts, p_N, value = written.texts, written.probability, written.value
     except user_errors() as error:
         raise fail(error) from None
     if as_json:

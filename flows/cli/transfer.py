@@ -15,6 +15,7 @@ from flows.cli.common import StoreOption, check_datasets, err, fail, out, run_fl
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
+    from tasks.transfer.explain import Reading
     from tasks.transfer.stage import TransferParams
 
 app = typer.Typer()
@@ -203,6 +204,16 @@ def _print_transfer(result: dict[str, Any]) -> None:
     out.print(f"MLflow run: {result['run_id']}", highlight=False)
 
 
+def _explained(loaded: Any, texts: list[str], unit: int | None) -> list[Reading]:
+    """The texts read byte by byte by the served model's own classifier (the served model is unchanged)."""
+    from flows.cli.neuron import top_unit
+    from tasks.transfer.explain import explain
+
+    classifier = loaded.unwrap_python_model().classifier
+    chosen = top_unit(classifier) if unit is None else unit
+    return [explain(classifier, text, unit=chosen) for text in texts]
+
+
 @app.command(rich_help_panel=PANEL)
 def predict(
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to score (or use --input).")] = None,
@@ -215,6 +226,16 @@ def predict(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print JSON lines {text, label, probability}.")
     ] = False,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Also show each text byte by byte as `explain` does (with --json: an `explain` key).",
+        ),
+    ] = False,
+    unit: Annotated[
+        int | None, typer.Option(help="With --explain: the cell unit. [default: the top unit]")
+    ] = None,
 ) -> None:
     """Score texts with a registered classifier (the champion by default)."""
     from tasks.tracking import connect
@@ -249,13 +270,16 @@ def predict(
             predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
         except TextRejected as error:  # the model's own rule, as served: rows count arguments, then --input
             raise fail(f"{uri} refuses {error.message}") from None
+        readings = _explained(classifier, texts, unit) if explain else []
     except user_errors() as error:  # DatasetError is a ValueError
         raise fail(error) from None
     rows = zip(texts, predicted["label"], predicted["probability"], strict=True)
     if as_json:
-        for text, label, probability in rows:
-            print(json.dumps({"text": text, "label": label, "probability": float(probability)}))
+        for i, (text, label, probability) in enumerate(rows):
+            line = {"text": text, "label": label, "probability": float(probability)}
+            print(json.dumps(line | ({"explain": readings[i].to_json()} if readings else {})))
         return
+
     table = Table(title=uri)
     for column, justify in (("label", "left"), ("P(positive)", "right"), ("text", "left")):
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
@@ -263,3 +287,8 @@ def predict(
         color = "green" if label == "positive" else "red"
         table.add_row(f"[{color}]{label}[/]", f"{probability:.3f}", text[:200])
     out.print(table)
+    if readings:
+        from flows.cli.neuron import print_reading
+
+        for reading in readings:  # the same view as `mlstm-sentiment explain`
+            print_reading(reading)

@@ -8,18 +8,21 @@ are shown as ``↵`` and ``→`` so they stay visible.
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from models.classifier import SentimentClassifier
-from models.neuron import read_bytes
-from models.text import encode
+from models.neuron import check_unit, generate, read_bytes
+from models.text import FRONT_PAD, encode
 
 VISIBLE = {"\n": "↵", "\t": "→", "\r": "␍"}
 PNG_COLUMNS = 64
 PNG_MAX_ROWS = 60
+# The unit's value for sentiment positive|negative, times the sign of the probe's weight on it.
+HELD = 1.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,12 @@ def to_html(reading: Reading, *, title: str = "sentiment neuron") -> str:
 
 
 def to_png(
-    reading: Reading, path: Path, *, columns: int = PNG_COLUMNS, max_rows: int = PNG_MAX_ROWS
+    reading: Reading,
+    path: Path,
+    *,
+    columns: int = PNG_COLUMNS,
+    max_rows: int = PNG_MAX_ROWS,
+    title: str | None = None,
 ) -> str | None:
     """The heatmap (text in rows, each cell coloured by the unit, centred at zero, with a colour bar) and,
     beneath, P(positive) after each character. Returns a note when rows were capped."""
@@ -167,7 +175,8 @@ def to_png(
         )
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.set_title(f"unit {reading.unit}" + (f" ({note})" if note else ""), fontsize=9)
+    heading = f"{title} · unit {reading.unit}" if title else f"unit {reading.unit}"
+    ax.set_title(heading + (f" ({note})" if note else ""), fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="cell value")
     ax_p.plot(reading.probability[:shown], color="black", linewidth=1)
     ax_p.axhline(0.5, color="grey", linewidth=0.5, linestyle="--")
@@ -178,6 +187,41 @@ def to_png(
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return note
+
+
+@dataclass(frozen=True)
+class Example:
+    """A test review picked to show the neuron: its row, why it was picked, and a file name."""
+
+    index: int
+    role: str
+    file: str
+
+
+def pick_examples(probability_N: np.ndarray, labels_N: np.ndarray, *, per_side: int = 3) -> list[Example]:
+    """Six test rows to show the unit on: the ``per_side`` most positive and most negative by the
+    classifier, where each side's last place goes to that side's most confident mistake (a negative
+    review scored most positive; a positive one scored most negative) when it is not already shown.
+
+    So the two most confidently misclassified reviews are always among the six (when there are
+    mistakes), and each side still shows its most extreme ``per_side - 1`` reviews. Fewer rows than
+    ``2 * per_side``: every row once.
+    """
+    p_N, y_N = np.asarray(probability_N, dtype=np.float64), np.asarray(labels_N)
+    order = [int(i) for i in np.argsort(-p_N, kind="stable")]  # most positive first; ties in row order
+    picked: list[Example] = []
+    for name, ranked, wrong_label in (("positive", order, 0), ("negative", order[::-1], 1)):
+        side_N = p_N >= 0.5 if name == "positive" else p_N < 0.5  # rows the classifier puts on this side
+        taken = {e.index for e in picked}
+        free = [i for i in ranked if i not in taken]
+        wrong = [i for i in free if side_N[i] and y_N[i] == wrong_label]  # most confident first
+        shown = free[:per_side]
+        if wrong and wrong[0] not in shown:
+            shown = [*free[: per_side - 1], wrong[0]]
+        for rank, i in enumerate(shown, start=1):
+            note = ", misclassified" if side_N[i] and y_N[i] == wrong_label else ""
+            picked.append(Example(i, f"{name} {rank}{note}", f"{name}-{rank}.png"))
+    return picked
 
 
 def held_value(
@@ -192,3 +236,49 @@ def held_value(
     mid = (pos + neg) / 2
     target = pos if sentiment == "positive" else neg
     return mid + push * (target - mid)
+
+
+@dataclass(frozen=True)
+class Written:
+    """Reviews written by the language model, the classifier's P(positive) of each, and the held value."""
+
+    texts: list[str]
+    probability: np.ndarray
+    unit: int
+    value: float | None
+
+
+def write_reviews(
+    classifier: SentimentClassifier,
+    prompt: str,
+    *,
+    sentiment: str | None,
+    unit: int,
+    length: int,
+    temperature: float,
+    samples: int,
+    seed: int,
+) -> Written:
+    """``samples`` continuations of ``prompt``; ``sentiment`` positive/negative holds ``unit`` at ±HELD in
+    the direction of the probe's weight, a number holds it at that value, None leaves it free."""
+    check_unit(classifier.model, unit)
+    value: float | None = None
+    if sentiment in ("positive", "negative"):
+        sign = 1.0 if classifier.coef_H[unit] >= 0 else -1.0
+        value = HELD * sign * (1.0 if sentiment == "positive" else -1.0)
+    elif sentiment is not None:
+        value = float(sentiment)
+        if not math.isfinite(value):
+            raise ValueError(f"sentiment {sentiment!r}: give positive, negative or a finite number")
+    written, _ = generate(
+        classifier.model,
+        (FRONT_PAD + prompt).encode("utf-8"),
+        length=length,
+        temperature=temperature,
+        samples=samples,
+        seed=seed,
+        unit=unit if value is not None else None,
+        value=value,
+    )
+    texts = [prompt + data.decode("utf-8", errors="replace") for data in written]
+    return Written(texts, classifier.predict_proba(texts), unit, value)

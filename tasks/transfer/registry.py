@@ -88,6 +88,28 @@ def log_report(run_id: str, report: dict[str, Any], settings: Settings) -> None:
             store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
             with store.local_copy(key) as path:
                 mlflow.log_artifact(str(path), artifact_path=name)
+        for heatmap in report.get("heatmaps", []):  # the sentiment neuron over six test reviews
+            store, key = split_object_uri(heatmap["uri"], endpoint_url=settings.s3_endpoint_url)
+            with store.local_copy(key) as path:
+                mlflow.log_artifact(str(path), artifact_path=f"{name}/neuron")
+
+
+def heatmaps_markdown(reports: list[dict[str, Any]], link: Callable[[str], str]) -> str:
+    """Per dataset, a list of the neuron's heatmaps: why each review was picked, its label and P, and
+    ``link(artifact_path)`` to the PNG in the MLflow run."""
+    lines = []
+    for report in reports:
+        if not report.get("heatmaps"):
+            continue
+        lines += ["", f"Unit {report['top_unit']} over six {report['name']} test reviews:", ""]
+        for h in report["heatmaps"]:
+            path = f"{report['name']}/neuron/{h['uri'].rsplit('/', 1)[-1]}"
+            label = "positive" if h["label"] == 1 else "negative"
+            lines.append(
+                f"- {h['role']}: test row {h['row']}, labelled {label}, P(positive) {h['probability']:.3f}: "
+                f"{link(path)}"
+            )
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 def pip_requirements() -> list[str]:

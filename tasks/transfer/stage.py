@@ -20,12 +20,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from models.classifier import SentimentClassifier
+from models.classifier import SentimentClassifier, probability
 from models.features import OnBatch
 from tasks.pretrain.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
 from tasks.settings import Settings
 from tasks.store import split_object_uri, store_of
 from tasks.transfer.datasets import declared_name, load_dataset
+from tasks.transfer.explain import explain, pick_examples, to_png
 from tasks.transfer.features import cached_features, features_of, read_table, weights_fingerprint
 from tasks.transfer.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
 
@@ -198,6 +199,11 @@ def probe(
             figure.savefig(Path(scratch) / name, dpi=110, bbox_inches="tight")
             store.put_file(Path(scratch) / name, f"{prefix}/{name}")
             plots[name] = store.url(f"{prefix}/{name}")
+        heatmaps = _neuron_heatmaps(extracted, params, settings, result, data["test"], Path(scratch))
+        for heatmap in heatmaps:
+            key = f"{prefix}/{heatmap['file']}"
+            store.put_file(Path(scratch) / heatmap.pop("file"), key)
+            heatmap["uri"] = store.url(key)
     report = {
         **{
             key: extracted[key]
@@ -210,9 +216,46 @@ def probe(
         "reference": REFERENCE.get(extracted["name"], {}),
         "probe_uri": store.url(f"{prefix}/probe.npz"),
         "plots": plots,
+        "heatmaps": heatmaps,
     }
     store.write_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())
     return {**report, "report_uri": store.url(f"{prefix}/report.json")}
+
+
+def _neuron_heatmaps(
+    extracted: dict[str, Any],
+    params: TransferParams,
+    settings: Settings,
+    result: ProbeResult,
+    test: tuple[np.ndarray, np.ndarray],
+    scratch: Path,
+) -> list[dict[str, Any]]:
+    """The top unit read byte by byte over six test reviews (``pick_examples``), one PNG each in
+    ``scratch``; returns what each shows. Only those six are read again, so this costs six reviews."""
+    test_X, test_y = test
+    p_N = probability(test_X, result.coef, result.intercept)
+    examples = pick_examples(p_N, test_y)
+    texts = load_dataset(
+        extracted["spec"], text_column=params.text_column, label_column=params.label_column
+    ).test.texts
+    model = load_checkpoint_of(extracted["checkpoint_uri"], settings).model()
+    classifier = SentimentClassifier(model, result.coef, result.intercept)
+    shown = []
+    for example in examples:
+        reading = explain(classifier, texts[example.index], unit=result.top_unit)
+        label = "positive" if test_y[example.index] == 1 else "negative"
+        title = f"{extracted['name']} test row {example.index} ({label}): P(positive) = {reading.final:.3f}"
+        to_png(reading, scratch / f"neuron-{example.file}", title=title)
+        shown.append(
+            {
+                "role": example.role,
+                "row": example.index,
+                "label": int(test_y[example.index]),
+                "probability": reading.final,
+                "file": f"neuron-{example.file}",
+            }
+        )
+    return shown
 
 
 def _probe_device(solver: str) -> str:
