@@ -3,6 +3,7 @@ server, all on loopback and all started once per session."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import os
@@ -12,10 +13,12 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import SESSION_VARIABLE, started_by_session
 
 # Before anything imports prefect or mlflow: a private Prefect home, quiet consoles, no telemetry.
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="mlstm-tests-"))
@@ -41,6 +44,9 @@ _MLFLOW_STATE = (
 )
 for name in _MLFLOW_STATE:
     os.environ.pop(name, None)
+# Every process the suite starts inherits this, so the session's end finds any that outlived it.
+_SESSION_TOKEN = uuid.uuid4().hex
+os.environ[SESSION_VARIABLE] = _SESSION_TOKEN
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -48,6 +54,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("long"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """Set up first, so torn down last: no process the suite started may be alive at its end."""
+    yield
+    if not Path("/proc/self/environ").exists():
+        return
+    deadline = time.monotonic() + 15  # processes stopped at the very end may still be exiting
+    while (left := started_by_session(_SESSION_TOKEN)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for line in left:  # never leave them running for the next session
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), 9)
+    assert not left, "processes started by the tests outlived them:\n" + "\n".join(left)
 
 
 AMAZON = SHARED / "data" / "amazon"

@@ -328,3 +328,26 @@ def test_sources_yielding_no_row_publish_nothing(content: bytes, rejected_count:
     assert ("rejected lines are in" in message) == bool(rejected_count), message
     assert not list((tmp_path / "store").rglob("manifest.json"))
     assert not list((tmp_path / "store").rglob("_work"))
+
+
+def test_the_first_copy_in_source_and_line_order_is_the_one_kept(tmp_path: Path) -> None:
+    """docs/corpus.md: duplicates go by the cleaned text; the record kept is the first in (source URI,
+    line) order, with its own metadata, and every other copy is counted as a duplicate of its source."""
+
+    def review(text: str, asin: str) -> bytes:
+        return json.dumps({"reviewText": text, "overall": 5.0, "asin": asin, "reviewerID": "R"}).encode()
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    # b's copy comes first in its file, a's last in its: the source URI decides before the line does.
+    (raw / "b_5.json").write_bytes(
+        b"\n".join([review("Same words.", "b1"), review("Only in b.", "b2")]) + b"\n"
+    )
+    lines = [review("Only in a.", "a1"), review("Same words.", "a2"), review("  Same words. ", "a3")]
+    (raw / "a_5.json").write_bytes(b"\n".join(lines) + b"\n")
+    manifest = build([raw / "b_5.json", raw / "a_5.json"], tmp_path / "store", SMALL_SPLIT)
+    rows = pa.concat_tables(read_split(tmp_path / "store", manifest, s) for s in SPLITS).to_pylist()
+    same = [r["product_id"] for r in rows if r["text"] == clean_text("Same words.")]
+    assert same == ["a2"]  # a_5.json line 2: before its own line 3 (same cleaned text) and before b
+    counts = {Path(s["uri"]).name: (s["kept"], s["duplicates"]) for s in manifest["sources"]}
+    assert counts == {"a_5.json": (2, 1), "b_5.json": (1, 1)}

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import free_port
+from processes import stop_group
 
 from tasks.corpus.sample import write_sample
 
@@ -55,8 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
             time.sleep(0.5)
         yield env
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
+        stop_group(process)
         log.close()
 
 
@@ -86,9 +86,8 @@ def worker(deployed: dict[str, str]) -> Iterator[Any]:
         return process
 
     yield start
-    for process in started:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
+    for process in started:  # a worker slow to stop is killed with its flow runs, never left running
+        stop_group(process)
 
 
 def _client(env: dict[str, str]) -> Any:

@@ -226,3 +226,38 @@ def test_plot_top_unit_refuses_features_of_another_width(
     X_te, y_te = data["test"]
     with pytest.raises(ValueError, match="features but the probe has"):
         plot_top_unit(result, X_te[:, :10], y_te, "synthetic")
+
+
+def _c_matters(seed: int = 3) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Few train rows, many noise units: the smallest C keeps no weight (chance), a middle C keeps the
+    sentiment unit, the largest Cs fit the noise too. Dev accuracy then has one clear peak."""
+    rng = np.random.default_rng(seed)
+
+    def split(n: int) -> tuple[np.ndarray, np.ndarray]:
+        y = rng.integers(0, 2, size=n)
+        X = rng.normal(size=(n, NUM_FEATURES)).astype(np.float32)
+        X[:, SENTIMENT_UNIT] = (2 * y - 1) * 0.6 + rng.normal(scale=0.8, size=n)
+        return X, y
+
+    return {"train": split(40), "dev": split(400), "test": split(400)}
+
+
+def test_C_is_the_dev_argmax_and_the_test_labels_play_no_part() -> None:
+    data = _c_matters()
+    result = fit_probe(*_args(data))
+    dev = [p.dev_accuracy for p in result.sweep]
+    assert result.sweep[0].nonzero == 0  # the smallest C leaves no weight: C matters here
+    assert result.C == result.sweep[int(np.argmax(dev))].C != result.sweep[0].C, result.sweep
+    assert result.dev_accuracy == max(dev)
+    # The test accuracy is the probe's own, measured here on the test split, and not the dev one.
+    X_te, y_te = data["test"]
+    assert result.test_accuracy == float(
+        ((predict_proba(result.coef, result.intercept, X_te) > 0.5) == y_te).mean()
+    )
+    assert result.test_accuracy != result.dev_accuracy
+
+    inverted = fit_probe(*_args({**data, "test": (X_te, 1 - y_te)}))
+    # Inverted test labels turn the test accuracy around and change nothing else: C is chosen on dev.
+    assert inverted.C == result.C and inverted.dev_accuracy == result.dev_accuracy
+    assert inverted.test_accuracy == pytest.approx(1 - result.test_accuracy)
+    np.testing.assert_array_equal(inverted.coef, result.coef)

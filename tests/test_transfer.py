@@ -22,7 +22,7 @@ from tasks.corpus.sample import write_labelled_sample
 from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.settings import get_settings
 from tasks.transfer.features import features_of
-from tasks.transfer.registry import CHAMPION, register
+from tasks.transfer.registry import CHAMPION, log_classifier, register
 from tasks.transfer.serve import invoke, served
 
 BIN = Path(sys.executable).parent
@@ -311,3 +311,69 @@ def test_bad_transfer_flags_fail_before_any_work(
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (home / "store").exists()
+
+
+def test_a_champion_scored_on_other_data_is_rescored_here_and_an_unreadable_one_replaced(
+    mlflow_server: str,
+    labelled: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The two branches of the rule that run the champion: a real classifier, scored on this test split
+    by ``accuracy_on_test``, then the same champion with its artifacts gone."""
+    import shutil
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from models.mlstm import MLSTM, tiny
+    from tasks.transfer.datasets import load_dataset
+    from tasks.transfer.stage import TransferParams, accuracy_on_test
+
+    monkeypatch.setenv("MLSTM_MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("MLSTM_MODEL_NAME", "rescored-champion")
+    settings = get_settings()
+    mlflow.set_tracking_uri(mlflow_server)
+    client = MlflowClient()
+    torch.manual_seed(0)
+    classifier = SentimentClassifier(MLSTM(tiny()), np.random.default_rng(1).normal(size=64), 0.0, {})
+    run_id = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
+    model_uri = log_classifier(run_id, classifier, "classifier")
+
+    spec = f"reviews={labelled}"
+    test = load_dataset(spec).test
+    expected = float(((classifier.predict_proba(test.texts) >= 0.5) == test.labels).mean())
+    params = TransferParams(checkpoint="unused", datasets=[spec])
+
+    def score(uri: str) -> float:
+        return accuracy_on_test(uri, spec, params)
+
+    def report(accuracy: float, checksum: str) -> dict[str, Any]:
+        return {"name": "reviews", "checksum": checksum, "test_accuracy": accuracy, "checkpoint_uri": "x"}
+
+    first = register(model_uri, report(0.99, "a" * 64), settings, score_on_test=score)
+    assert first["promoted"]
+    # Scored on other data: its 0.99 says nothing here; run on this test split it scores `expected`.
+    below = register(model_uri, report(expected, "b" * 64), settings, score_on_test=score)
+    assert below["champion_accuracy"] == pytest.approx(expected) and not below["promoted"], below
+    above = register(model_uri, report(expected + 0.01, "b" * 64), settings, score_on_test=score)
+    assert above["promoted"] and above["champion_version"] == first["version"], above
+
+    # The champion's files are gone (a cleaned bucket): it cannot be scored, and it cannot serve either.
+    model_id = model_uri.removeprefix("models:/")  # every version here is this one logged model
+    server_root = next(tmp_path_factory.getbasetemp().glob("mlflow-server*"))
+    folders = [p for p in (server_root / "artifacts").rglob(model_id) if p.is_dir()]
+    assert model_id.startswith("m-") and folders, (model_id, folders)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    replaced = register(model_uri, report(0.5, "c" * 64), settings, score_on_test=score)
+    assert replaced["promoted"] and replaced["champion_accuracy"] is None
+    assert replaced["reason"].startswith(f"champion v{above['version']} could not be scored on reviews ("), (
+        replaced
+    )
+    assert "\n" not in replaced["reason"]
+    version = client.get_model_version("rescored-champion", str(replaced["version"]))
+    assert version.tags["promotion"] == replaced["reason"]
+    assert client.get_model_version_by_alias("rescored-champion", CHAMPION).version == str(
+        replaced["version"]
+    )

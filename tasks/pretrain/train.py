@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -290,6 +291,12 @@ class World:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # The trainer is in a reference cycle (its schedule's lambda holds it), so without a
+            # collection here its DDP reducer, ZeRO optimizer or FSDP state, each holding the process
+            # group, would be freed only at interpreter exit, after destroy_process_group: the gloo
+            # group's destructor then runs during finalisation, its peers already gone, and a rank
+            # aborts after its work is done ("terminate called without an active exception").
+            gc.collect()
             dist.destroy_process_group()
 
 

@@ -169,7 +169,8 @@ def register(
     """Register a version; make it ``@champion`` only if it beats the champion on this test set.
 
     ``score_on_test(model_uri)`` measures a model's accuracy on this report's test set; it is called
-    only when the champion was scored on other data (its tags then say nothing comparable).
+    only when the champion was scored on other data (its tags then say nothing comparable). A champion
+    that cannot be scored (its model unreadable) is replaced, and the reason says why.
     ``lineage`` tags lead from the version back to its corpus, pretraining run and flow runs.
     """
     import mlflow
@@ -193,20 +194,34 @@ def register(
     except MlflowException:
         champion = None
     outcome: dict[str, Any] = {"name": name, "version": int(version.version), "model_uri": model_uri}
+    champion_accuracy: float | None = None
     if champion is None:
-        promoted, reason, champion_accuracy = True, "there was no champion", None
+        promoted, reason = True, "there was no champion"
     else:
+        outcome["champion_version"] = int(champion.version)
+        unreadable = None
         if champion.tags.get("dataset_checksum") == report["checksum"]:
             champion_accuracy = float(champion.tags["test_accuracy"])
         else:
-            champion_accuracy = score_on_test(f"models:/{name}@{CHAMPION}")
-        promoted = report["test_accuracy"] > champion_accuracy
-        verdict = "beats" if promoted else "does not beat"
-        reason = (
-            f"test accuracy {report['test_accuracy']:.4f} {verdict} champion v{champion.version}'s "
-            f"{champion_accuracy:.4f} on {report['name']}"
-        )
-        outcome["champion_version"] = int(champion.version)
+            try:
+                champion_accuracy = score_on_test(f"models:/{name}@{CHAMPION}")
+            # Whatever stops the champion from loading (its artifacts gone, a model of an older code)
+            # also stops it from serving: the new version, which was just scored, takes its place.
+            except Exception as error:
+                champion_accuracy, unreadable = None, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        if unreadable is not None:
+            promoted = True
+            reason = (
+                f"champion v{champion.version} could not be scored on {report['name']} ({unreadable}); "
+                f"v{version.version} with test accuracy {report['test_accuracy']:.4f} replaces it"
+            )
+        elif champion_accuracy is not None:
+            promoted = report["test_accuracy"] > champion_accuracy
+            verdict = "beats" if promoted else "does not beat"
+            reason = (
+                f"test accuracy {report['test_accuracy']:.4f} {verdict} champion v{champion.version}'s "
+                f"{champion_accuracy:.4f} on {report['name']}"
+            )
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version.version)
     client.set_model_version_tag(name, version.version, "promotion", reason)
