@@ -588,9 +588,11 @@ def sharding_main(args: argparse.Namespace) -> int:
     order = ["none", *[s for s in chosen if s != "none"]]
     rows = []
     for name in args.presets:
-        for shard in order:
-            say(f"{name} --sharding {shard}: {args.nproc} ranks, batch {args.batch} × {args.seq_len} …")
-            rows.append(bench.measure(name, shard, args))
+        for batch in args.batches:  # the worker takes one batch: each is a row of its own
+            one = argparse.Namespace(**{**vars(args), "batch": batch})
+            for shard in order:
+                say(f"{name} --sharding {shard}: {args.nproc} ranks, batch {batch} × {args.seq_len} …")
+                rows.append(bench.measure(name, shard, one))
     info = machine(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     bench.report(rows, info)
     if args.json_path:

@@ -145,7 +145,11 @@ def pretrain_tables(results: dict[str, Any]) -> str:
 def sharding_tables(results: dict[str, Any]) -> str:
     rows = []
     for row in results["rows"]:
-        base = next(r for r in results["rows"] if r["preset"] == row["preset"] and r["sharding"] == "none")
+        base = next(
+            r
+            for r in results["rows"]
+            if r["preset"] == row["preset"] and r.get("batch") == row.get("batch") and r["sharding"] == "none"
+        )
         rows.append(
             [
                 row["preset"],

@@ -103,6 +103,7 @@ def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
         "preset": preset_name,
         "sharding": sharding,
         "ranks": args.nproc,
+        "batch": args.batch,
         "step_s": max(r["step_s"] for r in ranks),
         "peak_bytes": max(r["peak_bytes"] for r in ranks),
         "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
@@ -117,7 +118,11 @@ def report(rows: list[dict[str, Any]], machine: dict[str, Any]) -> None:
     print(header)
     print("-" * len(header))
     for row in rows:
-        base = next(r for r in rows if r["preset"] == row["preset"] and r["sharding"] == "none")
+        base = next(
+            r
+            for r in rows
+            if r["preset"] == row["preset"] and r.get("batch") == row.get("batch") and r["sharding"] == "none"
+        )
         mib = 1024**2
         print(
             f"{row['preset']:<12} {row['sharding']:<10} {row['ranks']:>5} {row['step_s'] * 1e3:>9.1f} "
