@@ -139,9 +139,9 @@ class Team:
         return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
 
     def stop(self) -> list[str]:
-        """Stop everything, newest first: SIGTERM to each process group, SIGKILL after a grace. Returns
-        the groups that still had members when SIGKILL came (none, if every service stops cleanly)."""
-        lingering = []
+        """Stop everything, newest first: SIGTERM to each process group (SIGINT to Postgres), SIGKILL
+        after a grace. Returns the groups that still have members after that (there should be none)."""
+        left = []
         for process in reversed(self.started):
             # Postgres: SIGINT is its fast shutdown (SIGTERM would wait for every client to leave).
             first = signal.SIGINT if Path(process.args[0]).name == "postgres" else signal.SIGTERM  # type: ignore[index]
@@ -150,12 +150,19 @@ class Team:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=30)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, 0)
-                lingering.append(" ".join(map(str, process.args)))  # type: ignore[arg-type]
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(process.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+            else:
+                left.append(" ".join(map(str, process.args)))  # type: ignore[arg-type]
         self.started.clear()
-        return lingering
+        return left
 
 
 def program(name: str) -> str:
@@ -270,7 +277,7 @@ def team_install(s3_server: str) -> Iterator[Team]:
             print(f"logs kept in {root}", file=sys.stderr)
         else:
             shutil.rmtree(root, ignore_errors=True)
-        assert not lingering, f"still running after SIGTERM and a grace: {lingering}"
+        assert not lingering, f"still running after SIGKILL: {lingering}"
 
 
 def query(team: Team, database: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -358,28 +365,21 @@ def test_a_pipeline_through_the_team_install_lands_in_postgres_and_s3(s3_server:
         )
         assert ("reviews_test_accuracy",) in transfer_metrics, transfer_metrics
 
-        # The registered version, in the registry's tables, made by the transfer run.
-        registered = result["transfer"]["registered"]
-        versions = query(
-            team, "mlflow",
-            "SELECT version, run_id, storage_location FROM model_versions WHERE name = %s", registered["name"],
-        )  # fmt: skip
-        assert [(v, r) for v, r, _ in versions] == [(registered["version"], transfer_run)], versions
-        aliases = query(
-            team, "mlflow", "SELECT alias, version FROM registered_model_aliases WHERE name = %s",
-            registered["name"],
-        )  # fmt: skip
-        assert aliases == [("champion", registered["version"])], aliases
+        # The registered version, in the registry's tables, made by the transfer run, and @champion.
+        versions = query(team, "mlflow", "SELECT name, version, run_id, storage_location FROM model_versions")
+        assert [v[:3] for v in versions] == [("mlstm-sentiment", 1, transfer_run)], versions
+        aliases = query(team, "mlflow", "SELECT name, alias, version FROM registered_model_aliases")
+        assert aliases == [("mlstm-sentiment", "champion", 1)], aliases
 
         # The model's files in the artifacts bucket, where the version's storage location says.
         import boto3
 
         s3 = boto3.client("s3", endpoint_url=team.s3)
         # The server proxies artifacts (mlflow-artifacts:/PATH) to PATH under --artifacts-destination.
-        location = urlsplit(versions[0][2])
+        location = urlsplit(versions[0][3])
         destination = option(command(compose()["services"]["mlflow"]), "--artifacts-destination")
         bucket = urlsplit(destination or "")
-        assert location.scheme == "mlflow-artifacts" and bucket.scheme == "s3", (versions[0][2], destination)
+        assert location.scheme == "mlflow-artifacts" and bucket.scheme == "s3", (versions[0][3], destination)
         prefix = f"{bucket.path.strip('/')}/{location.path.lstrip('/')}".lstrip("/")
         listed = s3.list_objects_v2(Bucket=bucket.netloc, Prefix=prefix)
         names = {Path(item["Key"]).name for item in listed.get("Contents", [])}
