@@ -392,5 +392,6 @@ def test_a_pipeline_through_the_team_install_lands_in_postgres_and_s3(s3_server:
             for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.netloc)
             for item in page.get("Contents", [])
         ]
-        assert result["corpus"]["manifest_uri"].endswith(next(k for k in keys if k.endswith("manifest.json")))
-        assert any(k.endswith("latest.json") and "/runs/" in k for k in keys), keys[:20]
+        root = store.path.strip("/")
+        assert any(re.fullmatch(rf"{root}/corpora/\w+/manifest\.json", k) for k in keys), keys[:20]
+        assert any(re.fullmatch(rf"{root}/runs/[^/]+/latest\.json", k) for k in keys), keys[:20]
