@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q "$(TORCH)" 2>/dev/null \
 		|| $(VENV)/bin/pip install -q "$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(VENV)/bin/pip install -q -c constraints.txt ".[dev,dask]"
+	$(VENV)/bin/pip install -q -c constraints.txt ".[dev,dask,team]"
 	touch $(STAMP)
 
 demo: $(STAMP)

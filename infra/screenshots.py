@@ -12,8 +12,9 @@ another, and everything started here is stopped at the end (each process in its 
 so its children go too). A screenshot counts only once the page's DOM holds the run's data (its
 name, its artifacts' keys, a metric's name) and the picture is not blank. Needs /usr/bin/chromium
 (Debian: `apt-get install chromium`; or set CHROMIUM). Writes prefect-flow-run.png,
-prefect-flow-run-artifacts.png and mlflow-run.png into --out; exits non-zero with a message on the
-first step that fails, keeping the servers' and the command's logs.
+prefect-flow-run-artifacts.png and mlflow-run.png into --out, each with its page's DOM beside it (the
+same name, .html); exits non-zero with a message on the first step that fails, keeping the servers'
+and the command's logs.
 """
 
 from __future__ import annotations
@@ -278,6 +279,9 @@ def screenshot(
         page = dom.decode(errors="replace")
         missing = [text for text in expect if html.escape(text, quote=False) not in page]
         if png.is_file() and looks_rendered(png) and not missing:
+            # The page as the browser built it, beside its picture: what a test (or a person with grep)
+            # checks the picture shows, since text in a PNG cannot be read back.
+            png.with_suffix(".html").write_text(page)
             print(f"  {png.name}: {url} (attempt {attempt}, budget {budget_ms} ms)", file=sys.stderr)
             return
         why = f"the page lacks {missing}" if missing else "the picture is blank or missing"
