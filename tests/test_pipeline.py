@@ -4,7 +4,9 @@ status from the CLI, and one clear error when a server is down."""
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -80,7 +82,12 @@ def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], e
         child = client.get_run(info["run_id"])
         assert child.data.tags["stage"] == stage
         assert child.data.tags["mlflow.parentRunId"] == result["run_id"], stage
-    assert parent.data.metrics["reviews_test_accuracy"] > 0.5
+    # Above chance by a stated margin: three standard errors of a coin on this many test reviews
+    # (about 0.67 on ~75 rows). The generated reviews carry their stars in plain words, so even a
+    # 40-step model's features clear it; a probe that ignores them does not.
+    with (inputs["labelled"] / "test.csv").open(encoding="utf-8", newline="") as file:
+        num_test = sum(1 for _ in csv.DictReader(file))
+    assert parent.data.metrics["reviews_test_accuracy"] > 0.5 + 3 * math.sqrt(0.25 / num_test)
     assert {parent.data.tags[f"stage.{s}"] for s in ("corpus", "pretrain", "transfer")} == {"ran"}
     assert parent.data.params["sources"] == str(inputs["sample"])
     assert "pipeline_run_id" not in parent.data.tags  # its own ids are lineage for the model, not for it
