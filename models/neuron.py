@@ -27,7 +27,7 @@ class ByteReading:
     """The cell state's unit and the probe's probability after each byte of one chunk."""
 
     values_T: np.ndarray  # float32: c_t[unit]
-    probability_T: np.ndarray  # float32: σ(c_t · w + b)
+    probability_T: np.ndarray | None  # float32: σ(c_t · w + b); None without a probe (a bare checkpoint)
 
 
 def check_unit(model: MLSTM, unit: int) -> None:
@@ -40,18 +40,20 @@ def check_unit(model: MLSTM, unit: int) -> None:
 def read_bytes(
     model: MLSTM,
     data: bytes,
-    coef_H: np.ndarray,
+    coef_H: np.ndarray | None,
     intercept: float,
     *,
     unit: int,
     chunk_len: int = 4096,
 ) -> Iterator[ByteReading]:
-    """Per-byte readings of ``data`` from a zero state, ``chunk_len`` bytes at a time (bounded memory)."""
+    """Per-byte readings of ``data`` from a zero state, ``chunk_len`` bytes at a time (bounded memory);
+    ``coef_H`` None (no probe): the unit's values alone."""
     check_unit(model, unit)
     model = model.eval()
     device = model.b.device
     W_x, W_h, W_mx, W_mh = model.cell_weights()
-    w_H = torch.tensor(np.asarray(coef_H, dtype=np.float32), device=device)  # a copy: coef may be read-only
+    # A copy: coef may be read-only.
+    w_H = None if coef_H is None else torch.tensor(np.asarray(coef_H, dtype=np.float32), device=device)
     state = model.zero_state(1, device=device)
     for t0 in range(0, len(data), chunk_len):
         bytes_1T = torch.frombuffer(bytearray(data[t0 : t0 + chunk_len]), dtype=torch.uint8).long()[None]
@@ -63,8 +65,8 @@ def read_bytes(
             state = MLSTM.cell(xz_1G, xm_1H, state, W_h, W_mh)
             cs.append(state[1][0])
         c_TH = torch.stack(cs)
-        p_T = torch.sigmoid(c_TH @ w_H + intercept)
-        yield ByteReading(c_TH[:, unit].float().cpu().numpy(), p_T.float().cpu().numpy())
+        p_T = None if w_H is None else torch.sigmoid(c_TH @ w_H + intercept).float().cpu().numpy()
+        yield ByteReading(c_TH[:, unit].float().cpu().numpy(), p_T)
 
 
 @torch.no_grad()

@@ -155,3 +155,31 @@ def test_write_reviews_holds_the_unit_in_the_probes_direction(classifier: Sentim
         write_reviews(classifier, "", sentiment="positive", **(kwargs | {"unit": 64}))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="finite number"):
         write_reviews(classifier, "", sentiment="nan", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_bare_model_reads_and_writes_without_a_probe(
+    classifier: SentimentClassifier, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    model, text = classifier.model, TEXTS[1]
+    reading = explain(model, text, unit=17)
+    assert reading.probability is None and reading.final is None
+    assert reading.to_json()["probability"] is None and reading.to_json()["final"] is None
+    np.testing.assert_allclose(reading.values, explain(classifier, text, unit=17).values)
+    assert "no probability" in to_html(reading) and "p=" not in to_html(reading)
+    heights = []
+    for source, name in ((classifier, "probe.png"), (model, "bare.png")):
+        to_png(explain(source, text, unit=17), tmp_path / name)
+        with Image.open(tmp_path / name) as image:
+            heights.append(image.size[1])
+    assert heights[1] < heights[0]  # the probability panel is left out
+
+    kwargs = {"length": 12, "temperature": 0.4, "samples": 2, "seed": 3}
+    held = write_reviews(model, "It", sentiment="1.5", unit=4, **kwargs)  # type: ignore[arg-type]
+    assert held.probability is None and held.value == 1.5
+    assert held.texts == write_reviews(classifier, "It", sentiment="1.5", unit=4, **kwargs).texts  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs a probe"):
+        write_reviews(model, "It", sentiment="positive", unit=4, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs a unit to hold"):
+        write_reviews(model, "It", sentiment="1.5", unit=None, **kwargs)  # type: ignore[arg-type]

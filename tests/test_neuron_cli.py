@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,12 @@ import pytest
 import torch
 
 from models.classifier import SentimentClassifier
+from models.features import featurize
 from models.mlstm import MLSTM, tiny
+from models.neuron import generate
+from models.text import FRONT_PAD
+from tasks.pretrain.checkpoint import save_checkpoint, step_prefix
+from tasks.store import LocalStore
 
 CLI = str(Path(sys.executable).with_name("mlstm-sentiment"))
 
@@ -32,6 +38,14 @@ def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
         (["generate", "--length", "-3"], "--length must be at least 1"),
         (["generate", "--temperature", "-1"], "0 for greedy"),
         (["generate", "--sentiment", "happy"], "give positive, negative or a number"),
+        (["explain", "ok", "--checkpoint", "runs/r"], "--unit N is required with --checkpoint"),
+        (["explain", "ok", "--checkpoint", "runs/r", "--model", "models:/m@c", "--unit", "1"], "not both"),
+        (["generate", "--checkpoint", "runs/r", "--model", "models:/m@c"], "not both"),
+        (
+            ["generate", "--checkpoint", "runs/r", "--sentiment", "positive"],
+            "needs a probe (a registered --model)",
+        ),
+        (["generate", "--checkpoint", "runs/r", "--sentiment", "1.5"], "with --checkpoint needs --unit N"),
     ],
 )
 def test_bad_input_is_one_line_before_any_work(args: list[str], message: str, home: Path) -> None:
@@ -90,3 +104,50 @@ def test_explain_and_generate_on_a_registered_model(mlflow_server: str, tmp_path
     missing = cli(["explain", "ok", "--model", "models:/no-such-model@champion"], env)
     assert missing.returncode != 0 and "cannot load models:/no-such-model@champion" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def _save_model(store: LocalStore, step: int, seed: int) -> MLSTM:
+    """A tiny random mLSTM saved as the training job saves one (no training: its weights are the seed's)."""
+    torch.manual_seed(seed)
+    model = MLSTM(tiny())
+    save_checkpoint(
+        store, "r", step, {"model": model.state_dict()}, {"model": dataclasses.asdict(model.config)}
+    )
+    return model
+
+
+@pytest.mark.slow
+def test_explain_and_generate_on_a_checkpoint(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    intact = _save_model(store, 10, seed=1)
+    _save_model(store, 20, seed=2)
+    state = tmp_path / "store" / step_prefix("r", 20) / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # a copy cut short: the run folder falls back to step 10
+    run = str(tmp_path / "store" / "runs" / "r")
+    env = {**os.environ, "MLSTM_HOME": str(tmp_path)}
+
+    text = "Broke after a week ☕"
+    explained = cli(["explain", text, "--checkpoint", run, "--unit", "7", "--json"], env)
+    assert explained.returncode == 0, explained.stderr
+    reading = json.loads(explained.stdout)
+    assert set(reading) == {"text", "unit", "values", "probability", "final"}
+    assert reading["unit"] == 7 and reading["probability"] is None and reading["final"] is None
+    assert len(reading["values"]) == len(reading["text"])  # one value per character
+    # The value after the last byte is the feature the features path gives, of the intact step's weights.
+    assert reading["values"][-1] == pytest.approx(float(featurize(intact, [text])[0, 7]), abs=1e-5)
+    shown = cli(["explain", text, "--checkpoint", run, "--unit", "7"], env)
+    assert shown.returncode == 0 and "P(positive)" not in shown.stdout and "unit 7" in shown.stdout
+
+    args = ["generate", "--checkpoint", run, "--unit", "5", "--sentiment", "2.5", "--length", "30"]
+    args += ["--samples", "2", "--prompt", "It", "--json"]
+    first, again, other = (cli([*args, "--seed", s], env) for s in ("1", "1", "2"))
+    assert first.returncode == 0, first.stderr
+    written = json.loads(first.stdout)
+    assert written["unit"] == 5 and written["value"] == 2.5
+    assert [row["probability"] for row in written["samples"]] == [None, None]
+    assert first.stdout == again.stdout and first.stdout != other.stdout
+    # What it printed is what the model writes with unit 5 held at 2.5, which holds it at every step.
+    kwargs = {"length": 30, "temperature": 0.4, "samples": 2, "seed": 1, "unit": 5, "value": 2.5}
+    texts, held = generate(intact, (FRONT_PAD + "It").encode(), **kwargs)  # type: ignore[arg-type]
+    assert [row["text"] for row in written["samples"]] == ["It" + t.decode("utf-8", "replace") for t in texts]
+    assert np.all(held == np.float32(2.5))

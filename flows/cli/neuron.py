@@ -1,5 +1,6 @@
-"""``mlstm-sentiment explain | generate``: the sentiment neuron of a registered classifier, in the Transfer
-panel (the transfer module holds the stage's other commands)."""
+"""``mlstm-sentiment explain | generate``: the sentiment neuron of a registered classifier, or a unit of a
+training checkpoint (no probe), in the Transfer panel (the transfer module holds the stage's other
+commands)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tasks.settings import get_settings
 
 if TYPE_CHECKING:
     from models.classifier import SentimentClassifier
+    from models.mlstm import MLSTM
     from tasks.transfer.explain import Reading
 
 app = typer.Typer()
@@ -21,7 +23,16 @@ PANEL = "Transfer"
 ModelOption = Annotated[
     str | None, typer.Option(help="MLflow model URI. [default: models:/<MLSTM_MODEL_NAME>@champion]")
 ]
-UnitOption = Annotated[int | None, typer.Option(help="Cell unit. [default: the probe's top unit]")]
+CheckpointOption = Annotated[
+    str | None,
+    typer.Option(
+        help="A training checkpoint instead of --model: a run folder, a step folder or newest. It has no "
+        "probe: no probability, and --unit is needed to name a unit."
+    ),
+]
+UnitOption = Annotated[
+    int | None, typer.Option(help="Cell unit. [default: the probe's top unit; required with --checkpoint]")
+]
 
 
 def load_classifier(model: str | None) -> tuple[SentimentClassifier, str]:
@@ -43,6 +54,21 @@ def load_classifier(model: str | None) -> tuple[SentimentClassifier, str]:
     return loaded.unwrap_python_model().classifier, uri
 
 
+def check_source(model: str | None, checkpoint: str | None) -> None:
+    if model is not None and checkpoint is not None:
+        raise fail("give --model (a registered classifier) or --checkpoint (a training checkpoint), not both")
+
+
+def load_source(model: str | None, checkpoint: str | None) -> SentimentClassifier | MLSTM:
+    """The registered classifier, or the bare mLSTM of a checkpoint (loaded as `features --checkpoint`
+    loads it: a run folder whose newest step is damaged falls back to its newest intact step)."""
+    if checkpoint is None:
+        return load_classifier(model)[0]
+    from tasks.transfer.stage import load_checkpoint_of
+
+    return load_checkpoint_of(checkpoint, get_settings()).model()
+
+
 def top_unit(classifier: SentimentClassifier) -> int:
     import numpy as np
 
@@ -60,17 +86,18 @@ def read_text_file(path: Path) -> str:
 
 def print_reading(reading: Reading) -> None:
     """The terminal view of ``explain`` (and ``predict --explain``): the text coloured by the unit, then
-    the final probability."""
-    from tasks.transfer.explain import to_rich
+    the final probability (when there is a probe)."""
+    from tasks.transfer.explain import describe, to_rich
 
     out.print(to_rich(reading))
-    out.print(f"unit {reading.unit} · final P(positive) = {reading.final:.3f}")
+    out.print(describe(reading))
 
 
 @app.command(rich_help_panel=PANEL)
 def explain(
     texts: Annotated[list[str] | None, typer.Argument(help="Reviews to read (or use --input).")] = None,
     model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
     unit: UnitOption = None,
     input: Annotated[Path | None, typer.Option("--input", help="A UTF-8 text file: one review.")] = None,
     out_file: Annotated[Path | None, typer.Option("--out", help="Write FILE.png or FILE.html.")] = None,
@@ -79,20 +106,27 @@ def explain(
     ] = False,
 ) -> None:
     """Show a review byte by byte: the unit's cell value and the classifier's probability as it reads."""
+    from models.classifier import SentimentClassifier
     from tasks.transfer.explain import check_text, to_html, to_png
     from tasks.transfer.explain import explain as read
 
+    check_source(model, checkpoint)
+    if checkpoint is not None and unit is None:
+        raise fail("--unit N is required with --checkpoint: a checkpoint has no probe to name its top unit")
     texts = [*(texts or []), *([read_text_file(input)] if input else [])]
     if not texts:
         raise fail("nothing to explain: give a review as an argument or --input FILE")
     if out_file is not None and out_file.suffix.lower() not in (".png", ".html"):
         raise fail(f"--out {out_file}: give a .png or .html file")
+    if out_file is not None and not out_file.parent.is_dir():
+        raise fail(f"--out {out_file}: the folder {out_file.parent} does not exist")
     try:
         for i, text in enumerate(texts):
             check_text(text, where=f"text {i + 1}")
-        classifier, _ = load_classifier(model)
-        chosen = top_unit(classifier) if unit is None else unit
-        readings = [read(classifier, text, unit=chosen) for text in texts]
+        source = load_source(model, checkpoint)
+        chosen = top_unit(source) if unit is None and isinstance(source, SentimentClassifier) else unit
+        assert chosen is not None  # checked above: a checkpoint comes with --unit
+        readings = [read(source, text, unit=chosen) for text in texts]
     except user_errors() as error:
         raise fail(error) from None
     for reading in readings:
@@ -120,12 +154,16 @@ def generate(
     samples: Annotated[int, typer.Option(help="How many samples.")] = 4,
     seed: Annotated[int, typer.Option(help="Same seed, same samples.")] = 0,
     model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print {samples: [{text, probability}], unit, value, seed}.")
     ] = False,
 ) -> None:
     """Write reviews with the language model, optionally with the sentiment unit held fixed."""
+    from models.classifier import SentimentClassifier
     from tasks.transfer.explain import write_reviews
+
+    check_source(model, checkpoint)
 
     if length < 1:
         raise fail(f"--length must be at least 1, got {length}")
@@ -138,11 +176,18 @@ def generate(
             float(sentiment)
         except ValueError:
             raise fail(f"--sentiment {sentiment!r}: give positive, negative or a number") from None
+    if checkpoint is not None and sentiment in ("positive", "negative"):
+        raise fail(
+            f"--sentiment {sentiment} needs a probe (a registered --model), and a checkpoint has none: "
+            "give the unit's cell value as a number, e.g. --sentiment 1.0 --unit N"
+        )
+    if checkpoint is not None and sentiment is not None and unit is None:
+        raise fail(f"--sentiment {sentiment} with --checkpoint needs --unit N: a checkpoint has no top unit")
     try:
-        classifier, _ = load_classifier(model)
-        chosen = top_unit(classifier) if unit is None else unit
+        source = load_source(model, checkpoint)
+        chosen = top_unit(source) if unit is None and isinstance(source, SentimentClassifier) else unit
         written = write_reviews(
-            classifier,
+            source,
             prompt,
             sentiment=sentiment,
             unit=chosen,
@@ -154,13 +199,14 @@ def generate(
         texts, p_N, value = written.texts, written.probability, written.value
     except user_errors() as error:
         raise fail(error) from None
+    probabilities = [None if p_N is None else float(p_N[i]) for i in range(len(texts))]
     if as_json:
-        rows = [{"text": t, "probability": float(p)} for t, p in zip(texts, p_N, strict=True)]
+        rows = [{"text": t, "probability": p} for t, p in zip(texts, probabilities, strict=True)]
         print(json.dumps({"samples": rows, "unit": chosen, "value": value, "seed": seed}))
         return
     held = f"unit {chosen} held at {value:g}" if value is not None else f"unit {chosen} free"
-    err.print(f"{held} · seed {seed}")
-    for text, p in zip(texts, p_N, strict=True):
-        color = "green" if p >= 0.5 else "red"
-        out.print(f"[{color}]P(positive) = {p:.3f}[/]")
+    err.print(f"{held if chosen is not None else 'no unit held'} · seed {seed}")
+    for text, p in zip(texts, probabilities, strict=True):
+        if p is not None:  # a checkpoint has no probe to score what it wrote
+            out.print(f"[{'green' if p >= 0.5 else 'red'}]P(positive) = {p:.3f}[/]")
         out.print(text, markup=False, highlight=False)

@@ -3,6 +3,10 @@ a PNG heatmap in the style of Radford et al. (2017, Figure 3) and one self-conta
 
 Multi-byte UTF-8 characters are one cell carrying the value after their last byte; newlines and tabs
 are shown as ``↵`` and ``→`` so they stay visible.
+
+The source is a classifier (the mLSTM and its probe) or a bare mLSTM from a training checkpoint: without
+a probe there is no probability, so a reading has ``probability`` None, the PNG has no probability panel,
+and ``--sentiment positive|negative`` (which needs the probe's sign) is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from models.classifier import SentimentClassifier
+from models.mlstm import MLSTM
 from models.neuron import check_unit, generate, read_bytes
 from models.text import FRONT_PAD, encode
 
@@ -27,24 +32,26 @@ HELD = 1.0
 
 @dataclass(frozen=True)
 class Reading:
-    """One cleaned text as characters, with the unit's cell value and P(positive) after each."""
+    """One cleaned text as characters, with the unit's cell value and P(positive) after each (None
+    without a probe)."""
 
     text: str
     unit: int
     chars: list[str]
     values: np.ndarray
-    probability: np.ndarray
+    probability: np.ndarray | None
 
     @property
-    def final(self) -> float:
-        return float(self.probability[-1])
+    def final(self) -> float | None:
+        return None if self.probability is None else float(self.probability[-1])
 
     def to_json(self) -> dict[str, object]:
+        p = self.probability
         return {
             "text": self.text,
             "unit": self.unit,
             "values": [round(float(v), 6) for v in self.values],
-            "probability": [round(float(p), 6) for p in self.probability],
+            "probability": None if p is None else [round(float(x), 6) for x in p],
             "final": self.final,
         }
 
@@ -72,22 +79,37 @@ def char_ends(data: bytes) -> list[tuple[str, int]]:
     return out
 
 
-def explain(classifier: SentimentClassifier, text: str, *, unit: int) -> Reading:
-    """Read ``text`` as the classifier does (same cleaning) and keep the unit and probability per character."""
+def explain(source: SentimentClassifier | MLSTM, text: str, *, unit: int) -> Reading:
+    """Read ``text`` as the classifier does (same cleaning) and keep the unit and probability per character;
+    a bare mLSTM (a checkpoint, no probe) gives the unit alone."""
     check_text(text)
     data = encode(text)
-    readings = list(read_bytes(classifier.model, data, classifier.coef_H, classifier.intercept, unit=unit))
+    if isinstance(source, SentimentClassifier):
+        model, coef_H, intercept = source.model, source.coef_H, source.intercept
+    else:
+        model, coef_H, intercept = source, None, 0.0
+    readings = list(read_bytes(model, data, coef_H, intercept, unit=unit))
     values_T = np.concatenate([r.values_T for r in readings])
-    probability_T = np.concatenate([r.probability_T for r in readings])
     ends = char_ends(data)
     index = np.array([end for _, end in ends])
+    probability = None
+    if coef_H is not None:
+        probability_T = np.concatenate([r.probability_T for r in readings if r.probability_T is not None])
+        probability = probability_T[index]
     return Reading(
         text=data.decode("utf-8", errors="replace"),
         unit=unit,
         chars=[c for c, _ in ends],
         values=values_T[index],
-        probability=probability_T[index],
+        probability=probability,
     )
+
+
+def describe(reading: Reading) -> str:
+    """The line under a reading: its unit and, with a probe, the final probability."""
+    if reading.final is None:
+        return f"unit {reading.unit} (no probe: no probability)"
+    return f"unit {reading.unit} · final P(positive) = {reading.final:.3f}"
 
 
 def _scale(values: np.ndarray) -> float:
@@ -119,17 +141,19 @@ def to_html(reading: Reading, *, title: str = "sentiment neuron") -> str:
     """One HTML file, no external assets: each character a span coloured by the unit, its value on hover."""
     scale = _scale(reading.values)
     spans = []
-    for char, value, p in zip(reading.chars, reading.values, reading.probability, strict=True):
+    probability = [None] * len(reading.chars) if reading.probability is None else reading.probability
+    for char, value, p in zip(reading.chars, reading.values, probability, strict=True):
         r, g, b = _rgb(float(value), scale)
         shown = html.escape(VISIBLE.get(char, char))
+        hover = f"{value:.3f}" if p is None else f"{value:.3f} · p={p:.3f}"
         spans.append(
-            f'<span style="background:rgb({r},{g},{b})" title="{value:.3f} · p={p:.3f}">{shown}</span>'
+            f'<span style="background:rgb({r},{g},{b})" title="{hover}">{shown}</span>'
             + ("<br>" if char == "\n" else "")
         )
     return (
         f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         "<style>body{font-family:monospace;white-space:pre-wrap;line-height:1.6}</style></head><body>"
-        f"<p>unit {reading.unit} · final P(positive) = {reading.final:.3f}</p><div>{''.join(spans)}</div>"
+        f"<p>{html.escape(describe(reading))}</p><div>{''.join(spans)}</div>"
         "</body></html>\n"
     )
 
@@ -143,7 +167,8 @@ def to_png(
     title: str | None = None,
 ) -> str | None:
     """The heatmap (text in rows, each cell coloured by the unit, centred at zero, with a colour bar) and,
-    beneath, P(positive) after each character. Returns a note when rows were capped."""
+    beneath, P(positive) after each character (that panel left out without a probe). Returns a note when
+    rows were capped."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,9 +184,14 @@ def to_png(
     flat = reading.values[:shown]
     grid.flat[: len(flat)] = flat
     scale = _scale(reading.values)
-    fig, (ax, ax_p) = plt.subplots(
-        2, 1, figsize=(columns * 0.16 + 1.5, n_rows * 0.28 + 2.2), height_ratios=[max(n_rows, 1) * 0.28, 1.6]
-    )
+    width, grid_height = columns * 0.16 + 1.5, max(n_rows, 1) * 0.28
+    ax_p = None
+    if reading.probability is None:
+        fig, ax = plt.subplots(1, 1, figsize=(width, grid_height + 0.6))
+    else:
+        fig, (ax, ax_p) = plt.subplots(
+            2, 1, figsize=(width, n_rows * 0.28 + 2.2), height_ratios=[grid_height, 1.6]
+        )
     image = ax.imshow(grid, cmap="RdYlGn", vmin=-scale, vmax=scale, aspect="auto")
     for i, char in enumerate(reading.chars[:shown]):
         ax.text(
@@ -178,12 +208,13 @@ def to_png(
     heading = f"{title} · unit {reading.unit}" if title else f"unit {reading.unit}"
     ax.set_title(heading + (f" ({note})" if note else ""), fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="cell value")
-    ax_p.plot(reading.probability[:shown], color="black", linewidth=1)
-    ax_p.axhline(0.5, color="grey", linewidth=0.5, linestyle="--")
-    ax_p.set_ylim(0, 1)
-    ax_p.set_xlim(0, max(shown - 1, 1))
-    ax_p.set_ylabel("P(positive)", fontsize=8)
-    ax_p.set_xlabel("character", fontsize=8)
+    if ax_p is not None and reading.probability is not None:
+        ax_p.plot(reading.probability[:shown], color="black", linewidth=1)
+        ax_p.axhline(0.5, color="grey", linewidth=0.5, linestyle="--")
+        ax_p.set_ylim(0, 1)
+        ax_p.set_xlim(0, max(shown - 1, 1))
+        ax_p.set_ylabel("P(positive)", fontsize=8)
+        ax_p.set_xlabel("character", fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return note
@@ -240,38 +271,53 @@ def held_value(
 
 @dataclass(frozen=True)
 class Written:
-    """Reviews written by the language model, the classifier's P(positive) of each, and the held value."""
+    """Reviews written by the language model, the classifier's P(positive) of each (None without a probe),
+    and the held value."""
 
     texts: list[str]
-    probability: np.ndarray
-    unit: int
+    probability: np.ndarray | None
+    unit: int | None
     value: float | None
 
 
 def write_reviews(
-    classifier: SentimentClassifier,
+    source: SentimentClassifier | MLSTM,
     prompt: str,
     *,
     sentiment: str | None,
-    unit: int,
+    unit: int | None,
     length: int,
     temperature: float,
     samples: int,
     seed: int,
 ) -> Written:
     """``samples`` continuations of ``prompt``; ``sentiment`` positive/negative holds ``unit`` at ±HELD in
-    the direction of the probe's weight, a number holds it at that value, None leaves it free."""
-    check_unit(classifier.model, unit)
+    the direction of the probe's weight, a number holds it at that value, None leaves it free.
+
+    A bare mLSTM (a checkpoint) has no probe: no probability, and only a number can be held."""
+    classifier = source if isinstance(source, SentimentClassifier) else None
+    model = source.model if isinstance(source, SentimentClassifier) else source
+    if unit is not None:
+        check_unit(model, unit)
     value: float | None = None
     if sentiment in ("positive", "negative"):
+        if classifier is None:
+            raise ValueError(
+                f"sentiment {sentiment!r} needs a probe (the sign of its weight on the unit), and a "
+                "checkpoint has none: give the unit's cell value as a number, e.g. 1.0 or -1.0"
+            )
+        if unit is None:
+            raise ValueError(f"sentiment {sentiment!r} needs a unit to hold")
         sign = 1.0 if classifier.coef_H[unit] >= 0 else -1.0
         value = HELD * sign * (1.0 if sentiment == "positive" else -1.0)
     elif sentiment is not None:
         value = float(sentiment)
         if not math.isfinite(value):
             raise ValueError(f"sentiment {sentiment!r}: give positive, negative or a finite number")
+        if unit is None:
+            raise ValueError(f"sentiment {sentiment!r} needs a unit to hold")
     written, _ = generate(
-        classifier.model,
+        model,
         (FRONT_PAD + prompt).encode("utf-8"),
         length=length,
         temperature=temperature,
@@ -281,4 +327,5 @@ def write_reviews(
         value=value,
     )
     texts = [prompt + data.decode("utf-8", errors="replace") for data in written]
-    return Written(texts, classifier.predict_proba(texts), unit, value)
+    probability = None if classifier is None else classifier.predict_proba(texts)
+    return Written(texts, probability, unit, value)
