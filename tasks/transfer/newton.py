@@ -6,13 +6,13 @@ For each C, ascending, it minimises liblinear's objective divided by C (same min
 
 (liblinear penalises the intercept as one more feature of value 1). Each C starts from the previous
 C's solution. An outer loop takes the full gradient (one pass over X), stops if the point is optimal,
-and otherwise picks a working set W: the non-zero weights plus as many of the worst violators of the
-optimality conditions (at least 100). On W it takes proximal Newton steps (Lee, Sun & Saunders 2014;
-Yuan, Ho & Lin 2012): the Hessian restricted to W, X_Wᵀ diag(p(1-p)) X_W, is one dense matrix product
-(BLAS threads, or the GPU); the quadratic model plus the L1 term is minimised by cyclic coordinate
-descent on that k × k matrix, compiled with numba (one matrix row per changed coordinate); a backtracking
-(Armijo) line search on the true objective keeps every step a
-descent. Working sets stay small at the small-C end, so a C costs a few passes over X.
+and otherwise picks a working set W: the non-zero weights plus the worst violators of the optimality
+conditions, a quarter as many (at least 100). On W it takes proximal Newton steps (Lee, Sun & Saunders
+2014; Yuan, Ho & Lin 2012): the Hessian restricted to W, X_Wᵀ diag(p(1-p)) X_W, is one dense matrix
+product (BLAS threads, or the GPU); the quadratic model plus the L1 term is minimised by cyclic
+coordinate descent on that k × k matrix, compiled with numba (one matrix row per changed coordinate);
+a backtracking (Armijo) line search on the true objective keeps every step a descent. Working sets
+stay small at the small-C end, so a C costs a few passes over X.
 
 Convergence: a C is done when the minimum-norm subgradient of the objective above has max-norm
 ≤ ``tol`` / C over every weight and the intercept (each coordinate's optimality residual is at most
@@ -98,7 +98,8 @@ def _solve(
             return w_H, b, z_N, newton_steps, True
         support = np.flatnonzero(w_H)
         violators = np.flatnonzero((w_H == 0) & (residual_H > 0))
-        room = max(MIN_WORKING_SET, support.size)
+        # A quarter of the support: the Hessian costs k² per row of X, and the outer loop adds more cheaply.
+        room = max(MIN_WORKING_SET, support.size // 4)
         if violators.size > room:  # the worst ones; a stable sort keeps ties in index order
             violators = violators[np.argsort(-residual_H[violators], kind="stable")[:room]]
         W = np.sort(np.concatenate([support, violators]))
