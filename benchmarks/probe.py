@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""The L1 probe's full C sweep: the torch solver against liblinear (the reference), same features, same run.
+"""The L1 probe's full C sweep: the newton and torch solvers against liblinear (the reference), same run.
 
-Each case fits ``tasks.transfer.probe.fit_probe`` twice on the same train/dev/test arrays, once with
-``solver="liblinear"`` (the baseline) and once with ``solver="torch"`` (on CUDA when torch sees one,
-else CPU threads), over the C values 2^c_min … 2^c_max, and reports each sweep's seconds, the
-speed-up (liblinear ÷ torch), the chosen C and both accuracies.
+Each case fits ``tasks.transfer.probe.fit_probe`` on the same train/dev/test arrays once with
+``solver="liblinear"`` (the baseline) and once with each solver of ``--solvers`` (newton, torch: on CUDA
+when torch sees one, else CPU threads), over the C values 2^c_min … 2^c_max, and reports, one row per
+solver, each sweep's seconds, the speed-up (liblinear ÷ solver), the chosen C and both accuracies.
 
 The features are synthetic, built like cell states: a ``width``-wide tanh of 64 shared latent factors
 plus noise, each column scaled by a factor in [0.2, 3], labels drawn from a logistic model on 8 columns
@@ -14,6 +14,7 @@ real cell states are worse conditioned, and both solvers slow down on them.
 
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py                           # SST 1024 and 4096, IMDB 1024
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases sst:256 --c-max-log2 -4 --json
+    PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases sst:1024 --solvers newton --record cpu
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from common import add_record_option, describe, machine, new_parser, record, say
 
-from tasks.transfer.probe import ProbeResult, Solver, fit_probe
+from tasks.transfer.probe import SOLVERS, ProbeResult, Solver, fit_probe
 
 ROWS = {"sst": (6920, 872, 1821), "imdb": (22500, 2500, 25000)}
 Splits = list[tuple[np.ndarray, np.ndarray]]
@@ -64,9 +65,15 @@ def main() -> None:
     parser.add_argument("--cases", default="sst:1024,sst:4096,imdb:1024", help="ROWS:WIDTH, comma-separated")
     parser.add_argument("--c-min-log2", type=int, default=-8)
     parser.add_argument("--c-max-log2", type=int, default=2)
+    parser.add_argument(
+        "--solvers", default="newton,torch", help="solvers compared with liblinear, comma-separated"
+    )
     parser.add_argument("--json", action="store_true", help="JSON on stdout, the table on stderr")
     add_record_option(parser)
     args = parser.parse_args()
+    solvers = args.solvers.split(",")
+    if unknown := [s for s in solvers if s not in SOLVERS or s == "liblinear"]:
+        parser.error(f"--solvers: {', '.join(unknown)} is not one of newton, torch")
     Cs = tuple(2.0**k for k in range(args.c_min_log2, args.c_max_log2 + 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = machine(torch.device(device))
@@ -76,35 +83,37 @@ def main() -> None:
         splits = cell_state_like(ROWS[name], int(width))
         say(f"{name} × {width}: {len(Cs)} values of C")
         base_s, base = timed(splits, "liblinear", Cs, "cpu")
-        fast_s, fast = timed(splits, "torch", Cs, device)
-        rows.append(
-            {
-                "case": f"{name}-sized × {width}",
-                "liblinear_s": round(base_s, 2),
-                "torch_s": round(fast_s, 2),
-                "speedup": round(base_s / fast_s, 2),
-                "C": [base.C, fast.C],
-                "dev_accuracy": [round(base.dev_accuracy, 4), round(fast.dev_accuracy, 4)],
-                "test_accuracy": [round(base.test_accuracy, 4), round(fast.test_accuracy, 4)],
-                "max_dev_gap_points": round(
-                    100
-                    * max(
-                        abs(a.dev_accuracy - b.dev_accuracy)
-                        for a, b in zip(base.sweep, fast.sweep, strict=True)
+        for solver in solvers:
+            fast_s, fast = timed(splits, solver, Cs, device)
+            rows.append(
+                {
+                    "case": f"{name}-sized × {width}",
+                    "solver": solver,
+                    "liblinear_s": round(base_s, 2),
+                    "solver_s": round(fast_s, 2),
+                    "speedup": round(base_s / fast_s, 2),
+                    "C": [base.C, fast.C],
+                    "dev_accuracy": [round(base.dev_accuracy, 4), round(fast.dev_accuracy, 4)],
+                    "test_accuracy": [round(base.test_accuracy, 4), round(fast.test_accuracy, 4)],
+                    "max_dev_gap_points": round(
+                        100
+                        * max(
+                            abs(a.dev_accuracy - b.dev_accuracy)
+                            for a, b in zip(base.sweep, fast.sweep, strict=True)
+                        ),
+                        2,
                     ),
-                    2,
-                ),
-            }
-        )
+                }
+            )
     lines = [
-        f"L1 probe sweep, {len(Cs)} C values, torch on {device}: {describe(info)}",
-        "| case | liblinear s | torch s | speed-up | C (lib, torch) | dev acc (lib, torch) | test acc (lib, torch) "
-        "| max dev gap over C (points) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"L1 probe sweep, {len(Cs)} C values, newton and torch on {device}: {describe(info)}",
+        "| case | solver | liblinear s | solver s | speed-up | C (lib, solver) | dev acc (lib, solver) "
+        "| test acc (lib, solver) | max dev gap over C (points) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['case']} | {r['liblinear_s']} | {r['torch_s']} | {r['speedup']}× | {r['C'][0]:g}, {r['C'][1]:g} "
+            f"| {r['case']} | {r['solver']} | {r['liblinear_s']} | {r['solver_s']} | {r['speedup']}× | {r['C'][0]:g}, {r['C'][1]:g} "
             f"| {r['dev_accuracy'][0]}, {r['dev_accuracy'][1]} | {r['test_accuracy'][0]}, {r['test_accuracy'][1]} "
             f"| {r['max_dev_gap_points']} |"
         )

@@ -287,8 +287,9 @@ def probe_tables(results: dict[str, Any]) -> str:
     rows = [
         [
             r["case"],
+            r.get("solver", "torch"),  # records from before newton had torch only
             num(r["liblinear_s"]),
-            num(r["torch_s"]),
+            num(r.get("solver_s", r.get("torch_s"))),
             ratio(r["speedup"]),
             f"{r['C'][0]:g}, {r['C'][1]:g}",
             f"{r['dev_accuracy'][0]}, {r['dev_accuracy'][1]}",
@@ -297,8 +298,8 @@ def probe_tables(results: dict[str, Any]) -> str:
         ]
         for r in results["rows"]
     ]
-    header = ["case", "liblinear s", "torch s", "speed-up", "C (lib, torch)", "dev acc (lib, torch)"]
-    header += ["test acc (lib, torch)", "max dev gap over C (points)"]
+    header = ["case", "solver", "liblinear s", "solver s", "speed-up", "C (lib, solver)"]
+    header += ["dev acc (lib, solver)", "test acc (lib, solver)", "max dev gap over C (points)"]
     return f"{len(Cs)} values of C, {min(Cs):g} … {max(Cs):g}.\n\n" + table(header, rows)
 
 

@@ -70,7 +70,7 @@ def test_a_section_shows_its_run_or_the_command_that_records_it(render: ModuleTy
     (tmp_path / "probe-cpu.json").write_text(json.dumps(document))
     page = render.render(template, tmp_path)
     assert "To be measured" not in page
-    assert "| sst-sized × 64 | 12.5 | 2.5 | 5.00× |" in page
+    assert "| sst-sized × 64 | torch | 12.5 | 2.5 | 5.00× |" in page
     assert "python benchmarks/probe.py --cases sst:64 --record cpu" in page
     assert "`0123456789`" in page and "2026-11-24 21:00 UTC" in page and "2 × Some CPU" in page
 

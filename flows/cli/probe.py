@@ -24,8 +24,8 @@ def probe(
     features_column: Annotated[str, typer.Option(help="The column of feature vectors.")] = "features",
     label_column: Annotated[str, typer.Option(help="The column of 0/1 labels.")] = "label",
     solver: Annotated[
-        str, typer.Option(help="liblinear (the reference), newton or torch (CPU threads or GPU).")
-    ] = "liblinear",
+        str, typer.Option(help="newton (fast), liblinear (the reference) or torch (CPU threads or GPU).")
+    ] = "newton",
     c_min_log2: Annotated[int, typer.Option(help="Smallest C of the sweep, as a power of 2.")] = -8,
     c_max_log2: Annotated[int, typer.Option(help="Largest C of the sweep, as a power of 2.")] = 2,
     as_json: Annotated[

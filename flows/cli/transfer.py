@@ -131,8 +131,8 @@ def transfer(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the probe's solver.")] = 0,
     solver: Annotated[
-        str, typer.Option(help="Probe solver: liblinear (the reference), newton or torch.")
-    ] = "liblinear",
+        str, typer.Option(help="Probe solver: newton (fast), liblinear (the reference) or torch.")
+    ] = "newton",
     store: StoreOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print {dataset: {test_accuracy, …}} on stdout.")
