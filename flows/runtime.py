@@ -63,8 +63,18 @@ def prefect_api(settings: Settings) -> Iterator[str]:
     # when it stops; they belong in a log file, not in the user's terminal.
     log = settings.home / "logs" / "prefect-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with _stderr_to(log):
-        server.start()
+    timeout = _startup_timeout()
+    try:
+        with _stderr_to(log):
+            server.start(timeout=timeout)
+    except RuntimeError as error:
+        server.stop()  # a server still booting would outlive the command
+        _forget(server, previous)
+        raise PrefectUnavailable(
+            f"the temporary Prefect API did not start within {timeout} s ({error}); its log is {log}. "
+            f"On a busy machine raise {_STARTUP_TIMEOUT_VARIABLE}, or point MLSTM_PREFECT_API_URL / "
+            "PREFECT_API_URL at a running `prefect server start`"
+        ) from None
     try:
         with (
             _environ("PREFECT_API_URL", server.api_url),
@@ -76,10 +86,32 @@ def prefect_api(settings: Settings) -> Iterator[str]:
                 _drain_prefect_workers()
     finally:
         server.stop()
-        if previous is not None:
-            SubprocessASGIServer._instances[None] = previous
-        else:
-            SubprocessASGIServer._instances.pop(None, None)
+        _forget(server, previous)
+
+
+_STARTUP_TIMEOUT_VARIABLE = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+# Prefect waits 20 s for its temporary server by default: on two busy cores its cold start took longer
+# and the demo ended in a traceback. A value the user set is kept as it is.
+_DEFAULT_STARTUP_TIMEOUT_S = 120
+
+
+def _startup_timeout() -> int:
+    """Seconds to wait for the temporary Prefect API: the user's setting, else a busy machine's."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    if _STARTUP_TIMEOUT_VARIABLE in os.environ:  # read here: Prefect's settings were read at import
+        return int(os.environ[_STARTUP_TIMEOUT_VARIABLE])
+    return max(int(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()), _DEFAULT_STARTUP_TIMEOUT_S)
+
+
+def _forget(server: Any, previous: Any) -> None:
+    """Give Prefect back the ephemeral server it had before ``prefect_api`` put ``server`` there."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    if previous is not None:
+        SubprocessASGIServer._instances[None] = previous
+    else:
+        SubprocessASGIServer._instances.pop(None, None)
 
 
 def _drain_prefect_workers() -> None:
