@@ -75,7 +75,9 @@ def test_compiled_gates_equal_the_plain_ones() -> None:
 def _trainable(dtype: torch.dtype) -> tuple[MLSTM, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)
     model = MLSTM(MLSTMConfig(hidden_size=256)).to(CUDA)
-    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device=CUDA), fused=True)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=torch.tensor(1e-3, device=CUDA), fused=True, capturable=True
+    )
     return model, optimizer, torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
 

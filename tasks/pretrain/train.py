@@ -365,6 +365,7 @@ class Trainer:
                 self.model.parameters(),
                 lr=torch.tensor(config.effective_lr(), device=world.device),
                 fused=True,
+                capturable=True,  # or Adam refuses to be captured
             )
         else:
             self.ddp, self.optimizer = shard.wrap(
@@ -419,6 +420,16 @@ class Trainer:
         # A checkpoint's optimizer settings say how it ran (fused, lr as a number), not how this launch runs.
         keys = ("lr", "fused", "capturable", "foreach")
         own = [{k: g[k] for k in keys} for g in self.optimizer.param_groups] if self.graphed else []
+        if own:
+            # Loaded with this launch's flags, so Adam puts each parameter's step count on the device,
+            # where fused, capturable Adam reads it (the file's flags would leave it on the CPU).
+            state["optimizer"] = {
+                **state["optimizer"],
+                "param_groups": [
+                    {**group, **{k: mine[k] for k in keys[1:]}}
+                    for group, mine in zip(state["optimizer"]["param_groups"], own, strict=True)
+                ],
+            }
         shard.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         for group, mine in zip(self.optimizer.param_groups, own, strict=False):
             if isinstance(mine["lr"], Tensor):
