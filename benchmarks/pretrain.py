@@ -55,6 +55,7 @@ from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.train import (
     MEASURED_PEAKS,
+    PRECISION_NAMES,
     TrainConfig,
     datasheet_flops,
     optimizer_step,
@@ -74,7 +75,7 @@ CLIP: float = TrainConfig.model_fields["clip"].default
 # Fused and baseline agree to rounding on the same weights in fp32 (tests/test_mlstm.py checks 1e-10
 # in float64); anything near this is a wrong baseline, not rounding.
 PARITY_TOLERANCE = 1e-4
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = PRECISION_NAMES  # the names the job reads measured peaks by
 
 
 class StepwiseMLSTM(MLSTM):

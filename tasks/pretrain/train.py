@@ -187,15 +187,25 @@ def datasheet_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in name), None)
 
 
+# The precisions' short names: the job's --precision values, and the keys of MEASURED_PEAKS.
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
 def measured_flops(device: torch.device, dtype: torch.dtype, home: Path | None) -> float | None:
     """MLSTM_PEAK_FLOPS, else the matmul peak benchmarks/pretrain.py measured on this GPU in this dtype."""
     if os.environ.get("MLSTM_PEAK_FLOPS"):
         return float(os.environ["MLSTM_PEAK_FLOPS"])
-    if device.type != "cuda" or home is None or not (home / MEASURED_PEAKS).is_file():
+    if device.type != "cuda" or home is None:
+        return None
+    return peak_in_file(home / MEASURED_PEAKS, torch.cuda.get_device_name(device), dtype)
+
+
+def peak_in_file(path: Path, gpu: str, dtype: torch.dtype) -> float | None:
+    """The peak a file of MEASURED_PEAKS holds for this GPU (by name) and precision, if any."""
+    if not path.is_file():
         return None
     try:
-        peaks = json.loads((home / MEASURED_PEAKS).read_text())
-        value = peaks.get(torch.cuda.get_device_name(device), {}).get(str(dtype).removeprefix("torch."))
+        value = json.loads(path.read_text()).get(gpu, {}).get(PRECISION_NAMES.get(dtype))
     except (ValueError, AttributeError):
         return None  # a damaged file costs the metric, never the run
     return float(value) if value else None
