@@ -205,11 +205,21 @@ class MLSTM(nn.Module):
         h_BTH, c_BTH = torch.stack(hs, dim=1), torch.stack(cs, dim=1)
         return self.out(h_BTH), state, c_BTH
 
+    def _input_gates(self, x_TBE: Tensor, W_x: Tensor) -> Tensor:
+        """x W_x + b, the input's share of every gate [T, B, G], for the fused recurrence.
+
+        Under autocast as one addmm in autocast's dtype: ``x @ W_x + self.b`` would be an fp32 tensor
+        (b is fp32), 4H wide for every byte, and the recurrence casts it down anyway."""
+        if torch.is_autocast_enabled(x_TBE.device.type):
+            xz_NG = torch.addmm(self.b, x_TBE.flatten(0, 1), W_x)
+            return xz_NG.view(x_TBE.shape[0], x_TBE.shape[1], -1)
+        return x_TBE @ W_x + self.b
+
     def _forward_fused(self, bytes_BT: Tensor, state: State) -> tuple[Tensor, State, Tensor]:
         """``forward`` through models/recurrence.py: time-major inside, the same results outside."""
         x_TBE = self.embed(bytes_BT.T)
         W_x, W_h, W_mx, W_mh = self.cell_weights()
-        xz_TBG = x_TBE @ W_x + self.b
+        xz_TBG = self._input_gates(x_TBE, W_x)
         xm_TBH = x_TBE @ W_mx
         h_TBH, c_TBH = recurrence(xz_TBG, xm_TBH, *state, W_h, W_mh, compile_gates=self.compile_gates)
         # The read-out is smaller than h (V < H): transpose the logits, not h.
@@ -241,7 +251,7 @@ class MLSTM(nn.Module):
             for t0 in range(0, len(num_reading), chunk_len):
                 n = num_reading[t0]
                 x_TNE = self.embed(bytes_BT[:n, t0 : t0 + chunk_len].T)
-                xz_TNG, xm_TNH = x_TNE @ W_x + self.b, x_TNE @ W_mx
+                xz_TNG, xm_TNH = self._input_gates(x_TNE, W_x), x_TNE @ W_mx
                 reading = num_reading[t0 : t0 + chunk_len]
                 final_states(xz_TNG, xm_TNH, h_BH, c_BH, W_h, W_mh, reading, compile_gates=self.compile_gates)
             return c_BH[order_B.argsort()]

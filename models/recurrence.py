@@ -14,8 +14,9 @@ what the backward needs in time-major [T, B, ·] tensors; the backward loop does
 each step needs (dm = dz W_hᵀ, dh = (dm ⊙ xm) W_mhᵀ), and the weight gradients are two large products
 over all T·B rows after the loop (dW_h = Mᵀ dZ, dW_mh = H_prevᵀ dHM).
 
-Dtypes: the matrix products run in xz's dtype (bf16 or fp16 under autocast, else fp32 or fp64); the
-gate math and the cell state in the wider of that and the initial cell state's (fp32 under autocast).
+Dtypes: the matrix products run in autocast's dtype where autocast is on (xz and xm are cast to it: x W_x
++ b comes in as fp32, since b is), else in xz's (fp32 or fp64); the gate math and the cell state in the
+wider of that and the initial cell state's (fp32 under autocast).
 The gate math of one step is a plain function, compiled into one kernel per direction on CUDA where
 ``torch.compile`` works (``compile_gates``); on a CPU it runs as plain PyTorch, which is faster to start.
 """
@@ -23,6 +24,7 @@ The gate math of one step is a plain function, compiled into one kernel per dire
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +62,40 @@ def gates_backward(
     return torch.cat([ds_B3H, du_BH], dim=1), dc_BH * sf_BH
 
 
+class _CompiledOrPlain:
+    """``torch.compile(plain)``, which falls back to ``plain`` for good if compiling fails on first use.
+
+    Triton being importable does not mean compilation works (it also needs a C compiler, a supported
+    GPU, a writable cache): a run then goes on, slower, with one warning, instead of failing. The first
+    call is eager in every use (the training step's warm-up runs before CUDA-graph capture)."""
+
+    def __init__(self, plain: Callable[..., Any]) -> None:
+        self.plain = plain
+        # dynamic=None: a shape seen twice (features: fewer rows as texts end) compiles once, symbolically.
+        self.compiled: Callable[..., Any] | None = torch.compile(plain, fullgraph=True)
+        self.checked = False
+
+    def __call__(self, *args: Tensor) -> Any:
+        if self.compiled is not None and not self.checked:
+            try:
+                result = self.compiled(*args)
+            except torch.OutOfMemoryError:
+                raise  # the device's, not the compiler's: the plain function would not fit either
+            except Exception as error:  # any compiler failure: the plain function computes the same
+                first_line = next(iter(str(error).splitlines()), "")
+                warnings.warn(
+                    f"torch.compile of {self.plain.__name__} failed ({type(error).__name__}: {first_line}); "
+                    "the gate math runs uncompiled",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self.compiled = None
+                return self.plain(*args)
+            self.checked = True
+            return result
+        return (self.compiled or self.plain)(*args)
+
+
 @functools.cache
 def _compiled() -> tuple[GateStep, GateBackward] | None:
     """The gate functions through torch.compile (one fused kernel each), or None where it cannot run."""
@@ -67,8 +103,7 @@ def _compiled() -> tuple[GateStep, GateBackward] | None:
         import triton  # noqa: F401  (torch.compile's CUDA code generator)
     except ImportError:
         return None
-    # dynamic=None: a shape seen twice (features: fewer rows as texts end) compiles once, symbolically.
-    return torch.compile(gates, fullgraph=True), torch.compile(gates_backward, fullgraph=True)
+    return _CompiledOrPlain(gates), _CompiledOrPlain(gates_backward)
 
 
 def gate_functions(device: torch.device, compile_gates: bool) -> tuple[GateStep, GateBackward]:
@@ -163,6 +198,16 @@ class Recurrence(torch.autograd.Function):
         )
 
 
+def _in_autocast_dtype(xz: Tensor, xm: Tensor) -> tuple[Tensor, Tensor]:
+    """xz and xm in autocast's dtype where it is on, so the products run in it (they run with autocast
+    off): x W_x + b is fp32 under autocast, since b is, and would make every product an fp32 one."""
+    device_type = xz.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return xz, xm
+    dt = torch.get_autocast_dtype(device_type)
+    return xz.to(dt), xm.to(dt)
+
+
 def recurrence(
     xz_TBG: Tensor,
     xm_TBH: Tensor,
@@ -176,6 +221,7 @@ def recurrence(
     """h and c after every step, [T, B, H] each (h in xz's dtype, c in the gate math's)."""
     if xz_TBG.shape[0] == 0:
         raise ValueError("the recurrence needs at least one time step")
+    xz_TBG, xm_TBH = _in_autocast_dtype(xz_TBG, xm_TBH)
     # torch types Function.apply without annotations.
     result: tuple[Tensor, Tensor] = Recurrence.apply(  # type: ignore[no-untyped-call]
         xz_TBG.contiguous(), xm_TBH.contiguous(), h0_BH, c0_BH, W_h, W_mh, compile_gates
@@ -202,6 +248,7 @@ def final_states(
     ended cost nothing.
     """
     step, _ = gate_functions(xz_TBG.device, compile_gates)
+    xz_TBG, xm_TBH = _in_autocast_dtype(xz_TBG, xm_TBH)
     dt = xz_TBG.dtype
     W_h_d, W_mh_d = W_h.to(dt), W_mh.to(dt)
     with torch.autocast(xz_TBG.device.type, enabled=False):

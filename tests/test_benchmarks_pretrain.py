@@ -68,3 +68,25 @@ def test_the_sharding_benchmark_writes_a_row_per_sharding_against_ddp(
     assert [r["sharding"] for r in rows] == ["none", "full"]  # DDP first: the baseline
     assert rows[1]["optimizer_bytes"] * 2 == rows[0]["optimizer_bytes"]
     assert all(r["step_s"] > 0 and r["peak_bytes"] > 0 for r in rows)
+
+
+def test_the_job_reads_the_peak_the_benchmark_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark saves a GPU's measured peak under a precision's name; the job's mfu must find it."""
+    import torch
+
+    from tasks.pretrain.train import MEASURED_PEAKS, peak_in_file
+
+    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
+    monkeypatch.setenv("MLSTM_HOME", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("pretrain_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    gpu = "NVIDIA H100 80GB HBM3"
+    module.save_peaks(
+        {module.DTYPE_NAMES[torch.bfloat16]: 7.93e14, module.DTYPE_NAMES[torch.float16]: 7.9e14}, gpu
+    )
+    assert peak_in_file(tmp_path / MEASURED_PEAKS, gpu, torch.bfloat16) == 7.93e14
+    assert peak_in_file(tmp_path / MEASURED_PEAKS, gpu, torch.float16) == 7.9e14
+    assert peak_in_file(tmp_path / MEASURED_PEAKS, "another GPU", torch.bfloat16) is None

@@ -75,7 +75,9 @@ def test_compiled_gates_equal_the_plain_ones() -> None:
 def _trainable(dtype: torch.dtype) -> tuple[MLSTM, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)
     model = MLSTM(MLSTMConfig(hidden_size=256)).to(CUDA)
-    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device=CUDA), fused=True)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=torch.tensor(1e-3, device=CUDA), fused=True, capturable=True
+    )
     return model, optimizer, torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
 
@@ -168,3 +170,28 @@ def test_the_mfu_peak_is_the_one_the_benchmark_measured(tmp_path: Path) -> None:
     (tmp_path / MEASURED_PEAKS).write_text(json.dumps({torch.cuda.get_device_name(CUDA): {"bf16": 7.5e14}}))
     assert peak_flops(CUDA, torch.bfloat16, tmp_path) == 7.5e14
     assert peak_flops(CUDA, torch.bfloat16, tmp_path / "elsewhere") == datasheet_flops(CUDA)
+
+
+def test_the_pretrain_benchmark_times_the_captured_step_beside_the_eager_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pretrain.py"
+    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])
+    monkeypatch.setenv("MLSTM_HOME", str(tmp_path))  # where it saves the measured peak
+    spec = importlib.util.spec_from_file_location("pretrain_benchmark", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    out = tmp_path / "bench.json"
+    argv = ["--presets", "tiny", "--batch", "8", "--seq-len", "16", "--steps", "3", "--warmup", "1"]
+    argv += ["--impls", "graphed,fused", "--precision", "fp32", "--matmul-size", "1024", "--json", str(out)]
+    assert module.main(argv) == 0
+    graphed, fused = json.loads(out.read_text())["rows"]
+    assert (graphed["impl"], fused["impl"], graphed["status"]) == ("graphed", "fused", "ok")
+    # The same weights and batches: the captured step computes what the eager one does.
+    assert graphed["first_loss"] == pytest.approx(fused["first_loss"], rel=1e-4)
+    assert graphed["last_loss"] == pytest.approx(fused["last_loss"], rel=1e-4)

@@ -23,6 +23,7 @@ from train_helpers import job, run_job
 from models.mlstm import MLSTM, preset
 from tasks.corpus.build import CorpusConfig
 from tasks.pretrain.checkpoint import load_checkpoint, read_latest
+from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
 from tasks.pretrain.train import TrainConfig, Trainer, World, fit, lr_factor, peak_flops
 from tasks.settings import get_settings
@@ -142,6 +143,27 @@ def test_the_mfu_peak_is_the_measured_one_when_known(monkeypatch: pytest.MonkeyP
     assert peak_flops(cpu, torch.float32, tmp_path) == 2.5e12
     monkeypatch.delenv("MLSTM_PEAK_FLOPS")
     assert peak_flops(cpu, torch.float32, tmp_path) is None  # a CPU has no datasheet peak here
+
+
+def test_a_captured_step_refuses_an_optimizer_it_cannot_capture() -> None:
+    model = MLSTM(preset("tiny"))
+    bytes_BT = torch.zeros(2, 5, dtype=torch.long)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for optimizer, message in (
+        (torch.optim.Adam(model.parameters(), lr=1e-3), "lr as a device tensor"),
+        (torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3)), "capturable=True"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            GraphedStep(
+                model,
+                optimizer,
+                scaler,
+                model.zero_state(2),
+                bytes_BT,
+                bytes_BT,
+                dtype=torch.float32,
+                clip=1.0,
+            )
 
 
 def test_the_fused_recurrence_trains_as_the_reference_cell_does(amazon_manifest: str, home: Path) -> None:

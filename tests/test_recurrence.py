@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.mlstm import MLSTM, MLSTMConfig
-from models.recurrence import gates, gates_backward, recurrence
+from models.recurrence import _CompiledOrPlain, gates, gates_backward, recurrence
 
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -106,3 +109,46 @@ def test_final_cell_state_is_the_same_on_both_paths() -> None:
         rtol=RTOL,
         atol=ATOL,
     )
+
+
+class _ProductDtypes(TorchDispatchMode):
+    """Records the dtypes of every matrix product as it reaches its kernel (after autocast's casts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_autocast_the_fused_products_run_in_its_dtype() -> None:
+    """x W_x + b is fp32 under autocast (b is): the recurrence must still multiply in bf16, or a GPU runs
+    every product of training and of features in fp32."""
+    torch.manual_seed(0)
+    model = MLSTM(MLSTMConfig(hidden_size=16, embed_size=8))
+    bytes_BT = torch.randint(0, 256, (3, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _ProductDtypes() as training:
+            logits, (h, c), _ = model(bytes_BT)
+            logits.float().sum().backward()
+        with _ProductDtypes() as features:
+            model.final_cell_state(bytes_BT, torch.tensor([5, 2, 4]))
+    assert training.dtypes == {torch.bfloat16}, training.dtypes
+    assert features.dtypes == {torch.bfloat16}, features.dtypes
+    assert h.dtype == torch.bfloat16 and c.dtype == torch.float32  # the cell state stays wide
+
+
+def test_a_gate_function_that_fails_to_compile_runs_uncompiled_with_a_warning() -> None:
+    def halved(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # fullgraph=True refuses this: compilation fails at the first call
+        return x / 2
+
+    step = _CompiledOrPlain(halved)
+    x = torch.arange(4.0)
+    with pytest.warns(RuntimeWarning, match="halved failed .* the gate math runs uncompiled"):
+        torch.testing.assert_close(step(x), x / 2)
+    torch.testing.assert_close(step(x), x / 2)  # and from then on, without asking the compiler again
+    assert step.compiled is None

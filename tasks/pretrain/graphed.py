@@ -2,9 +2,9 @@
 
 Shapes are static in a run (the batch and seq_len are fixed), so the whole step is captured: autocast
 forward through the fused recurrence, cross-entropy, the GradScaler's scaling and unscaling, gradient
-clipping, Adam (``fused=True``, its learning rate a device tensor the schedule fills in place), the
-GradScaler's update, and the carried state copied into the next step's input. What stays outside, and
-why:
+clipping, Adam (``fused=True, capturable=True``: torch refuses to capture an Adam without
+``capturable``; its learning rate a device tensor the schedule fills in place), the GradScaler's
+update, and the carried state copied into the next step's input. What stays outside, and why:
 
 - the batch: copied into the graph's input tensors before each replay (it comes from the host);
 - the learning-rate schedule: ``LambdaLR.step`` runs on the host and ``fill_``s the lr tensor the
@@ -51,13 +51,15 @@ class GraphedStep:
         dtype: torch.dtype,
         clip: float,
     ) -> None:
-        if inputs_BT.device.type != "cuda":
-            raise ValueError(f"a CUDA graph needs a CUDA device, not {inputs_BT.device}")
         for group in optimizer.param_groups:
             if not isinstance(group["lr"], Tensor):
                 raise ValueError(
                     "a captured optimizer needs its lr as a device tensor, or the schedule is lost"
                 )
+            if not group.get("capturable", False):
+                raise ValueError("a captured optimizer needs capturable=True (torch refuses to capture it)")
+        if inputs_BT.device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs a CUDA device, not {inputs_BT.device}")
         self.module, self.optimizer, self.scaler = module, optimizer, scaler
         self.dtype, self.clip = dtype, clip
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]

@@ -187,15 +187,25 @@ def datasheet_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in name), None)
 
 
+# The precisions' short names: the job's --precision values, and the keys of MEASURED_PEAKS.
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
 def measured_flops(device: torch.device, dtype: torch.dtype, home: Path | None) -> float | None:
     """MLSTM_PEAK_FLOPS, else the matmul peak benchmarks/pretrain.py measured on this GPU in this dtype."""
     if os.environ.get("MLSTM_PEAK_FLOPS"):
         return float(os.environ["MLSTM_PEAK_FLOPS"])
-    if device.type != "cuda" or home is None or not (home / MEASURED_PEAKS).is_file():
+    if device.type != "cuda" or home is None:
+        return None
+    return peak_in_file(home / MEASURED_PEAKS, torch.cuda.get_device_name(device), dtype)
+
+
+def peak_in_file(path: Path, gpu: str, dtype: torch.dtype) -> float | None:
+    """The peak a file of MEASURED_PEAKS holds for this GPU (by name) and precision, if any."""
+    if not path.is_file():
         return None
     try:
-        peaks = json.loads((home / MEASURED_PEAKS).read_text())
-        value = peaks.get(torch.cuda.get_device_name(device), {}).get(str(dtype).removeprefix("torch."))
+        value = json.loads(path.read_text()).get(gpu, {}).get(PRECISION_NAMES.get(dtype))
     except (ValueError, AttributeError):
         return None  # a damaged file costs the metric, never the run
     return float(value) if value else None
@@ -365,6 +375,7 @@ class Trainer:
                 self.model.parameters(),
                 lr=torch.tensor(config.effective_lr(), device=world.device),
                 fused=True,
+                capturable=True,  # or Adam refuses to be captured
             )
         else:
             self.ddp, self.optimizer = shard.wrap(
@@ -419,6 +430,16 @@ class Trainer:
         # A checkpoint's optimizer settings say how it ran (fused, lr as a number), not how this launch runs.
         keys = ("lr", "fused", "capturable", "foreach")
         own = [{k: g[k] for k in keys} for g in self.optimizer.param_groups] if self.graphed else []
+        if own:
+            # Loaded with this launch's flags, so Adam puts each parameter's step count on the device,
+            # where fused, capturable Adam reads it (the file's flags would leave it on the CPU).
+            state["optimizer"] = {
+                **state["optimizer"],
+                "param_groups": [
+                    {**group, **{k: mine[k] for k in keys[1:]}}
+                    for group, mine in zip(state["optimizer"]["param_groups"], own, strict=True)
+                ],
+            }
         shard.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         for group, mine in zip(self.optimizer.param_groups, own, strict=False):
             if isinstance(mine["lr"], Tensor):
