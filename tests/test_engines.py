@@ -124,6 +124,8 @@ def test_a_store_that_cannot_be_written_fails_before_any_source_is_read(
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
+    # No work before the error: no piece was parsed (without the check, each parse task fails its upload).
+    assert "Task run" not in done.stderr and "parse" not in done.stderr, done.stderr
     message = " ".join(done.stderr.split())
     assert bucket in message and s3_server in message
     assert (
