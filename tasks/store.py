@@ -268,7 +268,7 @@ class S3Store(Store):
                     raise
                 if not create_bucket:
                     raise StoreError(
-                        f"{where} does not exist: create it (--create-bucket) or fix the store {self.uri} "
+                        f"{where} does not exist: create it (corpus build --create-bucket) or fix the store {self.uri} "
                         f"{fix}"
                     ) from None
                 self.client.create_bucket(Bucket=self.bucket)

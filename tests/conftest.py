@@ -131,6 +131,19 @@ def sample_manifest(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
 
 
+@pytest.fixture(scope="session")
+def amazon_manifest(amazon_complete: list[Path], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """URI of the corpus of every complete Amazon file, built once per session: the training and
+    sweep tests read it, none writes to its store."""
+    from corpus_helpers import build
+
+    from tasks.corpus.build import CorpusConfig
+
+    root = tmp_path_factory.mktemp("amazon-corpus")
+    manifest = build(amazon_complete, root / "store", CorpusConfig(split=(98, 1, 1)))
+    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+
+
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh MLSTM home (store, MLflow database, caches) for one test."""

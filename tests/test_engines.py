@@ -124,6 +124,8 @@ def test_a_store_that_cannot_be_written_fails_before_any_source_is_read(
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
+    # No work before the error: no piece was parsed (without the check, each parse task fails its upload).
+    assert "Task run" not in done.stderr and "parse" not in done.stderr, done.stderr
     message = " ".join(done.stderr.split())
     assert bucket in message and s3_server in message
     assert (
@@ -148,3 +150,21 @@ def test_a_store_folder_that_cannot_be_made_is_one_clear_error(tmp_path: Path) -
     (tmp_path / "a-file").write_text("")
     with pytest.raises(StoreError, match=r"a-file.*MLSTM_STORE_URI"):
         open_store(str(tmp_path / "a-file" / "store")).check_writable()
+
+
+def test_a_training_run_whose_store_cannot_be_written_fails_before_any_process(
+    s3_server: str, sample_manifest: str, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    from tasks.pretrain.stage import PretrainParams, plan_job
+    from tasks.store import StoreError
+
+    bucket = f"missing-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("MLSTM_S3_ENDPOINT_URL", s3_server)
+    settings = get_settings(store_uri=f"s3://{bucket}/runs")
+    params = PretrainParams(corpus=sample_manifest, run="nowhere", batch_size=4, seq_len=16)
+    # Checked when the job is planned (before torchrun, Slurm or Kubernetes start anything), not when
+    # the first checkpoint is written.
+    with pytest.raises(StoreError, match=rf"{bucket}.*does not exist.*MLSTM_STORE_URI"):
+        plan_job(params, settings)

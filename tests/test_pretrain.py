@@ -16,12 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from corpus_helpers import build
 from torch.nn import functional as F
 from train_helpers import job, run_job
 
 from models.mlstm import MLSTM, preset
-from tasks.corpus.build import CorpusConfig
 from tasks.pretrain.checkpoint import load_checkpoint, read_latest
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
@@ -32,13 +30,6 @@ from tasks.store import LocalStore
 CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
 # Small enough for two CPU cores: 8 rows of 32 bytes a step.
 FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--log-every", "5"]
-
-
-@pytest.fixture(scope="session")
-def amazon_manifest(amazon_complete: list[Path], tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("amazon-corpus")
-    manifest = build(amazon_complete, root / "store", CorpusConfig(split=(98, 1, 1)))
-    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
 
 
 def test_schedule_warms_up_then_decays_linearly_to_zero() -> None:
@@ -166,6 +157,7 @@ def test_a_captured_step_refuses_an_optimizer_it_cannot_capture() -> None:
             )
 
 
+@pytest.mark.slow  # the Amazon corpus built, then 40 steps, half of them on the byte-by-byte cell
 def test_the_fused_recurrence_trains_as_the_reference_cell_does(amazon_manifest: str, home: Path) -> None:
     losses = {}
     for recurrence in ("fused", "reference"):

@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from corpus_helpers import build
 
-from tasks.corpus.build import CorpusConfig
 from tasks.corpus.sample import write_labelled_sample
 from tasks.pretrain.stage import PretrainParams
 from tasks.settings import Settings
@@ -41,13 +39,6 @@ space:
   lr: {{log_uniform: [1.0e-4, 3.0e-2]}}
   batch_size: {{choice: [8, 16]}}
 """
-
-
-@pytest.fixture(scope="session")
-def amazon_manifest(amazon_complete: list[Path], tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("sweep-corpus")
-    manifest = build(amazon_complete, root / "store", CorpusConfig(split=(98, 1, 1)))
-    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
 
 
 def write_spec(

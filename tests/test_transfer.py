@@ -68,6 +68,7 @@ def env(trained: dict[str, Any], mlflow_server: str, prefect_api_url: str, tmp_p
     }
 
 
+@pytest.mark.slow  # the module's `trained` fixture trains for about 30 s
 def test_features_cli_writes_one_row_per_input_row_and_caches(
     trained: dict[str, Any], shared_data: Path, env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -97,6 +98,7 @@ def test_features_cli_writes_one_row_per_input_row_and_caches(
     assert len(cached) == 1
 
 
+@pytest.mark.slow  # the module's `trained` fixture trains for about 30 s
 def test_features_cli_names_the_file_and_line_of_bad_input(
     env: dict[str, str], trained: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -180,6 +182,7 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
     _serve_and_post(env, f"models:/{name}@{CHAMPION}", Path(env["MLSTM_HOME"]) / "logs" / "serve.log")
 
 
+@pytest.mark.slow  # the module's `trained` fixture trains for about 30 s
 def test_transfer_logs_the_neuron_over_six_test_reviews(
     trained: dict[str, Any], mlflow_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -122,6 +122,8 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
         )  # fmt: skip
         if not memory.fits:
             raise ValueError(memory.message())
+    # The checkpoints' store fails now, not at the first checkpoint after minutes of training.
+    store_of(settings).check_writable()
     store_options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
     corpus = resolve_corpus(params.corpus, settings)
     manifest = read_corpus_manifest(corpus, **store_options)
