@@ -23,7 +23,7 @@ from tasks.pretrain.checkpoint import (
 from tasks.pretrain.sharding import optimizer_layout, save_sharded, wrap
 from tasks.pretrain.stage import PretrainParams
 from tasks.pretrain.train import iter_progress
-from tasks.store import LocalStore
+from tasks.store import LocalStore, Store, open_store
 from tasks.sweep.spec import parse_spec
 
 FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--log-every", "1"]
@@ -101,7 +101,7 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size_and_sharding(
         torch.testing.assert_close(cached["model"][name], value, rtol=0, atol=0, msg=name)
 
 
-def _sharded_step(store: LocalStore, step: int, scratch: Path) -> MLSTM:
+def _sharded_step(store: Store, step: int, scratch: Path) -> MLSTM:
     """A sharded checkpoint written as a job writes one (here by one process, one rank's files)."""
     torch.manual_seed(step)
     model = MLSTM(preset("tiny"))
@@ -118,19 +118,26 @@ def _sharded_step(store: LocalStore, step: int, scratch: Path) -> MLSTM:
     return model
 
 
-def test_a_sharded_checkpoint_is_consolidated_on_first_use_and_its_damage_shows(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "store")
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_a_sharded_checkpoint_is_consolidated_on_first_use_and_its_damage_shows(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """In a folder store the DCP files are read in place; in S3 (moto on loopback) downloaded first."""
+    if where == "s3":
+        store = open_store(f"s3://{request.getfixturevalue('s3_bucket')}/store")
+    else:
+        store = LocalStore(tmp_path / "store")
     _sharded_step(store, 4, tmp_path)
     model = _sharded_step(store, 8, tmp_path)
-    folder = store.path(step_prefix("r", 8))
-    consolidated = load_checkpoint(str(folder))
+    prefix = step_prefix("r", 8)
+    consolidated = load_checkpoint(store.url(prefix))
     for name, value in model.state_dict().items():
         torch.testing.assert_close(consolidated.state["model"][name], value, rtol=0, atol=0)
     assert sorted(consolidated.state["optimizer"]["state"]) == list(range(len(list(model.parameters()))))
-    assert (folder / "state.pt").is_file() and (folder / "consolidated.json").is_file()  # cached
-    # A resume reads the DCP files in place; one cut short is damage, named, and the step before answers.
-    shard = folder / "sharded" / "__0_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:100])
+    assert store.exists(f"{prefix}/state.pt") and store.exists(f"{prefix}/consolidated.json")  # cached
+    # A resume reads the DCP files; one cut short is damage, named, and the step before answers.
+    shard = f"{prefix}/sharded/__0_0.distcp"
+    store.write_bytes(shard, store.read_bytes(shard)[:100])
     found = load_intact(store, "r", shards_to=tmp_path / "resume")
     assert found is not None and found[0].step == 4 and found[0].sharded is not None
     assert "sharded/__0_0.distcp is damaged" in found[1][0]
