@@ -73,23 +73,10 @@ def wrap(
     return ddp, torch.optim.Adam(model.parameters(), lr=lr)
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, is_main: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The unsharded weights and optimizer state, whole on rank 0 (every rank must call this)."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return model.state_dict(), optimizer.state_dict() if is_main else {}
-    if isinstance(model, FSDPModule):
-        # The root keeps its weights gathered after a forward without backward (a validation):
-        # shard them again, or the state dict holds DTensors instead of whole tensors.
-        model.reshard()
-        weights = get_model_state_dict(model, options=_FULL)
-        state = get_optimizer_state_dict(model, optimizer, options=_FULL)
-        return weights, _by_index(state, _names(model)) if is_main else {}
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The weights and Adam state of an unsharded launch (DDP or one rank), for one ``state.pt``;
+    a sharded one saves through DCP instead (``save_sharded``): nothing is gathered on one rank."""
+    assert not is_sharded(model, optimizer), "a sharded state is saved with save_sharded"
     return model.state_dict(), optimizer.state_dict()
 
 
@@ -117,7 +104,9 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     and this rank's param groups (by name), which stay out of the files: they differ between ranks
     under ZeRO, and the hyperparameters come from the launch (lr from the schedule)."""
     if isinstance(model, FSDPModule):
-        model.reshard()  # as in full_state: a forward without backward leaves the root gathered
+        # The root keeps its weights gathered after a forward without backward (a validation):
+        # shard them again, or the state dict holds whole tensors instead of DTensors.
+        model.reshard()
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     adam = get_optimizer_state_dict(model, inner)  # allocates Adam's state (zeros) if there is none yet
     groups: list[Any] = list(adam["param_groups"])
@@ -182,19 +171,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # A consolidated checkpoint keeps plain Adam's layout (parameters by index, in the model's order);
-# DCP's full state dicts name them (by FQN). These two turn one into the other.
+# DCP's state dicts name them (by FQN): ``_by_name`` turns the first into the second.
 def _names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
-
-
-def _by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    return {
-        "state": {names.index(name): value for name, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [names.index(name) for name in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
 
 
 def _by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:

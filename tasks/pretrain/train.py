@@ -460,7 +460,7 @@ class Trainer:
         h, c = (self.world.gather_rows(t.detach()) for t in self.state)
         if shard.is_sharded(self.model, self.optimizer):
             return self.save_sharded(h, c)
-        weights, optimizer_state = shard.full_state(self.model, self.optimizer, is_main=self.world.is_main)
+        weights, optimizer_state = shard.full_state(self.model, self.optimizer)
         if not self.world.is_main:
             return None
         if self.graphed:  # the same file whether the step was captured or not: lr a number, Adam's defaults
