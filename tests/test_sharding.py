@@ -3,17 +3,28 @@ checkpoints that resume at another world size."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from train_helpers import job
 
-from tasks.pipeline import pretrain_key
-from tasks.pretrain.checkpoint import load_checkpoint
-from tasks.pretrain.sharding import wrap
+from models.mlstm import MLSTM, preset
+from tasks.pipeline import apply_overrides, pretrain_key, validated
+from tasks.pretrain.checkpoint import (
+    load_checkpoint,
+    load_intact,
+    save_sharded_checkpoint,
+    save_shards,
+    step_prefix,
+)
+from tasks.pretrain.sharding import optimizer_layout, save_sharded, wrap
 from tasks.pretrain.stage import PretrainParams
 from tasks.pretrain.train import iter_progress
+from tasks.store import LocalStore, Store, open_store
+from tasks.sweep.spec import parse_spec
 
 FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--log-every", "1"]
 
@@ -44,21 +55,92 @@ def test_a_sharding_trains_as_ddp_with_a_share_of_adams_state(
 
 
 @pytest.mark.slow
-def test_a_full_checkpoint_at_two_ranks_resumes_at_one(sample_manifest: str, home: Path) -> None:
+def test_a_sharded_checkpoint_resumes_at_another_world_size_and_sharding(
+    sample_manifest: str, home: Path
+) -> None:
+    """full at 2 ranks (steps 0-8) → optimizer at 2 ranks (8-12) → one rank (12-16) equals a straight
+    run; the sharded checkpoints are DCP files, consolidated into state.pt on first use and cached."""
     common = ["--corpus", sample_manifest, "--store", str(home / "store"), *FAST, "--checkpoint-every", "100"]
     straight, straight_uri = run(
         [*common, "--run-name", "straight", "--max-steps", "16"], home, nproc=1, name="a"
     )
-    run([*common, "--run-name", "halves", "--max-steps", "8", "--sharding", "full"], home, nproc=2, name="b")
-    resumed, resumed_uri = run(
-        [*common, "--run-name", "halves", "--max-steps", "16"], home, nproc=1, name="c"
+    _, full_uri = run(
+        [*common, "--run-name", "halves", "--max-steps", "8", "--sharding", "full"], home, nproc=2, name="b"
     )
-    assert resumed[-1]["step"] == 16
+    folder = Path(full_uri)
+    assert json.loads((folder / "meta.json").read_text())["format"] == "dcp"
+    assert sorted(p.name for p in (folder / "sharded").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert not (folder / "state.pt").exists()  # nothing gathered on rank 0 at save
+    run(
+        [*common, "--run-name", "halves", "--max-steps", "12", "--sharding", "optimizer"],
+        home,
+        nproc=2,
+        name="c",
+    )
+    resumed, resumed_uri = run(
+        [*common, "--run-name", "halves", "--max-steps", "16"], home, nproc=1, name="d"
+    )
+    assert [p["step"] for p in resumed] == [13, 14, 15, 16]
     assert resumed[-1]["loss"] == pytest.approx(straight[-1]["loss"], rel=1e-5)
     a, b = load_checkpoint(straight_uri).state, load_checkpoint(resumed_uri).state
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-4, atol=1e-5, msg=name)
     assert len(b["optimizer"]["state"]) == len(a["optimizer"]["state"])  # whole, not a shard
+    # The transfer stage's reader: the step-8 DCP files as one state.pt, made once and cached.
+    consolidated = load_checkpoint(full_uri)
+    assert (folder / "state.pt").is_file() and (folder / "consolidated.json").is_file()
+    assert consolidated.model().config.hidden_size == consolidated.model_config.hidden_size
+    assert len(consolidated.state["optimizer"]["state"]) == len(a["optimizer"]["state"])
+    assert consolidated.state["optimizer"]["param_groups"][0]["params"] == list(range(len(a["model"])))
+    cached = load_checkpoint(full_uri).state
+    for name, value in consolidated.state["model"].items():
+        torch.testing.assert_close(cached["model"][name], value, rtol=0, atol=0, msg=name)
+
+
+def _sharded_step(store: Store, step: int, scratch: Path) -> MLSTM:
+    """A sharded checkpoint written as a job writes one (here by one process, one rank's files)."""
+    torch.manual_seed(step)
+    model = MLSTM(preset("tiny"))
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 256, (2, 8)), model.zero_state(2))[0].sum().backward()
+    adam.step()
+    folder = scratch / str(step)
+    folder.mkdir()
+    save_sharded(model, adam, folder)
+    files = save_shards(store, "r", step, folder)
+    extra = {"schedule": {}, "scaler": {}, "h": torch.zeros(2, 4), "c": torch.zeros(2, 4)}
+    meta = {"model": dataclasses.asdict(model.config)}
+    save_sharded_checkpoint(store, "r", step, {**optimizer_layout(model, adam), **extra}, files, meta)
+    return model
+
+
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_a_sharded_checkpoint_is_consolidated_on_first_use_and_its_damage_shows(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """In a folder store the DCP files are read in place; in S3 (moto on loopback) downloaded first."""
+    if where == "s3":
+        store = open_store(f"s3://{request.getfixturevalue('s3_bucket')}/store")
+    else:
+        store = LocalStore(tmp_path / "store")
+    _sharded_step(store, 4, tmp_path)
+    model = _sharded_step(store, 8, tmp_path)
+    prefix = step_prefix("r", 8)
+    consolidated = load_checkpoint(store.url(prefix))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(consolidated.state["model"][name], value, rtol=0, atol=0)
+    assert sorted(consolidated.state["optimizer"]["state"]) == list(range(len(list(model.parameters()))))
+    assert store.exists(f"{prefix}/state.pt") and store.exists(f"{prefix}/consolidated.json")  # cached
+    # A resume reads the DCP files; one cut short is damage, named, and the step before answers.
+    shard = f"{prefix}/sharded/__0_0.distcp"
+    store.write_bytes(shard, store.read_bytes(shard)[:100])
+    found = load_intact(store, "r", shards_to=tmp_path / "resume")
+    assert found is not None and found[0].step == 4 and found[0].sharded is not None
+    assert "sharded/__0_0.distcp is damaged" in found[1][0]
 
 
 def test_the_sharding_is_a_setting_of_the_launch_not_of_the_run() -> None:
@@ -67,6 +149,28 @@ def test_the_sharding_is_a_setting_of_the_launch_not_of_the_run() -> None:
     key = pretrain_key(params, "corpus-id")
     assert pretrain_key(params.model_copy(update={"sharding": "full"}), "corpus-id") == key
     assert pretrain_key(params.model_copy(update={"lr": 1e-3}), "corpus-id") != key
+
+
+def test_the_sharding_reaches_the_pipeline_and_the_sweep() -> None:
+    """``--set pretrain.sharding=…`` and a sweep spec's fixed ``sharding`` reach the launch."""
+    base = validated({"sources": ["raw/"], "transfer": {"datasets": [f"sst2={Path(__file__).parent}"]}})
+    changed = validated(apply_overrides(base.model_dump(mode="json"), ["pretrain.sharding=full"]))
+    assert changed.pretrain.sharding == "full"
+    with pytest.raises(
+        ValueError, match=r"pretrain\.sharding: Input should be 'none', 'optimizer' or 'full'"
+    ):
+        validated(apply_overrides(base.model_dump(mode="json"), ["pretrain.sharding=zero3"]))
+    spec = parse_spec(
+        {
+            "corpus": "/c/manifest.json",
+            "preset": "tiny",
+            "sharding": "optimizer",
+            "budget": {"trials": 2, "max_steps": 20},
+            "asha": {"min_steps": 10, "eta": 2},
+            "space": {"lr": {"log_uniform": [1e-4, 1e-2]}},
+        }
+    )
+    assert spec.trial_params({"lr": 1e-3}, "r", 10).sharding == "optimizer"
 
 
 def test_full_sharding_refuses_fp16_with_what_to_use() -> None:

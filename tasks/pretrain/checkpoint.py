@@ -8,29 +8,45 @@ last, so a reader never finds a half-written checkpoint through it.
 A ``state.pt`` that a full disk or a killed copy cut short, or that rotted in the store, no longer matches
 the digest in its ``meta.json`` (or, in an older checkpoint without one, no longer loads): loading it raises
 ``DamagedCheckpoint`` naming the file, and ``load_intact`` falls back to the newest intact step of the run.
+
+A job whose state is sharded (``--sharding optimizer|full`` on more than one rank) saves a sharded
+checkpoint instead: ``sharded/`` holds ``torch.distributed.checkpoint`` (DCP) files, each rank writing its
+own share of the weights and Adam state, and ``run_state.pt`` the rest (schedule, scaler, carried state,
+RNG, Adam's hyperparameters); ``meta.json`` says ``"format": "dcp"`` and holds the sha256 of every file.
+A resume at any world size and sharding reads the DCP files in place (DCP reshards them). Every other
+reader (the transfer stage, ``features``, the registry, ``explain``) gets a consolidated ``state.pt``:
+``load_from`` consolidates a sharded checkpoint on first use, in one process, and caches the file in the
+step's folder (with ``consolidated.json`` holding its sha256) when the store can be written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import pickle
 import re
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from models.mlstm import MLSTM, MLSTMConfig
-from tasks.store import Store, StoreError, open_store
+from tasks.store import LocalStore, Store, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
 STATE_FILE = "state.pt"
+RUN_STATE_FILE = "run_state.pt"  # a sharded checkpoint's state besides the DCP files
+SHARDED_DIR = "sharded"  # a sharded checkpoint's DCP files
+CONSOLIDATED = "consolidated.json"  # the sha256 of a sharded checkpoint's cached state.pt
+DCP = "dcp"
 _STEP_DIR = re.compile(r"step-(\d{7,})$")
 
 
@@ -53,6 +69,9 @@ class Checkpoint:
     uri: str
     meta: dict[str, Any]
     state: dict[str, Any]
+    # A sharded checkpoint loaded to resume: its DCP files on this machine (``state`` then has no
+    # model or optimizer: they load from here, into any sharding).
+    sharded: Path | None = None
 
     @property
     def step(self) -> int:
@@ -68,16 +87,56 @@ class Checkpoint:
         return model
 
 
-def save_checkpoint(store: Store, run: str, step: int, state: dict[str, Any], meta: dict[str, Any]) -> str:
-    """Write a step's checkpoint, then point ``latest.json`` at it. Returns the checkpoint's URI."""
-    prefix = step_prefix(run, step)
-    meta = {**meta, "step": step, "run": run}
-    with store.writer(f"{prefix}/{STATE_FILE}") as path:
+def _save_state(store: Store, key: str, state: dict[str, Any]) -> str:
+    """torch.save a state into the store; the sha256 of the bytes as written here."""
+    with store.writer(key) as path:
         with path.open("wb") as file:
             torch.save(state, file)
         # Of the bytes as written here: a copy or a disk that cuts the published file short shows on load.
         with path.open("rb") as file:
-            meta["sha256"] = {STATE_FILE: hashlib.file_digest(file, "sha256").hexdigest()}
+            return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def save_checkpoint(store: Store, run: str, step: int, state: dict[str, Any], meta: dict[str, Any]) -> str:
+    """Write a step's checkpoint, then point ``latest.json`` at it. Returns the checkpoint's URI."""
+    digest = _save_state(store, f"{step_prefix(run, step)}/{STATE_FILE}", state)
+    return _publish(store, run, step, {**meta, "sha256": {STATE_FILE: digest}})
+
+
+def save_shards(store: Store, run: str, step: int, directory: Path) -> dict[str, str]:
+    """Copy the DCP files one rank wrote into ``directory`` into the step's ``sharded/`` folder.
+
+    Every rank calls this for its own files; the answer (file name → sha256) goes to rank 0, whose
+    ``save_sharded_checkpoint`` records them all.
+    """
+    digests = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file():
+            with path.open("rb") as file:
+                digests[path.name] = hashlib.file_digest(file, "sha256").hexdigest()
+            store.put_file(path, f"{step_prefix(run, step)}/{SHARDED_DIR}/{path.name}")
+    return digests
+
+
+def save_sharded_checkpoint(
+    store: Store,
+    run: str,
+    step: int,
+    run_state: dict[str, Any],
+    shards: dict[str, str],
+    meta: dict[str, Any],
+) -> str:
+    """Rank 0, once every rank's ``save_shards`` is done: ``run_state.pt``, ``meta.json``, then
+    ``latest.json``. Returns the checkpoint's URI."""
+    digest = _save_state(store, f"{step_prefix(run, step)}/{RUN_STATE_FILE}", run_state)
+    sha256 = {RUN_STATE_FILE: digest, **{f"{SHARDED_DIR}/{name}": d for name, d in shards.items()}}
+    return _publish(store, run, step, {**meta, "format": DCP, "sha256": sha256})
+
+
+def _publish(store: Store, run: str, step: int, meta: dict[str, Any]) -> str:
+    """Write ``meta.json`` once the step's files are in place, then ``latest.json`` last."""
+    prefix = step_prefix(run, step)
+    meta = {**meta, "step": step, "run": run}
     store.write_bytes(f"{prefix}/meta.json", json.dumps(meta, indent=2).encode())
     uri = store.url(prefix)
     saved_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -109,33 +168,103 @@ def newest_checkpoint(store: Store) -> str | None:
     return newest[1] if newest else None
 
 
-def load_from(store: Store, prefix: str, *, map_location: str | torch.device = "cpu") -> Checkpoint:
+def _read_state(store: Store, key: str, expected: str | None, map_location: Any) -> dict[str, Any]:
+    """A torch.save'd state from the store, checked against its sha256 (``DamagedCheckpoint`` if not)."""
+    url = store.url(key)
+    with store.open_read(key) as stream:
+        data = stream.read()
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise DamagedCheckpoint(
+            f"{url} is damaged: its {len(data):,} bytes do not match the sha256 in its meta.json"
+        )
+    try:
+        state: dict[str, Any] = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as error:
+        raise DamagedCheckpoint(f"{url} is damaged: it cannot be read ({error})") from error
+    return state
+
+
+def load_from(
+    store: Store,
+    prefix: str,
+    *,
+    map_location: str | torch.device = "cpu",
+    shards_to: Path | None = None,
+) -> Checkpoint:
     """The checkpoint in the folder ``prefix`` of a store ("" for the store's root).
 
-    Raises ``DamagedCheckpoint`` when ``state.pt`` does not match the sha256 recorded in ``meta.json``
-    or (a checkpoint saved before digests were recorded) cannot be unpickled.
+    A sharded checkpoint: with ``shards_to`` (a resume), its DCP files checked and made local (in place
+    for a folder store, else downloaded there) and ``state`` its ``run_state.pt``; without, its
+    consolidated ``state.pt`` (made on first use and cached in the store).
+
+    Raises ``DamagedCheckpoint`` when a file does not match the sha256 recorded in ``meta.json`` or
+    (a checkpoint saved before digests were recorded) cannot be unpickled.
     """
 
     def key(name: str) -> str:
         return f"{prefix}/{name}" if prefix else name
 
-    for name in ("meta.json", STATE_FILE):
-        if not store.exists(key(name)):
-            raise StoreError(f"{store.url(prefix)} is not a checkpoint: it has no {name}")
+    if not store.exists(key("meta.json")):
+        raise StoreError(f"{store.url(prefix)} is not a checkpoint: it has no meta.json")
     meta = json.loads(store.read_bytes(key("meta.json")))
-    state_url = store.url(key(STATE_FILE))
-    with store.open_read(key(STATE_FILE)) as stream:
-        data = stream.read()
+    uri = store.url(prefix) if prefix else store.uri
+    if meta.get("format") == DCP:
+        if shards_to is not None:
+            state = _read_state(store, key(RUN_STATE_FILE), meta["sha256"][RUN_STATE_FILE], map_location)
+            return Checkpoint(
+                uri, meta, state, sharded=_local_shards(store, key(SHARDED_DIR), meta, shards_to)
+            )
+        return Checkpoint(uri, meta, _consolidated(store, key, meta, map_location))
+    if not store.exists(key(STATE_FILE)):
+        raise StoreError(f"{store.url(prefix)} is not a checkpoint: it has no {STATE_FILE}")
     expected = meta.get("sha256", {}).get(STATE_FILE)
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise DamagedCheckpoint(
-            f"{state_url} is damaged: its {len(data):,} bytes do not match the sha256 in its meta.json"
-        )
+    return Checkpoint(uri, meta, _read_state(store, key(STATE_FILE), expected, map_location))
+
+
+def _shard_digests(meta: dict[str, Any]) -> dict[str, str]:
+    return {
+        name.removeprefix(f"{SHARDED_DIR}/"): digest
+        for name, digest in meta["sha256"].items()
+        if name.startswith(f"{SHARDED_DIR}/")
+    }
+
+
+def _local_shards(store: Store, prefix: str, meta: dict[str, Any], local: Path) -> Path:
+    """The DCP folder on this machine (in place in a folder store, else downloaded into ``local``),
+    every file checked against its sha256."""
+    directory = store.path(prefix) if isinstance(store, LocalStore) else local
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, expected in _shard_digests(meta).items():
+        url, path = f"{store.url(prefix)}/{name}", directory / name
+        if not store.exists(f"{prefix}/{name}"):
+            raise DamagedCheckpoint(f"{url} is missing")
+        if directory == local:
+            store.download(f"{prefix}/{name}", path)
+        with path.open("rb") as file:
+            if hashlib.file_digest(file, "sha256").hexdigest() != expected:
+                raise DamagedCheckpoint(f"{url} is damaged: it does not match the sha256 in its meta.json")
+    return directory
+
+
+def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: Any) -> dict[str, Any]:
+    """A sharded checkpoint as one ``state.pt``'s state: the cached file, else made now and cached."""
+    if store.exists(key(CONSOLIDATED)) and store.exists(key(STATE_FILE)):
+        expected = json.loads(store.read_bytes(key(CONSOLIDATED)))["sha256"]
+        with contextlib.suppress(DamagedCheckpoint):  # a damaged cache is made again
+            return _read_state(store, key(STATE_FILE), expected, map_location)
+    from tasks.pretrain.sharding import consolidate
+
+    run_state = _read_state(store, key(RUN_STATE_FILE), meta["sha256"][RUN_STATE_FILE], map_location)
+    with tempfile.TemporaryDirectory(prefix="mlstm-dcp-") as scratch:
+        directory = _local_shards(store, key(SHARDED_DIR), meta, Path(scratch))
+        state = consolidate(directory, run_state)
     try:
-        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as error:
-        raise DamagedCheckpoint(f"{state_url} is damaged: it cannot be read ({error})") from error
-    return Checkpoint(store.url(prefix) if prefix else store.uri, meta, state)
+        digest = _save_state(store, key(STATE_FILE), state)
+        store.write_bytes(key(CONSOLIDATED), json.dumps({"sha256": digest}).encode())
+        log.info("consolidated %s into %s", store.url(key(SHARDED_DIR)), store.url(key(STATE_FILE)))
+    except (OSError, StoreError) as error:  # a store this reader cannot write: consolidate each time
+        log.warning("cannot cache the consolidated %s: %s", store.url(key(STATE_FILE)), error)
+    return state
 
 
 def run_steps(store: Store, run: str) -> list[int]:
@@ -143,17 +272,17 @@ def run_steps(store: Store, run: str) -> list[int]:
     steps = set()
     for key in store.list(f"{run_prefix(run)}/checkpoints"):
         match = _STEP_DIR.search(key.rpartition("/")[0])
-        if match and key.endswith(f"/{STATE_FILE}"):
+        if match and key.endswith((f"/{STATE_FILE}", f"/{RUN_STATE_FILE}")):
             steps.add(int(match.group(1)))
     return sorted(steps, reverse=True)
 
 
 def load_intact(
-    store: Store, run: str, *, map_location: str | torch.device = "cpu"
+    store: Store, run: str, *, map_location: str | torch.device = "cpu", shards_to: Path | None = None
 ) -> tuple[Checkpoint, list[str]] | None:
     """The run's newest intact checkpoint (from ``latest.json``'s step down) and the damaged files
     skipped on the way; None for a run without ``latest.json``. No intact one: ``DamagedCheckpoint``
-    naming every damaged file."""
+    naming every damaged file. ``shards_to``: as in ``load_from`` (a sharded step stays sharded)."""
     latest = read_latest(store, run)
     if latest is None:
         return None
@@ -161,7 +290,8 @@ def load_intact(
     damaged: list[str] = []
     for step in [newest, *(s for s in run_steps(store, run) if s < newest)]:
         try:
-            return load_from(store, step_prefix(run, step), map_location=map_location), damaged
+            found = load_from(store, step_prefix(run, step), map_location=map_location, shards_to=shards_to)
+            return found, damaged
         except DamagedCheckpoint as error:
             damaged.append(str(error))
     raise DamagedCheckpoint(

@@ -7,17 +7,26 @@
   sharded over the ranks; a forward gathers the weights in the compute dtype (bf16 on GPUs, fp32 on
   CPU) and gradients are reduced in fp32 (FSDP's mixed-precision policy).
 
-Checkpoints stay one consolidated ``state.pt`` (consolidated when saved, on rank 0, through
-``torch.distributed.checkpoint.state_dict``): any sharding and any world size resumes from it, and the
-transfer stage, ``features``, the registry and the OpenAI import read it unchanged.
+Checkpoints: where the state is sharded (``optimizer`` or ``full`` on more than one rank), each rank
+saves its own share through ``torch.distributed.checkpoint`` (DCP): nothing is gathered on one rank,
+and a resume at any world size and any sharding loads the files, DCP resharding them
+(``save_sharded``, ``load_sharded``). ``none`` and one rank keep one consolidated ``state.pt``
+(``full_state``, ``load_full_state``), which any sharding also resumes from. The transfer stage,
+``features``, the registry and ``explain`` read a consolidated ``state.pt``: a sharded checkpoint is
+consolidated on first use (``consolidate``, in one process) and cached beside its DCP files
+(tasks/pretrain/checkpoint.py).
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -64,23 +73,10 @@ def wrap(
     return ddp, torch.optim.Adam(model.parameters(), lr=lr)
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def full_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, is_main: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The unsharded weights and optimizer state, whole on rank 0 (every rank must call this)."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return model.state_dict(), optimizer.state_dict() if is_main else {}
-    if isinstance(model, FSDPModule):
-        # The root keeps its weights gathered after a forward without backward (a validation):
-        # shard them again, or the state dict holds DTensors instead of whole tensors.
-        model.reshard()
-        weights = get_model_state_dict(model, options=_FULL)
-        state = get_optimizer_state_dict(model, optimizer, options=_FULL)
-        return weights, _by_index(state, _names(model)) if is_main else {}
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The weights and Adam state of an unsharded launch (DDP or one rank), for one ``state.pt``;
+    a sharded one saves through DCP instead (``save_sharded``): nothing is gathered on one rank."""
+    assert not is_sharded(model, optimizer), "a sharded state is saved with save_sharded"
     return model.state_dict(), optimizer.state_dict()
 
 
@@ -97,6 +93,71 @@ def load_full_state(
     optimizer.load_state_dict(state)
 
 
+def is_sharded(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether no rank holds the whole state: its checkpoint is then saved sharded, through DCP."""
+    return isinstance(optimizer, ZeroRedundancyOptimizer) or isinstance(model, FSDPModule)
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
+    """This rank's share, as DCP saves and loads it: the weights by name (DTensors under ``full``)
+    and Adam's state by parameter name (under ``optimizer``, only the parameters this rank updates);
+    and this rank's param groups (by name), which stay out of the files: they differ between ranks
+    under ZeRO, and the hyperparameters come from the launch (lr from the schedule)."""
+    if isinstance(model, FSDPModule):
+        # The root keeps its weights gathered after a forward without backward (a validation):
+        # shard them again, or the state dict holds whole tensors instead of DTensors.
+        model.reshard()
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    adam = get_optimizer_state_dict(model, inner)  # allocates Adam's state (zeros) if there is none yet
+    groups: list[Any] = list(adam["param_groups"])
+    return {"model": get_model_state_dict(model), "optimizer": adam["state"]}, groups
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every rank writes its share into ``directory`` (one per rank, or shared); rank 0 also the
+    ``.metadata`` that says where every piece is. Every rank must call this."""
+    state, _ = _sharded_state(model, optimizer)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Load DCP files saved at any world size and sharding into this launch's model and optimizer.
+    Every rank must call this."""
+    state, groups = _sharded_state(model, optimizer)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    set_model_state_dict(model, state["model"])
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    set_optimizer_state_dict(model, inner, {"state": state["optimizer"], "param_groups": groups})
+
+
+def optimizer_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a consolidated checkpoint needs beside the DCP files: the parameters' names in the model's
+    order and Adam's param groups as plain Adam saves them (parameters by index, lr a number)."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    groups = [
+        {
+            **{k: float(v) if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"},
+            "params": [index[id(p)] for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
+    return {"param_names": _names(model), "param_groups": groups}
+
+
+def consolidate(directory: Path, run_state: dict[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint's DCP files and ``run_state.pt`` as one ``state.pt``'s state (no process
+    group: one process reads every file)."""
+    with tempfile.TemporaryDirectory(prefix="mlstm-consolidate-") as scratch:
+        path = Path(scratch) / "state.pt"
+        dcp_to_torch_save(directory, path)
+        saved: dict[str, Any] = torch.load(path, weights_only=True)
+    names = run_state["param_names"]  # the model's order, which plain Adam's indices follow
+    weights = {name: saved["model"][name] for name in names}
+    adam = {names.index(name): value for name, value in saved["optimizer"].items()}
+    rest = {k: v for k, v in run_state.items() if k not in ("param_groups", "param_names")}
+    return {"model": weights, "optimizer": {"state": adam, "param_groups": run_state["param_groups"]}, **rest}
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (a sharded tensor counts its local shard only)."""
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
@@ -110,19 +171,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # A consolidated checkpoint keeps plain Adam's layout (parameters by index, in the model's order);
-# DCP's full state dicts name them (by FQN). These two turn one into the other.
+# DCP's state dicts name them (by FQN): ``_by_name`` turns the first into the second.
 def _names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
-
-
-def _by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    return {
-        "state": {names.index(name): value for name, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [names.index(name) for name in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
 
 
 def _by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -16,8 +16,10 @@ import gc
 import json
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import types
 import typing
@@ -402,7 +404,15 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        found = checkpoint.load_intact(self.store, self.config.run_name)
+        # A sharded checkpoint's DCP files, where a store is not a folder they can be read in place.
+        # One folder a rank: a node's ranks do not wait on each other to download.
+        scratch = (
+            self.settings.home.resolve()
+            / "cache"
+            / "checkpoints"
+            / f"{self.config.run_name}-rank{self.world.rank}"
+        )
+        found = checkpoint.load_intact(self.store, self.config.run_name, shards_to=scratch)
         if found is None:
             return False
         saved, damaged = found
@@ -430,17 +440,23 @@ class Trainer:
         # A checkpoint's optimizer settings say how it ran (fused, lr as a number), not how this launch runs.
         keys = ("lr", "fused", "capturable", "foreach")
         own = [{k: g[k] for k in keys} for g in self.optimizer.param_groups] if self.graphed else []
-        if own:
-            # Loaded with this launch's flags, so Adam puts each parameter's step count on the device,
-            # where fused, capturable Adam reads it (the file's flags would leave it on the CPU).
-            state["optimizer"] = {
-                **state["optimizer"],
-                "param_groups": [
-                    {**group, **{k: mine[k] for k in keys[1:]}}
-                    for group, mine in zip(state["optimizer"]["param_groups"], own, strict=True)
-                ],
-            }
-        shard.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        if saved.sharded is not None:  # DCP files: each rank reads its share, resharded to this launch
+            shard.load_sharded(self.model, self.optimizer, saved.sharded)
+            shutil.rmtree(scratch, ignore_errors=True)  # a download's copy (a folder store's files stay)
+            for group, hyper in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+                group["lr"] = hyper["lr"]  # this launch's param groups, at the saved step's lr
+        else:
+            if own:
+                # Loaded with this launch's flags, so Adam puts each parameter's step count on the device,
+                # where fused, capturable Adam reads it (the file's flags would leave it on the CPU).
+                state["optimizer"] = {
+                    **state["optimizer"],
+                    "param_groups": [
+                        {**group, **{k: mine[k] for k in keys[1:]}}
+                        for group, mine in zip(state["optimizer"]["param_groups"], own, strict=True)
+                    ],
+                }
+            shard.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         for group, mine in zip(self.optimizer.param_groups, own, strict=False):
             if isinstance(mine["lr"], Tensor):
                 group["lr"] = mine["lr"].fill_(float(group["lr"]))
@@ -460,9 +476,12 @@ class Trainer:
         return True
 
     def save(self) -> str | None:
-        """Every rank gathers the carried state; rank 0 writes. Returns the URI on rank 0."""
+        """Every rank gathers the carried state; rank 0 writes (each rank its share of a sharded
+        state, through DCP). Returns the URI on rank 0."""
         h, c = (self.world.gather_rows(t.detach()) for t in self.state)
-        weights, optimizer_state = shard.full_state(self.model, self.optimizer, is_main=self.world.is_main)
+        if shard.is_sharded(self.model, self.optimizer):
+            return self.save_sharded(h, c)
+        weights, optimizer_state = shard.full_state(self.model, self.optimizer)
         if not self.world.is_main:
             return None
         if self.graphed:  # the same file whether the step was captured or not: lr a number, Adam's defaults
@@ -479,7 +498,42 @@ class Trainer:
             "c": c.cpu(),
             "rng": torch.get_rng_state(),
         }
-        meta = {
+        uri = checkpoint.save_checkpoint(self.store, self.config.run_name, self.step, state, self.meta())
+        log(self.world, f"checkpoint step={self.step} uri={uri}")
+        return uri
+
+    def save_sharded(self, h: Tensor, c: Tensor) -> str | None:
+        """Each rank writes its share of the weights and Adam's state (DCP) into its own scratch
+        folder and copies it into the store; once all have, rank 0 writes the rest, ``meta.json``
+        with every file's sha256, then ``latest.json``."""
+        run, step = self.config.run_name, self.step
+        scratch = self.settings.home.resolve() / "cache" / "checkpoints"
+        scratch.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(
+            prefix=f"{run}-{step}-rank{self.world.rank}-", dir=scratch
+        ) as folder:
+            shard.save_sharded(self.model, self.optimizer, Path(folder))
+            mine = checkpoint.save_shards(self.store, run, step, Path(folder))
+        shards: list[dict[str, str] | None] = [None] * self.world.size
+        dist.all_gather_object(shards, mine)  # also: every rank's files are in the store
+        if not self.world.is_main:
+            return None
+        run_state = {
+            **shard.optimizer_layout(self.model, self.optimizer),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "h": h.cpu(),
+            "c": c.cpu(),
+            "rng": torch.get_rng_state(),
+        }
+        files = {name: digest for part in shards for name, digest in (part or {}).items()}
+        uri = checkpoint.save_sharded_checkpoint(self.store, run, step, run_state, files, self.meta())
+        log(self.world, f"checkpoint step={step} uri={uri} (sharded: {len(files)} DCP files)")
+        return uri
+
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint's ``meta.json`` says about the run besides its files."""
+        return {
             "model": {
                 "hidden_size": self.model.config.hidden_size,
                 "embed_size": self.model.config.embed_size,
@@ -496,9 +550,6 @@ class Trainer:
             "world_size": self.world.size,
             "mlflow_run_id": self.mlflow_run_id,
         }
-        uri = checkpoint.save_checkpoint(self.store, self.config.run_name, self.step, state, meta)
-        log(self.world, f"checkpoint step={self.step} uri={uri}")
-        return uri
 
     # -- steps ---------------------------------------------------------------------------------------
 
