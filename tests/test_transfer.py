@@ -127,7 +127,9 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
             "nonzero",
             "top_unit",
             "top_unit_accuracy",
+            "baseline_test_accuracy",
         }
+        assert 0 <= values["baseline_test_accuracy"] <= 1  # measured on the same splits
         assert 2**-8 <= values["C"] <= 4 and 0 <= values["top_unit"] < 64 and 0 < values["nonzero"] <= 64
     # The generated reviews' tone follows their stars, so even a tiny mLSTM's state separates them.
     assert summary["reviews"]["test_accuracy"] > 0.9, summary
