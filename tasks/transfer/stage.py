@@ -5,7 +5,7 @@ pass them between tasks (and processes) without moving features around:
 
     extract(params, spec)  → ``features/<weights>/<dataset>/{train,dev,test}.arrow`` (cached)
     probe(extracted)       → ``transfer/<weights>/<dataset>/{probe.npz,report.json,*.png}``, beside the
-                             measured TF-IDF baseline (``baseline/<dataset>/<method>.json``, cached)
+                             measured TF-IDF baseline (``baseline/<data checksum>/<method>.json``, cached)
     record(...)            → MLflow params, metrics, inputs and plots; the pyfunc, registered
 """
 
@@ -241,7 +241,9 @@ def measure_baseline(extracted: dict[str, Any], params: TransferParams, settings
     from tasks.transfer.baseline import METHOD, fit_baseline
 
     store = store_of(settings)
-    method = hashlib.sha256(METHOD.encode()).hexdigest()[:12]
+    # The same file read with other columns is other data: the columns are part of the key.
+    columns = f"{params.text_column}\0{params.label_column}"
+    method = hashlib.sha256(f"{METHOD}\0{columns}".encode()).hexdigest()[:12]
     key = f"baseline/{extracted['checksum'][:16]}/{method}.json"
     if store.exists(key):
         return {**json.loads(store.read_bytes(key)), "cached": True}
