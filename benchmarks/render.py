@@ -303,7 +303,40 @@ def probe_tables(results: dict[str, Any]) -> str:
     return f"{len(Cs)} values of C, {min(Cs):g} … {max(Cs):g}.\n\n" + table(header, rows)
 
 
+def baseline_tables(results: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["dataset"],
+            " / ".join(f"{r['rows'][split]:,}" for split in ("train", "dev", "test")),
+            r["dev_rule"],
+            percent(r["test_accuracy"]),
+            percent(r["dev_accuracy"]),
+            f"{r['C']:g}",
+            num(r["seconds"]),
+            f"{r['peak_rss_gib']:.1f} GiB",
+        ]
+        for r in results["rows"]
+    ]
+    header = [
+        "dataset",
+        "rows (train / dev / test)",
+        "dev",
+        "test acc",
+        "dev acc",
+        "C",
+        "seconds",
+        "peak RSS",
+    ]
+    sweeps = [
+        f"- {r['dataset']} dev accuracy by C: "
+        + ", ".join(f"{p['C']:g}: {percent(p['dev_accuracy'])}" for p in r["sweep"])
+        for r in results["rows"]
+    ]
+    return table(header, rows) + "\n\n" + "\n".join(sweeps)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "baseline": baseline_tables,
     "corpus": corpus_tables,
     "pretrain": pretrain_tables,
     "sharding": sharding_tables,

@@ -39,7 +39,7 @@ from tasks.settings import Settings, get_settings
 from tasks.store import store_of
 from tasks.sweep.engine import best_trial
 from tasks.tracking import find_run, model_link, run_link
-from tasks.transfer.stage import resolve_checkpoint
+from tasks.transfer.stage import resolve_checkpoint, versus_baseline
 
 
 @task(name="fingerprint sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
@@ -136,6 +136,8 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
             result["transfer"] = done
             for name, values in done["datasets"].items():
                 metrics[f"{name}_test_accuracy"] = float(values["test_accuracy"])
+                if values.get("baseline_test_accuracy") is not None:
+                    metrics[f"{name}_baseline_test_accuracy"] = float(values["baseline_test_accuracy"])
             if done.get("registered"):
                 lineage["model_version"] = str(done["registered"]["version"])
                 lineage["model_name"] = done["registered"]["name"]
@@ -251,7 +253,8 @@ def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]
         p = result["pretrain"]
         lines.append(f"- checkpoint: `{p['checkpoint_uri']}` (step {p['steps']}, val bpc {p['val_bpc']})")
     for name, values in result.get("transfer", {}).get("datasets", {}).items():
-        lines.append(f"- {name}: test accuracy {values['test_accuracy']:.4f}")
+        versus = versus_baseline(values["test_accuracy"], values.get("baseline_test_accuracy"))
+        lines.append(f"- {name}: test accuracy {versus}")
     if lineage.get("model_version"):
         lines.append(
             f"- model: {model_link(settings, lineage['model_name'], lineage['model_version'])} "

@@ -324,11 +324,28 @@ def recent_pipelines(settings: Settings, limit: int) -> list[dict[str, Any]]:
             "status": run.info.status,
             "stages": {stage: run.data.tags.get(f"stage.{stage}", "-") for stage in STAGES},
             "metrics": dict(run.data.metrics),
+            "vs_baseline": vs_baseline(run.data.metrics),
             "model_version": run.data.tags.get("model_version"),
             "prefect_flow_run_id": run.data.tags.get("prefect_flow_run_id"),
         }
         for run in runs
     ]
+
+
+def vs_baseline(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per dataset whose TF-IDF baseline was measured: the probe's and the baseline's test accuracy and
+    the difference (probe − baseline), from a pipeline run's metrics."""
+    found = {}
+    for key, baseline in metrics.items():
+        name = key.removesuffix("_baseline_test_accuracy")
+        if name != key and f"{name}_test_accuracy" in metrics:
+            probe = metrics[f"{name}_test_accuracy"]
+            found[name] = {
+                "test_accuracy": probe,
+                "baseline_test_accuracy": baseline,
+                "difference": probe - baseline,
+            }
+    return dict(sorted(found.items()))
 
 
 def pipeline_result_of(flow_run_id: str, settings: Settings) -> dict[str, Any]:

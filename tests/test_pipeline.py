@@ -165,6 +165,15 @@ def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], e
         {"corpus": "ran", "pretrain": "ran", "transfer": "ran"},
     ]
     assert runs[-1]["model_version"] == str(registered["version"])
+    # The probe beside the TF-IDF baseline measured on the same splits, with the difference.
+    reviews = result["transfer"]["datasets"]["reviews"]
+    assert runs[-1]["vs_baseline"]["reviews"] == pytest.approx(
+        {
+            "test_accuracy": reviews["test_accuracy"],
+            "baseline_test_accuracy": reviews["baseline_test_accuracy"],
+            "difference": reviews["test_accuracy"] - reviews["baseline_test_accuracy"],
+        }
+    )
     table = cli(["status"], env)
     assert table.returncode == 0 and "pipeline runs" in table.stdout
 

@@ -129,7 +129,9 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
             "nonzero",
             "top_unit",
             "top_unit_accuracy",
+            "baseline_test_accuracy",
         }
+        assert 0 <= values["baseline_test_accuracy"] <= 1  # measured on the same splits
         assert 2**-8 <= values["C"] <= 4 and 0 <= values["top_unit"] < 64 and 0 < values["nonzero"] <= 64
     # The generated reviews' tone follows their stars, so even a tiny mLSTM's state separates them.
     assert summary["reviews"]["test_accuracy"] > 0.9, summary
@@ -191,8 +193,10 @@ def test_transfer_logs_the_neuron_over_six_test_reviews(
     from mlflow.tracking import MlflowClient
     from PIL import Image
 
+    from tasks.transfer.baseline import fit_baseline
+    from tasks.transfer.datasets import load_dataset
     from tasks.transfer.registry import heatmaps_markdown, log_report, open_transfer_run
-    from tasks.transfer.stage import TransferParams, classifier_of, extract, probe
+    from tasks.transfer.stage import TransferParams, classifier_of, extract, measure_baseline, probe
 
     monkeypatch.setenv("MLSTM_HOME", str(trained["home"]))
     monkeypatch.setenv("MLSTM_MLFLOW_TRACKING_URI", mlflow_server)
@@ -201,7 +205,15 @@ def test_transfer_logs_the_neuron_over_six_test_reviews(
     params = TransferParams(
         checkpoint=trained["checkpoint"], datasets=[f"small={small}"], c_min_log2=-1, c_max_log2=1
     )
-    report = probe(extract(params, params.datasets[0], settings), params, settings)
+    extracted = extract(params, params.datasets[0], settings)
+    report = probe(extracted, params, settings)
+    # The TF-IDF baseline is measured on the same splits, once: a second transfer reads it from the store.
+    measured = fit_baseline(load_dataset(params.datasets[0]))
+    assert report["baseline"]["cached"] is False
+    baseline = report["baseline"]
+    assert (baseline["test_accuracy"], baseline["C"]) == (measured.test_accuracy, measured.C)
+    again = measure_baseline(extracted, params, settings)
+    assert again["cached"] is True and again["test_accuracy"] == measured.test_accuracy
     heatmaps = report["heatmaps"]
     assert [h["role"].split(",")[0] for h in heatmaps] == [
         *(f"positive {k}" for k in (1, 2, 3)),
@@ -219,6 +231,9 @@ def test_transfer_logs_the_neuron_over_six_test_reviews(
     run_id = open_transfer_run(None, settings, run_name="neuron", tags={})
     log_report(run_id, report, settings)
     client = MlflowClient()
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["small_baseline_test_accuracy"] == pytest.approx(measured.test_accuracy)
+    assert metrics["small_vs_baseline"] == pytest.approx(report["test_accuracy"] - measured.test_accuracy)
     logged = sorted(a.path for a in client.list_artifacts(run_id, "small/neuron"))
     assert logged == sorted(f"small/neuron/{h['uri'].rsplit('/', 1)[-1]}" for h in heatmaps)
     with Image.open(client.download_artifacts(run_id, logged[0], str(tmp_path))) as image:
@@ -257,7 +272,11 @@ def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
         ).model_uri
 
     def report(accuracy: float, checksum: str = "a" * 64) -> dict[str, Any]:
-        return {"name": "sst2", "checksum": checksum, "test_accuracy": accuracy, "checkpoint_uri": "x"}
+        baseline = {"test_accuracy": 0.655, "dev_accuracy": 0.6, "C": 2.0}
+        return {
+            "name": "sst2", "checksum": checksum, "test_accuracy": accuracy, "checkpoint_uri": "x",
+            "baseline": baseline,
+        }  # fmt: skip
 
     scored: list[str] = []
 
@@ -267,6 +286,10 @@ def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
 
     first = register(model_uri, report(0.70), settings, score_on_test=score)
     assert first["promoted"] and first["reason"] == "there was no champion"
+    # The model card (the version's description) puts the probe beside the measured baseline.
+    card = MlflowClient(mlflow_server).get_model_version("promotion-rule", str(first["version"]))
+    assert "70.00% vs baseline 65.50% (+4.50 points)" in card.description
+    assert card.tags["baseline_test_accuracy"] == "0.655000"
     worse = register(model_uri, report(0.69), settings, score_on_test=score)
     tie = register(model_uri, report(0.70), settings, score_on_test=score)
     better = register(model_uri, report(0.71), settings, score_on_test=score)

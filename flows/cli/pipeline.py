@@ -227,15 +227,24 @@ def status(
         "pretrain",
         "transfer",
         "metrics",
+        "probe vs baseline",
         "model",
         "MLflow run",
     ):
         table.add_column(column, overflow="fold")
     for run in runs:
-        metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(run["metrics"].items()) if k != "corpus_rows")
+        metrics = ", ".join(
+            f"{k} {v:.4g}"
+            for k, v in sorted(run["metrics"].items())
+            if k != "corpus_rows" and not k.endswith("_baseline_test_accuracy")
+        )
+        versus = "; ".join(
+            f"{name} {v['test_accuracy']:.2%} vs {v['baseline_test_accuracy']:.2%} ({v['difference'] * 100:+.2f} pts)"
+            for name, v in run["vs_baseline"].items()
+        )
         table.add_row(
             run["started"].replace("T", " ").removesuffix("+00:00"), run["status"],
-            *run["stages"].values(), metrics or "-", f"v{run['model_version']}" if run["model_version"] else "-",
+            *run["stages"].values(), metrics or "-", versus or "-", f"v{run['model_version']}" if run["model_version"] else "-",
             run["run_id"],
         )  # fmt: skip
     out.print(table)

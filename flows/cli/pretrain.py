@@ -52,10 +52,14 @@ def pretrain(
     gpu_memory: Annotated[float, typer.Option(help="GiB per GPU, checked before launch.")] = 80.0,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints.")] = 1000,
     val_every: Annotated[int, typer.Option(min=1, help="Steps between validations.")] = 1000,
+    log_every: Annotated[int, typer.Option(min=1, help="Steps between progress lines.")] = 10,
     retries: Annotated[int, typer.Option(min=0, help="Relaunches after a crash (resuming).")] = 2,
     recurrence: Annotated[
         str, typer.Option(help="fused, or reference (the cell step by step: debugging).")
     ] = "fused",
+    compile: Annotated[
+        str, typer.Option(help="auto (gate math through torch.compile on CUDA) or off.")
+    ] = "auto",
     cuda_graph: Annotated[
         str, typer.Option(help="auto (one CUDA graph per step on one GPU) or off.")
     ] = "auto",
@@ -76,8 +80,8 @@ def pretrain(
             nproc=nproc, max_steps=max_steps, total_steps=total_steps, run=run, batch_size=batch_size,
             seq_len=seq_len, lr=lr, lr_scaling=lr_scaling, warmup_steps=warmup_steps, precision=precision,
             sharding=sharding, gpu_memory=gpu_memory,
-            checkpoint_every=checkpoint_every, val_every=val_every, retries=retries, recurrence=recurrence,
-            cuda_graph=cuda_graph,
+            checkpoint_every=checkpoint_every, val_every=val_every, log_every=log_every, retries=retries,
+            recurrence=recurrence, compile=compile, cuda_graph=cuda_graph,
         )  # fmt: skip
         result = run_pretrain(params)
     except ValidationError as error:

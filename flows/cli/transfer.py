@@ -130,6 +130,10 @@ def transfer(
         typer.Option(help="Dataset whose classifier is registered. [default: the first; none: none]"),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the probe's solver.")] = 0,
+    baseline: Annotated[
+        bool,
+        typer.Option(help="Also measure the TF-IDF baseline on the same splits (cached in the store)."),
+    ] = True,
     solver: Annotated[
         str, typer.Option(help="Probe solver: newton (fast), liblinear (the reference) or torch.")
     ] = "newton",
@@ -150,6 +154,7 @@ def transfer(
         params = TransferParams(
             checkpoint=checkpoint, datasets=dataset, text_column=text_column, label_column=label_column,
             batch_size=batch_size, c_min_log2=c_min_log2, c_max_log2=c_max_log2, register_dataset=register, seed=seed, solver=solver,
+            baseline=baseline,
         )  # fmt: skip
         check_datasets(params.datasets)
         result = run_transfer(params)
@@ -164,6 +169,8 @@ def transfer(
 
 
 def _print_transfer(result: dict[str, Any]) -> None:
+    from tasks.transfer.stage import baseline_accuracy
+
     table = Table(title="L1 logistic regression on the final cell state")
     for column in (
         "dataset",
@@ -173,17 +180,20 @@ def _print_transfer(result: dict[str, Any]) -> None:
         "non-zero",
         "top unit",
         "its acc",
-        "paper",
-        "TF-IDF",
+        "baseline",
+        "vs baseline",
+        "paper (cited)",
     ):
         table.add_column(column, justify="left" if column == "dataset" else "right")
     for report in result["reports"]:
-        reference = report.get("reference", {})
-        paper, tfidf = reference.get("radford_2017_mlstm_4096"), reference.get("tfidf_word_char_logreg")
+        paper = report.get("reference", {}).get("radford_2017_mlstm_4096")
+        baseline = baseline_accuracy(report)
         table.add_row(
             report["name"], f"{report['test_accuracy']:.2%}", f"{report['dev_accuracy']:.2%}", f"{report['C']:g}",
             str(report["nonzero"]), str(report["top_unit"]), f"{report['top_unit_accuracy']:.2%}",
-            f"{paper:.2%}" if paper else "-", f"{tfidf:.2%}" if tfidf else "-",
+            f"{baseline:.2%}" if baseline is not None else "-",
+            f"{(report['test_accuracy'] - baseline) * 100:+.2f} pts" if baseline is not None else "-",
+            f"{paper:.2%}" if paper else "-",
         )  # fmt: skip
     out.print(table)
     registered = result.get("registered")

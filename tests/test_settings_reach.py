@@ -1,0 +1,92 @@
+"""Every pretraining setting a user gives reaches the trainer: ``mlstm-sentiment pretrain --FLAG`` (and the
+pipeline's ``pretrain.FIELD``, the same PretrainParams) → plan_job → the job's command line → the
+TrainConfig the trainer parses from it. A setting dropped on the way keeps its default silently."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tasks.pretrain.stage import Job, PretrainParams, plan_job
+from tasks.pretrain.train import TrainConfig
+from tasks.settings import get_settings
+
+# A value other than the default for every setting of the stage. A new setting fails the first test
+# until it is given one here (and so is checked).
+CHANGED: dict[str, Any] = {
+    "preset": "small",
+    "launcher": "local",  # the only launcher that plans without a cluster; its default anyway
+    "nodes": 1,  # local runs one node
+    "gpus_per_node": 0,  # this machine's; the memory check is tests/test_memory.py's
+    "nproc": 2,
+    "run": "reach",
+    "max_steps": 7,
+    "total_steps": 9,
+    "batch_size": 16,
+    "seq_len": 48,
+    "lr": 0.00123,
+    "lr_scaling": "sqrt",
+    "warmup_steps": 3,
+    "precision": "fp32",
+    "sharding": "optimizer",
+    "gpu_memory": 40.0,
+    "checkpoint_every": 5,
+    "val_every": 6,
+    "log_every": 2,
+    "retries": 1,
+    "recurrence": "reference",
+    "compile": "off",
+    "cuda_graph": "off",
+}
+# Settings of the launch, not of the trainer: where and how often it runs, checked on the Job instead.
+LAUNCH_ONLY = {"launcher", "nodes", "gpus_per_node", "nproc", "gpu_memory", "retries", "run"}
+
+
+def test_every_setting_has_a_changed_value_here() -> None:
+    assert set(PretrainParams.model_fields) - {"corpus"} == set(CHANGED)
+    defaults = PretrainParams(corpus="c")
+    unchanged = [
+        k for k, v in CHANGED.items() if getattr(defaults, k) == v and k not in ("launcher", "nodes")
+    ]
+    assert unchanged == ["gpus_per_node"]
+
+
+def _check_reached(job: Job, manifest: str) -> None:
+    config = TrainConfig.from_args(list(job.spec.args))  # what the trainer parses from its command line
+    assert config == job.config
+    for name, value in CHANGED.items():
+        if name not in LAUNCH_ONLY:
+            assert getattr(config, name) == value, name
+    assert config.run_name == "reach" and config.corpus == str(Path(manifest).resolve())
+    assert (job.spec.nodes, job.spec.nproc_per_node, job.spec.gpus_per_node) == (1, 2, 0)
+    assert job.stop_step == 7 and job.total_steps == 9
+
+
+def test_every_pretrain_setting_reaches_the_trainers_config(sample_manifest: str, home: Path) -> None:
+    params = PretrainParams(corpus=sample_manifest, **CHANGED)
+    _check_reached(plan_job(params, get_settings()), sample_manifest)
+
+
+def test_every_pretrain_flag_reaches_the_trainers_config(
+    sample_manifest: str, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's flags, as a user types them, up to the job that would be launched (nothing launches)."""
+    import flows.cli.pretrain
+    from flows.cli import app
+
+    planned: list[Job] = []
+
+    def plan_only(params: PretrainParams, **_: Any) -> dict[str, Any]:
+        assert params.retries == CHANGED["retries"]  # read by the flow, not the trainer
+        planned.append(plan_job(params, get_settings()))
+        return {"run_id": "-", "checkpoint_uri": "-", "steps": 0, "final_loss": 0.0, "val_bpc": None}
+
+    monkeypatch.setattr(flows.cli.pretrain, "run_pretrain", plan_only)
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in CHANGED.items()]
+    done = CliRunner().invoke(app, ["pretrain", "--corpus", sample_manifest, *flags, "--json"])
+    assert done.exit_code == 0, done.output
+    assert len(planned) == 1
+    _check_reached(planned[0], sample_manifest)
