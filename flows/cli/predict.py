@@ -1,0 +1,109 @@
+"""``mlstm-sentiment predict``: score texts with a registered classifier, optionally byte by byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from flows.cli.common import fail, out, user_errors
+from tasks.settings import get_settings
+
+if TYPE_CHECKING:
+    from tasks.transfer.explain import Reading
+
+app = typer.Typer()
+PANEL = "Transfer"
+
+
+def _explained(loaded: Any, texts: list[str], unit: int | None) -> list[Reading]:
+    """The texts read byte by byte by the served model's own classifier (the served model is unchanged)."""
+    from flows.cli.neuron import top_unit
+    from tasks.transfer.explain import explain
+
+    classifier = loaded.unwrap_python_model().classifier
+    chosen = top_unit(classifier) if unit is None else unit
+    return [explain(classifier, text, unit=chosen) for text in texts]
+
+
+@app.command(rich_help_panel=PANEL)
+def predict(
+    texts: Annotated[list[str] | None, typer.Argument(help="Texts to score (or use --input).")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="MLflow model URI. [default: models:/<MLSTM_MODEL_NAME>@champion]")
+    ] = None,
+    input: Annotated[Path | None, typer.Option("--input", help="A CSV or JSON-lines file of texts.")] = None,
+    text_column: Annotated[str, typer.Option(help="The text column of --input.")] = "text",
+    batch_size: Annotated[int, typer.Option(min=1, help="Texts per batch.")] = 64,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON lines {text, label, probability}.")
+    ] = False,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Also show each text byte by byte as `explain` does (with --json: an `explain` key).",
+        ),
+    ] = False,
+    unit: Annotated[
+        int | None, typer.Option(help="With --explain: the cell unit. [default: the top unit]")
+    ] = None,
+) -> None:
+    """Score texts with a registered classifier (the champion by default)."""
+    from tasks.tracking import connect
+    from tasks.transfer.datasets import read_table
+
+    settings = get_settings()
+    try:
+        for position, text in enumerate(texts or [], start=1):
+            # An empty text has nothing to score, yet the model would still give it a probability.
+            if not text.strip():
+                raise fail(f"text {position} of the arguments is empty; give each text some words")
+        if input is not None:
+            # read_table names the file, line and column of an empty or non-string text.
+            texts = [*(texts or []), *read_table(input, text_column=text_column)[0]]
+        if not texts:
+            raise fail("nothing to score: give texts as arguments or --input FILE")
+        connect(settings)
+        import mlflow.pyfunc
+        import pandas as pd
+        from mlflow.exceptions import MlflowException
+
+        uri = model or f"models:/{settings.model_name}@champion"
+        try:
+            classifier = mlflow.pyfunc.load_model(uri)
+        except MlflowException as error:
+            raise fail(
+                f"cannot load {uri} from {settings.resolved_mlflow_tracking_uri}: {error.message}"
+            ) from None
+        from models.serving import TextRejected
+
+        try:
+            predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
+        except TextRejected as error:  # the model's own rule, as served: rows count arguments, then --input
+            raise fail(f"{uri} refuses {error.message}") from None
+        readings = _explained(classifier, texts, unit) if explain else []
+    except user_errors() as error:  # DatasetError is a ValueError
+        raise fail(error) from None
+    rows = zip(texts, predicted["label"], predicted["probability"], strict=True)
+    if as_json:
+        for i, (text, label, probability) in enumerate(rows):
+            line = {"text": text, "label": label, "probability": float(probability)}
+            print(json.dumps(line | ({"explain": readings[i].to_json()} if readings else {})))
+        return
+
+    table = Table(title=uri)
+    for column, justify in (("label", "left"), ("P(positive)", "right"), ("text", "left")):
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for text, label, probability in rows:
+        color = "green" if label == "positive" else "red"
+        table.add_row(f"[{color}]{label}[/]", f"{probability:.3f}", text[:200])
+    out.print(table)
+    if readings:
+        from flows.cli.neuron import print_reading
+
+        for reading in readings:  # the same view as `mlstm-sentiment explain`
+            print_reading(reading)
