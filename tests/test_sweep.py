@@ -264,6 +264,30 @@ def test_workers_that_ask_at_once_keep_to_the_budget(tmp_path: Path) -> None:
     assert all(t.user_attrs.get("surplus") for t in asked if t.number >= 2)
 
 
+@pytest.mark.slow
+def test_sweep_status_reads_the_storage(tmp_path: Path, home: Path) -> None:
+    """`sweep status` lists the sweeps in Optuna's storage and prints one sweep's JSON, as `sweep --json` does."""
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json", trials=3))
+    result = Sweep(spec, Settings(home=home), Replay()).run()
+    listed = subprocess.run([CLI, "sweep", "status", "--json"], capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    (row,) = json.loads(listed.stdout)
+    states = sorted(r["state"] for r in result["trials"])
+    assert (row["sweep_id"], row["trials"]) == (spec.sweep_id(), 3)
+    assert row["states"] == ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states)))
+    assert row["best"] == result["best"]["value"]
+    one = subprocess.run(
+        [CLI, "sweep", "status", spec.sweep_id(), "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert json.loads(one.stdout) == result
+    unknown = subprocess.run(
+        [CLI, "sweep", "status", "sweep-nope"], capture_output=True, text=True, timeout=300
+    )
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+    assert "no sweep 'sweep-nope'" in unknown.stderr and spec.sweep_id() in unknown.stderr
+
+
 # -- the real job -----------------------------------------------------------------------------------
 
 
