@@ -11,7 +11,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import pytest
 from tasks.corpus.sample import write_labelled_sample
 from tasks.pretrain.stage import PretrainParams
 from tasks.settings import Settings
-from tasks.sweep.engine import Sweep, lease_expired
+from tasks.sweep.engine import Sweep, lease_expired, sweep_trials
 from tasks.sweep.spec import SpecError, load_spec, parse_spec
 
 CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
@@ -178,6 +180,103 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path: Path) -> None:
     assert len(set(job.launches)) == len(job.launches)
     assert sorted(job.launches) == sorted(uninterrupted.launches)
     assert again["steps_trained"] == straight["steps_trained"]
+
+
+@pytest.mark.slow
+def test_several_workers_share_one_sweep(tmp_path: Path) -> None:
+    """Two workers (as two processes would: their own study objects and leases) with two threads each
+    run one sweep at once: the budget's trials exactly, each drawn once with the settings a lone worker
+    draws for its number, no rung launched twice, and trials really trained side by side."""
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json"))
+    alone = Sweep(spec, Settings(home=tmp_path / "alone"), Replay()).run()
+
+    settings = Settings(home=tmp_path / "shared")
+    job, running, most = Replay(), [0], [0]
+    lock = threading.Lock()
+
+    def slow(params: PretrainParams) -> dict[str, Any]:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        try:
+            return job(params)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    workers = [Sweep(spec, settings, slow, poll_seconds=0.05) for _ in range(2)]
+    start = threading.Barrier(2)
+
+    def work(sweep: Sweep) -> dict[str, Any]:
+        start.wait()
+        return sweep.run(parallel=2)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(work, workers))
+    shared = results[0]
+    assert results[1]["trials"] == shared["trials"]
+    assert [r["trial"] for r in shared["trials"]] == list(range(6))
+    assert {r["state"] for r in shared["trials"]} <= {"complete", "pruned"}
+    study = workers[0].study
+    drawn = {t.number: t.user_attrs["values"] for t in sweep_trials(study)}
+    assert drawn == {
+        t.number: t.user_attrs["values"]
+        for t in sweep_trials(Sweep(spec, Settings(home=tmp_path / "alone"), job).study)
+    }
+    assert len({v["lr"] for v in drawn.values()}) == 6
+    assert len(set(job.launches)) == len(job.launches)  # no rung launched twice
+    for run in job.steps:  # each trial's launches go on from where the last one stopped
+        starts = [(a, b) for r, a, b in job.launches if r == run]
+        assert [a for a, _ in starts] == [0, *[b for _, b in starts[:-1]]]
+    assert shared["steps_trained"] == sum(b - a for _, a, b in job.launches)
+    assert most[0] >= 2  # trials trained at once
+    assert len(alone["trials"]) == 6
+
+
+def test_workers_that_ask_at_once_keep_to_the_budget(tmp_path: Path) -> None:
+    """Four workers start a two-trial sweep in the same instant: the ones that ask past the budget
+    train nothing, and the sweep holds two trials."""
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json", trials=2))
+    settings = Settings(home=tmp_path / "home")
+    job = Replay()
+    workers = [Sweep(spec, settings, job, poll_seconds=0.05) for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def work(sweep: Sweep) -> dict[str, Any]:
+        start.wait()
+        return sweep.run()
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, workers))
+    assert [[r["trial"] for r in result["trials"]] for result in results] == [[0, 1]] * 4
+    assert {run for run, _, _ in job.launches} == {r["run"] for r in results[0]["trials"]}
+    asked = workers[0].study.get_trials(deepcopy=False)
+    assert all(t.user_attrs.get("surplus") for t in asked if t.number >= 2)
+
+
+@pytest.mark.slow
+def test_sweep_status_reads_the_storage(tmp_path: Path, home: Path) -> None:
+    """`sweep status` lists the sweeps in Optuna's storage and prints one sweep's JSON, as `sweep --json` does."""
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json", trials=3))
+    result = Sweep(spec, Settings(home=home), Replay()).run()
+    listed = subprocess.run([CLI, "sweep", "status", "--json"], capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    (row,) = json.loads(listed.stdout)
+    states = sorted(r["state"] for r in result["trials"])
+    assert (row["sweep_id"], row["trials"]) == (spec.sweep_id(), 3)
+    assert row["states"] == ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states)))
+    assert row["best"] == result["best"]["value"]
+    one = subprocess.run(
+        [CLI, "sweep", "status", spec.sweep_id(), "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert json.loads(one.stdout) == result
+    unknown = subprocess.run(
+        [CLI, "sweep", "status", "sweep-nope"], capture_output=True, text=True, timeout=300
+    )
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+    assert "no sweep 'sweep-nope'" in unknown.stderr and spec.sweep_id() in unknown.stderr
 
 
 # -- the real job -----------------------------------------------------------------------------------

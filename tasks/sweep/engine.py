@@ -256,30 +256,57 @@ class Sweep:
                 self._run_trial(claimed)
 
     def _claim(self) -> optuna.Trial | None:
-        """A trial whose worker is gone, else a new trial while the budget allows, else None."""
+        """A trial whose worker is gone, else a new trial while the budget allows, else None.
+
+        Trial numbers come from the storage, so workers in several processes that ask at once get
+        different numbers; one that gets a number past the budget marks that trial ``surplus`` (told
+        failed, never trained, left out of every table) instead of running it."""
         import optuna
         from optuna.trial import TrialState
 
         with self._lock:
             for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                if lease_expired(frozen.user_attrs.get("lease")):
+                if self._lapsed(frozen):
                     self.study._storage.set_trial_user_attr(frozen._trial_id, "lease", self.worker.lease())
-                    return optuna.Trial(self.study, frozen._trial_id)
+                    trial = optuna.Trial(self.study, frozen._trial_id)
+                    if "values" not in frozen.user_attrs:  # its worker died before it drew settings
+                        self._begin(trial)
+                    return trial
             number = len(self.study.get_trials(deepcopy=False))
             if number >= self.spec.budget.trials:
                 return None
             self.study.sampler = sampler_for(self.spec, number)
             trial = self.study.ask()
-            values = suggest(trial, self.spec)
-            for key, value in {
-                "run": run_name(self.sweep_id, trial.number),
-                "lease": self.worker.lease(),
-                "values": values,
-                "steps": 0,
-                "steps_trained": 0,
-            }.items():
-                trial.set_user_attr(key, value)
+            trial.set_user_attr("lease", self.worker.lease())
+            if trial.number >= self.spec.budget.trials:
+                # Another worker (process) asked in the same instant and took the budget's last trial.
+                trial.set_user_attr("surplus", True)
+                self.study.tell(trial, state=TrialState.FAIL)
+                return None
+            self._begin(trial)
             return trial
+
+    def _begin(self, trial: optuna.Trial) -> None:
+        """Draw a new trial's settings, by its own number: two workers that ask at once never draw the
+        same settings, and trial k draws the same ones however the sweep's workers were timed."""
+        self.study.sampler = sampler_for(self.spec, trial.number)
+        values = suggest(trial, self.spec)
+        for key, value in {
+            "run": run_name(self.sweep_id, trial.number),
+            "values": values,
+            "steps": 0,
+            "steps_trained": 0,
+        }.items():
+            trial.set_user_attr(key, value)
+
+    def _lapsed(self, frozen: FrozenTrial) -> bool:
+        """True when a running trial's worker is gone. A trial with no lease yet was asked for an
+        instant ago by a worker about to write one: it gets a lease's length to do so."""
+        lease = frozen.user_attrs.get("lease")
+        if lease is None:
+            started = frozen.datetime_start
+            return started is None or time.time() - started.timestamp() > self.worker.lease_seconds
+        return lease_expired(lease)
 
     def _others_running(self) -> bool:
         from optuna.trial import TrialState
@@ -344,6 +371,11 @@ class Sweep:
             self.study.tell(trial, value, state=state)
 
 
+def sweep_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """The sweep's trials: every trial of the study but the surplus ones a worker asked for too late."""
+    return [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
+
+
 def trial_row(frozen: FrozenTrial) -> dict[str, Any]:
     values = frozen.intermediate_values
     last = values[max(values)] if values else None
@@ -360,7 +392,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
     """What ``sweep --json`` prints: the best finished trial, every trial, the steps really trained."""
     from optuna.trial import TrialState
 
-    trials = study.get_trials(deepcopy=False)
+    trials = sweep_trials(study)
     complete = [t for t in trials if t.state is TrialState.COMPLETE and t.value is not None]
     best = None
     if complete:
@@ -383,7 +415,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
 
 def rung_history(study: optuna.Study) -> dict[int, dict[int, float]]:
     """Trial number → {rung steps: objective}: the curves of the objective-by-step plot."""
-    return {t.number: dict(t.intermediate_values) for t in study.get_trials(deepcopy=False)}
+    return {t.number: dict(t.intermediate_values) for t in sweep_trials(study)}
 
 
 def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
@@ -394,7 +426,7 @@ def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
     storage = optuna.storages.RDBStorage(storage_url(settings))
     rows = []
     for study in optuna.get_all_study_summaries(storage, include_best_trial=True):
-        trials = optuna.load_study(study_name=study.study_name, storage=storage).get_trials(deepcopy=False)
+        trials = sweep_trials(optuna.load_study(study_name=study.study_name, storage=storage))
         counts: dict[str, int] = {}
         for trial in trials:
             state = STATES.get(trial.state.name, trial.state.name.lower())
