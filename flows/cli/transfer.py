@@ -51,7 +51,7 @@ def features(
     from tasks.pretrain.checkpoint import load_checkpoint
     from tasks.store import store_of
     from tasks.transfer.datasets import other_columns, read_table
-    from tasks.transfer.features import FEATURES, cached_features, features_table, write_output
+    from tasks.transfer.features import FEATURES, cached_features, copy_with_columns
 
     settings = get_settings(store_uri=store)
     try:
@@ -67,17 +67,16 @@ def features(
                 batch_size=batch_size,
                 on_batch=lambda rows, _: bar.advance(task_id, rows),
             )
-        # The input's other columns ride along (labels, ids), so `probe` can read the output alone.
+        # The input's other columns ride along (labels, ids), so `probe` can read the output alone;
+        # the features are copied from the cache chunk by chunk, memory-mapped, never whole.
         columns: dict[str, Any] = dict(other_columns(input, skip=(text_column, FEATURES)))
         if label_column and labels is not None:
             columns[label_column] = labels  # checked 0/1 by read_table
-        uri = write_output(
-            features_table(found.features, **columns), output, endpoint_url=settings.s3_endpoint_url
-        )
+        uri = copy_with_columns(target, found.key, output, columns, endpoint_url=settings.s3_endpoint_url)
     except user_errors() as error:  # DatasetError is a ValueError
         raise fail(error) from None
     state = "from the cache" if found.cached else "computed"
-    out.print(f"{len(texts):,} rows × {found.features.shape[1]} features ({state}): {uri}", highlight=False)
+    out.print(f"{found.rows:,} rows × {found.width} features ({state}): {uri}", highlight=False)
 
 
 @app.command("import-weights", rich_help_panel=PANEL)

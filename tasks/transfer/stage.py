@@ -29,7 +29,8 @@ from tasks.settings import Settings
 from tasks.store import split_object_uri, store_of
 from tasks.transfer.datasets import declared_name, load_dataset
 from tasks.transfer.explain import explain, pick_examples, to_png
-from tasks.transfer.features import cached_features, features_of, read_table, weights_fingerprint
+from tasks.transfer.features import cached_features, weights_fingerprint
+from tasks.transfer.precomputed import read_split
 from tasks.transfer.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
 
 SPLITS = ("train", "dev", "test")
@@ -178,9 +179,8 @@ def extract(
 
 
 def _read_split(uri: str, settings: Settings) -> tuple[np.ndarray, np.ndarray]:
-    store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
-    table = read_table(store, key)
-    return features_of(table), table.column("label").to_numpy()
+    # The `probe` command's reader: memory-mapped, and every error names the file and the column.
+    return read_split(uri, endpoint_url=settings.s3_endpoint_url)
 
 
 def probe(
