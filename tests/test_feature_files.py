@@ -85,3 +85,25 @@ def test_a_column_of_another_length_is_refused_before_any_work(model: MLSTM, tmp
     with pytest.raises(ValueError, match="column 'label' has 3 values for 10 texts"):
         cached_features(LocalStore(tmp_path), model, TEXTS, columns={"label": LABELS[:3]})
     assert not list(tmp_path.rglob("*.arrow"))
+
+
+def test_the_stage_sizes_feature_batches_by_memory_unless_told(
+    model: MLSTM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import models.features
+    from tasks.transfer.stage import TransferParams
+
+    sized: list[int] = []
+    real = models.features.rows_for_memory
+
+    def counted(*args: object, **kwargs: object) -> int:
+        sized.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return sized[-1]
+
+    monkeypatch.setattr(models.features, "rows_for_memory", counted)
+    texts = ["great", "awful!", "fine, I guess"]
+    cached_features(LocalStore(tmp_path / "a"), model, texts)  # the stage's and the CLI's default
+    assert sized and sized[0] > 64  # a CPU's 1 GiB holds far more tiny rows than the old fixed 64
+    cached_features(LocalStore(tmp_path / "b"), model, texts, batch_size=2)
+    assert len(sized) == 1  # a batch size given is used as it is
+    assert TransferParams.model_fields["batch_size"].default is None

@@ -44,7 +44,12 @@ def features(
     label_column: Annotated[
         str | None, typer.Option(help="A label column, checked to hold 0/1 (every other column is kept too).")
     ] = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="Texts per batch (similar lengths together).")] = 64,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Texts per batch (similar lengths together). [default: as many as fit memory]"
+        ),
+    ] = None,
     store: StoreOption = None,
 ) -> None:
     """Write the mLSTM's final cell state for every row of a file (cached in the store)."""
@@ -120,7 +125,9 @@ def transfer(
     ],
     text_column: Annotated[str | None, typer.Option(help="Text column of CSV/JSONL tables.")] = None,
     label_column: Annotated[str | None, typer.Option(help="Label column of CSV/JSONL tables.")] = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="Texts per feature batch.")] = 64,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Texts per feature batch. [default: as many as fit memory]")
+    ] = None,
     c_min_log2: Annotated[int, typer.Option(help="Smallest C of the sweep, as a power of 2.")] = -8,
     c_max_log2: Annotated[int, typer.Option(help="Largest C of the sweep, as a power of 2.")] = 2,
     register: Annotated[

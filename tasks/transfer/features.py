@@ -103,14 +103,15 @@ def write_features(
     texts: Sequence[str],
     *,
     columns: dict[str, Sequence[object] | np.ndarray] | None = None,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     device: torch.device | None = None,
     on_batch: OnBatch | None = None,
     chunk_rows: int | None = None,
 ) -> str:
     """Compute the features of ``texts`` chunk by chunk, in input order, appending each chunk to the
     Arrow file at ``key`` as one record batch as soon as it is computed: memory holds one chunk
-    (``rows_per_chunk``), not the whole [N, H] array. Returns the file's URI."""
+    (``rows_per_chunk``), not the whole [N, H] array. ``batch_size`` None: rows per batch sized by the
+    device's memory (``models.features.rows_for_memory``). Returns the file's URI."""
     hidden = model.config.hidden_size
     step = chunk_rows or rows_per_chunk(hidden)
     arrays = _arrow_columns(columns, len(texts))
@@ -163,7 +164,7 @@ def cached_features(
     name: str = "rows",
     columns: dict[str, Sequence[object] | np.ndarray] | None = None,
     weights: str | None = None,
-    batch_size: int = 64,
+    batch_size: int | None = None,
     device: torch.device | None = None,
     on_batch: OnBatch | None = None,
     chunk_rows: int | None = None,

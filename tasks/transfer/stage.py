@@ -59,7 +59,9 @@ class TransferParams(BaseModel):
     )
     text_column: str | None = Field(default=None, description="Text column of CSV/JSONL tables.")
     label_column: str | None = Field(default=None, description="Label column of CSV/JSONL tables.")
-    batch_size: int = Field(default=64, ge=1, description="Texts per feature batch.")
+    batch_size: int | None = Field(
+        default=None, ge=1, description="Texts per feature batch; none: as many as fit the device's memory."
+    )
     c_min_log2: int = Field(default=-8, description="Smallest C of the sweep, as a power of 2.")
     c_max_log2: int = Field(default=2, description="Largest C of the sweep, as a power of 2.")
     register_dataset: str | None = Field(
