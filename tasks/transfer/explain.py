@@ -187,13 +187,14 @@ def to_png(
     flat = reading.values[:shown]
     grid.flat[: len(flat)] = flat
     scale = _scale(reading.values)
-    width, grid_height = columns * 0.16 + 1.5, max(n_rows, 1) * 0.28
+    # At least an inch for the grid, so that a short text's colour bar stays readable.
+    width, grid_height = columns * 0.16 + 1.5, max(n_rows * 0.28, 1.0)
     ax_p = None
     if reading.probability is None:
         fig, ax = plt.subplots(1, 1, figsize=(width, grid_height + 0.6))
     else:
         fig, (ax, ax_p) = plt.subplots(
-            2, 1, figsize=(width, n_rows * 0.28 + 2.2), height_ratios=[grid_height, 1.6]
+            2, 1, figsize=(width, grid_height + 2.2), height_ratios=[grid_height, 1.6]
         )
     image = ax.imshow(grid, cmap="RdYlGn", vmin=-scale, vmax=scale, aspect="auto")
     for i, char in enumerate(reading.chars[:shown]):
