@@ -216,7 +216,7 @@ def to_png(
         ax_p.plot(reading.probability[:shown], color="black", linewidth=1)
         ax_p.axhline(0.5, color="grey", linewidth=0.5, linestyle="--")
         ax_p.set_ylim(0, 1)
-        ax_p.set_xlim(0, max(shown - 1, 1))
+        ax_p.set_xlim(0, max(min(shown, len(reading.chars)) - 1, 1))  # the text's end, not the row's
         ax_p.set_ylabel("P(positive)", fontsize=8)
         ax_p.set_xlabel("character", fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
