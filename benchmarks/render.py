@@ -335,6 +335,40 @@ def baseline_tables(results: dict[str, Any]) -> str:
     return table(header, rows) + "\n\n" + "\n".join(sweeps)
 
 
+def neuron_tables(results: dict[str, Any]) -> str:
+    means = results.get("class_means")
+    lines = [
+        f"`{results['model']}`, unit {results['unit']}"
+        + (
+            f" (class means on the probe's training features: negative {means['negative']:.3g}, "
+            f"positive {means['positive']:.3g})"
+            if means
+            else ""
+        )
+        + f"; {results['samples']} samples of {results['length']} bytes each side, temperature "
+        f"{results['temperature']:g}, seed {results['seed']}, prompt {results['prompt']!r}.",
+        "",
+    ]
+
+    def cell(s: dict[str, Any]) -> str:
+        spread = f" ± {s['stderr']:.3f}" if s.get("stderr") is not None else ""
+        return f"{s['mean_probability']:.3f}{spread} (min {s['min_probability']:.3f}, max {s['max_probability']:.3f})"
+
+    rows = [
+        [
+            "`generate --sentiment`" if row["held"] == "generate" else row["held"],
+            f"{row['positive']['value']:+.3g}, {row['negative']['value']:+.3g}",
+            cell(row["positive"]),
+            cell(row["negative"]),
+            f"{row['gap']:+.3f}",
+        ]
+        for row in results["rows"]
+    ]
+    header = ["held", "value (positive, negative)", "mean P(positive), held positive"]
+    header += ["mean P(positive), held negative", "gap"]
+    return "\n".join([*lines, table(header, rows)])
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "baseline": baseline_tables,
     "corpus": corpus_tables,
@@ -345,6 +379,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "pipeline": pipeline_tables,
     "sweep": sweep_tables,
     "probe": probe_tables,
+    "neuron": neuron_tables,
 }
 
 

@@ -3,7 +3,8 @@
     p(positive | text) = σ(c_T · w + b)      c_T: the final cell state after reading the cleaned text
 
 Saved as two files with no pickled code: ``classifier.npz`` (every weight as a named array, loaded
-with ``allow_pickle=False``) and ``classifier.json`` (the model config, the cleaning, the probe's
+with ``allow_pickle=False``, and each unit's mean per class on the probe's training features, which
+``generate --sentiment positive|negative`` holds a unit near) and ``classifier.json`` (the model config, the cleaning, the probe's
 provenance). The served MLflow model (``models/serving.py``) is a thin wrapper around this class.
 """
 
@@ -33,6 +34,9 @@ class SentimentClassifier:
     coef_H: np.ndarray
     intercept: float
     info: dict[str, Any] = field(default_factory=dict)  # where it came from: checkpoint, dataset, C, …
+    # Each unit's mean on the probe's training features, row 0 the negative class, row 1 the positive;
+    # None for a classifier saved before they were kept.
+    class_means_2H: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.coef_H = np.asarray(self.coef_H, dtype=np.float32).reshape(-1)
@@ -41,6 +45,13 @@ class SentimentClassifier:
                 f"probe has {self.coef_H.shape[0]} weights but the mLSTM has "
                 f"{self.model.config.hidden_size} units"
             )
+        if self.class_means_2H is not None:
+            self.class_means_2H = np.asarray(self.class_means_2H, dtype=np.float32)
+            if self.class_means_2H.shape != (2, self.model.config.hidden_size):
+                raise ValueError(
+                    f"class means have shape {self.class_means_2H.shape}, not (2, "
+                    f"{self.model.config.hidden_size})"
+                )
         self.model.eval()
 
     def predict_proba(
@@ -60,6 +71,8 @@ class SentimentClassifier:
         arrays = {name: t.detach().cpu().float().numpy() for name, t in self.model.state_dict().items()}
         arrays[f"{_PROBE_PREFIX}coef"] = self.coef_H
         arrays[f"{_PROBE_PREFIX}intercept"] = np.array([self.intercept], dtype=np.float32)
+        if self.class_means_2H is not None:
+            arrays[f"{_PROBE_PREFIX}class_means"] = self.class_means_2H
         np.savez(folder / WEIGHTS_FILE, **arrays)
         config = {"model": asdict(self.model.config), "cleaning": CLEANING, "labels": LABELS, **self.info}
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -77,10 +90,12 @@ class SentimentClassifier:
             state = {k: torch.from_numpy(arrays[k]) for k in arrays.files if not k.startswith(_PROBE_PREFIX)}
             coef_H = arrays[f"{_PROBE_PREFIX}coef"]
             intercept = float(arrays[f"{_PROBE_PREFIX}intercept"][0])
+            means = f"{_PROBE_PREFIX}class_means"
+            class_means_2H = arrays[means] if means in arrays.files else None
         model = MLSTM(MLSTMConfig(**config.pop("model")))
         model.load_state_dict(state)
         info = {k: v for k, v in config.items() if k not in ("cleaning", "labels")}
-        return cls(model.to(device), coef_H, intercept, info)
+        return cls(model.to(device), coef_H, intercept, info, class_means_2H)
 
 
 def probability(features_NH: np.ndarray, coef_H: np.ndarray, intercept: float) -> np.ndarray:

@@ -89,7 +89,7 @@ def generate(
     """
     if length < 1:
         raise ValueError(f"length must be at least 1, got {length}")
-    if temperature < 0:
+    if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be 0 (greedy) or positive, got {temperature}")
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")

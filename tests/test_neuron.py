@@ -18,6 +18,7 @@ from models.neuron import generate, read_bytes
 from models.text import FRONT_PAD, encode
 from tasks.transfer.explain import (
     char_ends,
+    class_means,
     explain,
     held_value,
     pick_examples,
@@ -91,11 +92,22 @@ def test_held_unit_is_the_value_at_every_step_and_seeds_reproduce(classifier: Se
 
 
 def test_held_value_pushes_class_means_apart() -> None:
-    features = np.array([[1.0], [3.0], [-1.0], [-3.0]])
+    features = np.array([[1.0, 0.0], [3.0, 0.0], [-1.0, 5.0], [-3.0, 5.0]])
     labels = np.array([1, 1, 0, 0])
-    assert held_value(features, labels, 0, "positive") == pytest.approx(4.0)
-    assert held_value(features, labels, 0, "negative") == pytest.approx(-4.0)
-    assert held_value(features, labels, 0, "1.5") == 1.5
+    means = class_means(features, labels)
+    np.testing.assert_allclose(means, [[-2.0, 5.0], [2.0, 0.0]])  # row 0 negative, row 1 positive
+    assert held_value(means, 0, "positive") == pytest.approx(4.0)
+    assert held_value(means, 0, "negative") == pytest.approx(-4.0)
+    assert held_value(means, 1, "positive") == pytest.approx(-2.5)  # the unit's own classes decide
+    assert held_value(means, 0, "1.5") == 1.5
+
+
+def test_class_means_are_saved_with_the_classifier(classifier: SentimentClassifier, tmp_path: Path) -> None:
+    means = np.arange(128, dtype=np.float32).reshape(2, 64)
+    kept = SentimentClassifier(classifier.model, classifier.coef_H, classifier.intercept, {}, means)
+    loaded = SentimentClassifier.load(kept.save(tmp_path / "kept"))
+    np.testing.assert_array_equal(loaded.class_means_2H, means)
+    assert SentimentClassifier.load(classifier.save(tmp_path / "older")).class_means_2H is None
 
 
 def test_html_holds_every_character_once_escaped(classifier: SentimentClassifier) -> None:
@@ -121,7 +133,7 @@ def test_png_is_an_image_that_grows_with_rows(classifier: SentimentClassifier, t
     assert note is not None and "first 5 of 51 rows" in note
 
 
-def test_six_examples_take_the_extremes_and_the_most_confident_mistakes() -> None:
+def test_the_examples_are_the_extremes_plus_the_most_confident_mistakes() -> None:
     #            0     1     2     3     4     5     6     7     8     9
     p = np.array([0.99, 0.97, 0.95, 0.90, 0.70, 0.40, 0.20, 0.05, 0.03, 0.01])
     y = np.array([1, 1, 1, 1, 0, 1, 0, 0, 0, 0])  # 4: a false positive (0.70); 5: a false negative (0.40)
@@ -129,15 +141,23 @@ def test_six_examples_take_the_extremes_and_the_most_confident_mistakes() -> Non
     assert picked == {
         "positive 1": 0,
         "positive 2": 1,
-        "positive 3, misclassified": 4,
+        "positive 3": 2,
         "negative 1": 9,
         "negative 2": 8,
-        "negative 3, misclassified": 5,
+        "negative 3": 7,
+        "misclassified 1, scored positive": 4,  # |0.70 - 0.5| = 0.2: the more confident mistake first
+        "misclassified 2, scored negative": 5,
     }
-    # A mistake already among the most extreme stays where it is; no mistakes: the three extremes.
-    y[1], y[4], y[5] = 0, 1, 0
-    assert [e.index for e in pick_examples(p, y)] == [0, 1, 2, 9, 8, 7]
-    assert [e.role for e in pick_examples(p, np.array([1] * 5 + [0] * 5))][2] == "positive 3"
+    assert len({e.file for e in pick_examples(p, y)}) == 8
+    # The two most confident mistakes, whichever side: three false positives, the two surest shown.
+    y2 = np.array([1, 1, 1, 0, 0, 0, 0, 0, 0, 0])
+    assert [e.index for e in pick_examples(p, y2)][6:] == [3, 4]
+    # A mistake already among the extremes is marked there and not shown twice: six or seven rows.
+    y3 = np.array([0, 1, 1, 1, 1, 1, 0, 0, 0, 1])
+    roles = [e.role for e in pick_examples(p, y3)]
+    assert roles[0] == "positive 1, misclassified" and roles[3] == "negative 1, misclassified"
+    assert len(roles) == 6
+    assert len(pick_examples(p, np.array([1] * 5 + [0] * 5))) == 6  # no mistakes: the six extremes
     assert sorted(e.index for e in pick_examples(p[:4], y[:4])) == [0, 1, 2, 3]  # fewer rows: each once
 
 
@@ -147,7 +167,13 @@ def test_write_reviews_holds_the_unit_in_the_probes_direction(classifier: Sentim
     kwargs = {"unit": unit, "length": 12, "temperature": 0.4, "samples": 2, "seed": 3}
     positive = write_reviews(classifier, "It", sentiment="positive", **kwargs)  # type: ignore[arg-type]
     negative = write_reviews(classifier, "It", sentiment="negative", **kwargs)  # type: ignore[arg-type]
-    assert (positive.value, negative.value) == (sign, -sign)
+    assert (positive.value, negative.value) == (sign, -sign)  # no class means kept: ±1 the probe's way
+    # With the class means of the probe's training features: each class's mean pushed 2× from the middle.
+    means = np.zeros((2, 64), dtype=np.float32)
+    means[:, unit] = (-3.0, 1.0)
+    kept = SentimentClassifier(classifier.model, classifier.coef_H, classifier.intercept, {}, means)
+    held = [write_reviews(kept, "It", sentiment=s, **kwargs).value for s in ("positive", "negative")]  # type: ignore[arg-type]
+    assert held == [pytest.approx(3.0), pytest.approx(-5.0)]
     assert all(t.startswith("It") for t in positive.texts) and len(positive.probability) == 2
     # What the benchmark reports is the classifier's own P of each written text.
     np.testing.assert_allclose(positive.probability, classifier.predict_proba(positive.texts))

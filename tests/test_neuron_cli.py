@@ -37,7 +37,9 @@ def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
         (["generate", "--length", "0"], "--length must be at least 1"),
         (["generate", "--length", "-3"], "--length must be at least 1"),
         (["generate", "--temperature", "-1"], "0 for greedy"),
-        (["generate", "--sentiment", "happy"], "give positive, negative or a number"),
+        (["generate", "--sentiment", "happy"], "give positive, negative or a finite number"),
+        (["generate", "--sentiment", "nan"], "give positive, negative or a finite number"),
+        (["generate", "--temperature", "nan"], "0 for greedy"),
         (["explain", "ok", "--checkpoint", "runs/r"], "--unit N is required with --checkpoint"),
         (["explain", "ok", "--checkpoint", "runs/r", "--model", "models:/m@c", "--unit", "1"], "not both"),
         (["generate", "--checkpoint", "runs/r", "--model", "models:/m@c"], "not both"),
@@ -151,3 +153,31 @@ def test_explain_and_generate_on_a_checkpoint(tmp_path: Path) -> None:
     texts, held = generate(intact, (FRONT_PAD + "It").encode(), **kwargs)  # type: ignore[arg-type]
     assert [row["text"] for row in written["samples"]] == ["It" + t.decode("utf-8", "replace") for t in texts]
     assert np.all(held == np.float32(2.5))
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1800)  # the reference cell steps a million bytes one at a time on shared cores
+def test_a_megabyte_review_is_read_in_chunks_and_the_png_says_what_it_cuts(tmp_path: Path) -> None:
+    """1 MB from a file: every character read, the PNG capped at its rows with a line saying so. Minutes
+    on a CPU: the reference cell steps per byte (chunked reading equals one pass: test_neuron.py)."""
+    store = LocalStore(tmp_path / "store")
+    _save_model(store, 10, seed=1)
+    review = "Great kettle, boils fast. Then it leaked — avoid ☕.\n"
+    text = review * (2**20 // len(review.encode()) + 1)
+    path = tmp_path / "review.txt"
+    path.write_text(text, encoding="utf-8")
+    run = str(tmp_path / "store" / "runs" / "r")
+    env = {**os.environ, "MLSTM_HOME": str(tmp_path)}
+    png = tmp_path / "big.png"
+    result = cli(
+        ["explain", "--input", str(path), "--checkpoint", run, "--unit", "3", "--json", "--out", str(png)],
+        env,
+    )
+    assert result.returncode == 0, result.stderr
+    reading = json.loads(result.stdout)
+    assert len(reading["values"]) == len(reading["text"]) > 10**6 // 2
+    assert "the PNG shows the first 60 of" in result.stderr and f"wrote {png}" in result.stderr
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.size[1] < 4000  # capped: 60 rows, not the text's thousands

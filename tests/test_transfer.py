@@ -152,7 +152,7 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
     assert {i.dataset.name for i in run.inputs.dataset_inputs} >= {"sst2-train", "sst2-dev", "sst2-test"}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "sst2")}
     assert {"sst2/accuracy_vs_C.png", "sst2/top_unit.png", "sst2/report.json", "sst2/neuron"} <= artifacts
-    assert len(client.list_artifacts(run.info.run_id, "sst2/neuron")) == 6
+    assert 6 <= len(client.list_artifacts(run.info.run_id, "sst2/neuron")) <= 8  # six extremes + mistakes
 
     # The logged model holds no pickle: weights as .npz, code as files.
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@{CHAMPION}"))
@@ -185,18 +185,28 @@ def test_transfer_registers_a_champion_that_serves_and_behaves(
 
 
 @pytest.mark.slow  # the module's `trained` fixture trains for about 30 s
-def test_transfer_logs_the_neuron_over_six_test_reviews(
+def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
     trained: dict[str, Any], mlflow_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The stage's functions without Prefect, on the trained model and a small labelled sample: six
-    heatmaps in the store and the MLflow run, each P the classifier's own, listed for the Prefect artifact."""
+    """The stage's functions without Prefect, on the trained model and a small labelled sample: the
+    heatmaps of the three most positive, the three most negative and the two most confidently
+    misclassified test reviews in the store and the MLflow run, each P the classifier's own, listed for
+    the Prefect artifact; the registered classifier keeps its unit's class means for `generate`."""
     from mlflow.tracking import MlflowClient
     from PIL import Image
 
     from tasks.transfer.baseline import fit_baseline
     from tasks.transfer.datasets import load_dataset
+    from tasks.transfer.explain import class_means
     from tasks.transfer.registry import heatmaps_markdown, log_report, open_transfer_run
-    from tasks.transfer.stage import TransferParams, classifier_of, extract, measure_baseline, probe
+    from tasks.transfer.stage import (
+        TransferParams,
+        _read_split,
+        classifier_of,
+        extract,
+        measure_baseline,
+        probe,
+    )
 
     monkeypatch.setenv("MLSTM_HOME", str(trained["home"]))
     monkeypatch.setenv("MLSTM_MLFLOW_TRACKING_URI", mlflow_server)
@@ -215,18 +225,30 @@ def test_transfer_logs_the_neuron_over_six_test_reviews(
     again = measure_baseline(extracted, params, settings)
     assert again["cached"] is True and again["test_accuracy"] == measured.test_accuracy
     heatmaps = report["heatmaps"]
-    assert [h["role"].split(",")[0] for h in heatmaps] == [
+    assert [h["role"].split(",")[0] for h in heatmaps[:6]] == [
         *(f"positive {k}" for k in (1, 2, 3)),
         *(f"negative {k}" for k in (1, 2, 3)),
     ]
     import csv
 
     with (small / "test.csv").open(newline="") as file:
-        texts = [row["text"] for row in csv.DictReader(file)]
-    p_N = classifier_of(report, settings).predict_proba(texts)
+        rows = list(csv.DictReader(file))
+    texts, labels = [row["text"] for row in rows], np.array([int(row["label"]) for row in rows])
+    classifier = classifier_of(report, settings)
+    p_N = classifier.predict_proba(texts)
     for h in heatmaps:  # the heatmap's last probability is what the classifier says of the whole review
         assert h["probability"] == pytest.approx(p_N[h["row"]], abs=1e-5)
-    assert min(h["probability"] for h in heatmaps[:2]) >= max(np.delete(p_N, [h["row"] for h in heatmaps]))
+    others = np.delete(p_N, [h["row"] for h in heatmaps])
+    assert min(h["probability"] for h in heatmaps[:3]) >= max(others)
+    assert max(h["probability"] for h in heatmaps[3:6]) <= min(others)
+    wrong_N = (p_N >= 0.5) != (labels == 1)
+    surest = np.argsort(-np.abs(p_N - 0.5), kind="stable")
+    mistakes = [int(i) for i in surest if wrong_N[i]][:2]
+    assert set(mistakes) <= {h["row"] for h in heatmaps}  # the two most confident mistakes are shown
+    # What `generate --sentiment positive|negative` holds the unit near: its class means on train.
+    expected = class_means(*_read_split(extracted["splits"]["train"]["uri"], settings))
+    assert classifier.class_means_2H is not None
+    np.testing.assert_allclose(classifier.class_means_2H, expected, rtol=1e-6)
 
     run_id = open_transfer_run(None, settings, run_name="neuron", tags={})
     log_report(run_id, report, settings)

@@ -5,6 +5,7 @@ commands)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -146,7 +147,11 @@ def explain(
 def generate(
     prompt: Annotated[str, typer.Option(help="Text the samples continue.")] = "",
     sentiment: Annotated[
-        str | None, typer.Option(help="Hold the unit: positive, negative or a number (its cell value).")
+        str | None,
+        typer.Option(
+            help="Hold the unit: positive or negative (that class's mean of the unit on the probe's training "
+            "features, pushed 2× from the midpoint of the two class means) or a number (its cell value)."
+        ),
     ] = None,
     unit: UnitOption = None,
     length: Annotated[int, typer.Option(help="Bytes per sample.")] = 200,
@@ -167,15 +172,17 @@ def generate(
 
     if length < 1:
         raise fail(f"--length must be at least 1, got {length}")
-    if temperature < 0:
+    if not math.isfinite(temperature) or temperature < 0:
         raise fail(f"--temperature must be positive (or 0 for greedy sampling), got {temperature}")
     if samples < 1:
         raise fail(f"--samples must be at least 1, got {samples}")
     if sentiment is not None and sentiment not in ("positive", "negative"):
         try:
-            float(sentiment)
+            finite = math.isfinite(float(sentiment))
         except ValueError:
-            raise fail(f"--sentiment {sentiment!r}: give positive, negative or a number") from None
+            finite = False
+        if not finite:
+            raise fail(f"--sentiment {sentiment!r}: give positive, negative or a finite number") from None
     if checkpoint is not None and sentiment in ("positive", "negative"):
         raise fail(
             f"--sentiment {sentiment} needs a probe (a registered --model), and a checkpoint has none: "
@@ -199,6 +206,8 @@ def generate(
         texts, p_N, value = written.texts, written.probability, written.value
     except user_errors() as error:
         raise fail(error) from None
+    if written.basis:
+        err.print(f"{sentiment}: {written.basis}", highlight=False)
     probabilities = [None if p_N is None else float(p_N[i]) for i in range(len(texts))]
     if as_json:
         rows = [{"text": t, "probability": p} for t, p in zip(texts, probabilities, strict=True)]

@@ -26,7 +26,10 @@ from models.text import FRONT_PAD, encode
 VISIBLE = {"\n": "↵", "\t": "→", "\r": "␍"}
 PNG_COLUMNS = 64
 PNG_MAX_ROWS = 60
-# The unit's value for sentiment positive|negative, times the sign of the probe's weight on it.
+# sentiment positive|negative holds the unit at that class's mean on the probe's training features,
+# pushed PUSH times as far from the midpoint of the two class means; a classifier saved without the
+# means holds it at ±HELD in the direction of the probe's weight instead.
+PUSH = 2.0
 HELD = 1.0
 
 
@@ -184,13 +187,14 @@ def to_png(
     flat = reading.values[:shown]
     grid.flat[: len(flat)] = flat
     scale = _scale(reading.values)
-    width, grid_height = columns * 0.16 + 1.5, max(n_rows, 1) * 0.28
+    # At least an inch for the grid, so that a short text's colour bar stays readable.
+    width, grid_height = columns * 0.16 + 1.5, max(n_rows * 0.28, 1.0)
     ax_p = None
     if reading.probability is None:
         fig, ax = plt.subplots(1, 1, figsize=(width, grid_height + 0.6))
     else:
         fig, (ax, ax_p) = plt.subplots(
-            2, 1, figsize=(width, n_rows * 0.28 + 2.2), height_ratios=[grid_height, 1.6]
+            2, 1, figsize=(width, grid_height + 2.2), height_ratios=[grid_height, 1.6]
         )
     image = ax.imshow(grid, cmap="RdYlGn", vmin=-scale, vmax=scale, aspect="auto")
     for i, char in enumerate(reading.chars[:shown]):
@@ -212,7 +216,7 @@ def to_png(
         ax_p.plot(reading.probability[:shown], color="black", linewidth=1)
         ax_p.axhline(0.5, color="grey", linewidth=0.5, linestyle="--")
         ax_p.set_ylim(0, 1)
-        ax_p.set_xlim(0, max(shown - 1, 1))
+        ax_p.set_xlim(0, max(min(shown, len(reading.chars)) - 1, 1))  # the text's end, not the row's
         ax_p.set_ylabel("P(positive)", fontsize=8)
         ax_p.set_xlabel("character", fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -229,41 +233,53 @@ class Example:
     file: str
 
 
-def pick_examples(probability_N: np.ndarray, labels_N: np.ndarray, *, per_side: int = 3) -> list[Example]:
-    """Six test rows to show the unit on: the ``per_side`` most positive and most negative by the
-    classifier, where each side's last place goes to that side's most confident mistake (a negative
-    review scored most positive; a positive one scored most negative) when it is not already shown.
+def pick_examples(
+    probability_N: np.ndarray, labels_N: np.ndarray, *, per_side: int = 3, mistakes: int = 2
+) -> list[Example]:
+    """The test rows to show the unit on: the ``per_side`` most positive and the ``per_side`` most
+    negative by the classifier, plus the ``mistakes`` most confidently misclassified (the largest
+    |P(positive) − 0.5| among rows the classifier puts on the wrong side) that are not already among them.
 
-    So the two most confidently misclassified reviews are always among the six (when there are
-    mistakes), and each side still shows its most extreme ``per_side - 1`` reviews. Fewer rows than
-    ``2 * per_side``: every row once.
+    So six to eight rows by default: six when both mistakes are among the extremes (or there are none).
+    Ties go in row order; a test set of fewer rows shows each row once.
     """
     p_N, y_N = np.asarray(probability_N, dtype=np.float64), np.asarray(labels_N)
-    order = [int(i) for i in np.argsort(-p_N, kind="stable")]  # most positive first; ties in row order
+    wrong_N = (p_N >= 0.5) != (y_N == 1)
+    order = [int(i) for i in np.argsort(-p_N, kind="stable")]  # most positive first
     picked: list[Example] = []
-    for name, ranked, wrong_label in (("positive", order, 0), ("negative", order[::-1], 1)):
-        side_N = p_N >= 0.5 if name == "positive" else p_N < 0.5  # rows the classifier puts on this side
-        taken = {e.index for e in picked}
-        free = [i for i in ranked if i not in taken]
-        wrong = [i for i in free if side_N[i] and y_N[i] == wrong_label]  # most confident first
-        shown = free[:per_side]
-        if wrong and wrong[0] not in shown:
-            shown = [*free[: per_side - 1], wrong[0]]
-        for rank, i in enumerate(shown, start=1):
-            note = ", misclassified" if side_N[i] and y_N[i] == wrong_label else ""
-            picked.append(Example(i, f"{name} {rank}{note}", f"{name}-{rank}.png"))
+
+    def note(i: int) -> str:
+        return ", misclassified" if wrong_N[i] else ""
+
+    for rank, i in enumerate(order[:per_side], start=1):
+        picked.append(Example(i, f"positive {rank}{note(i)}", f"positive-{rank}.png"))
+    taken = {e.index for e in picked}
+    for rank, i in enumerate([i for i in order[::-1] if i not in taken][:per_side], start=1):
+        picked.append(Example(i, f"negative {rank}{note(i)}", f"negative-{rank}.png"))
+    taken = {e.index for e in picked}
+    confident = [int(i) for i in np.argsort(-np.abs(p_N - 0.5), kind="stable") if wrong_N[i]][:mistakes]
+    for rank, i in enumerate([i for i in confident if i not in taken], start=1):
+        scored = "positive" if p_N[i] >= 0.5 else "negative"
+        picked.append(Example(i, f"misclassified {rank}, scored {scored}", f"misclassified-{rank}.png"))
     return picked
 
 
-def held_value(
-    features_NH: np.ndarray, labels_N: np.ndarray, unit: int, sentiment: str, *, push: float = 2.0
-) -> float:
+def class_means(features_NH: np.ndarray, labels_N: np.ndarray) -> np.ndarray:
+    """Each unit's mean on the features of each class [2, H]: row 0 the negative class, row 1 the positive
+    (a class with no rows: NaN)."""
+    X_NH, y_N = np.asarray(features_NH, dtype=np.float64), np.asarray(labels_N)
+    rows = [X_NH[y_N == label].mean(axis=0) if (y_N == label).any() else np.full(X_NH.shape[1], np.nan)
+            for label in (0, 1)]  # fmt: skip
+    return np.stack(rows).astype(np.float32)
+
+
+def held_value(class_means_2H: np.ndarray, unit: int, sentiment: str, *, push: float = PUSH) -> float:
     """The value to hold the unit at for ``positive``/``negative``: that class's mean of the unit on the
-    probe's training features, pushed ``push`` times as far from the midpoint of the two class means."""
+    probe's training features, pushed ``push`` times as far from the midpoint of the two class means; a
+    number is that number."""
     if sentiment not in ("positive", "negative"):
         return float(sentiment)
-    values_N = features_NH[:, unit]
-    pos, neg = float(values_N[labels_N == 1].mean()), float(values_N[labels_N == 0].mean())
+    neg, pos = float(class_means_2H[0, unit]), float(class_means_2H[1, unit])
     mid = (pos + neg) / 2
     target = pos if sentiment == "positive" else neg
     return mid + push * (target - mid)
@@ -278,6 +294,7 @@ class Written:
     probability: np.ndarray | None
     unit: int | None
     value: float | None
+    basis: str | None = None  # how the value was chosen, for positive|negative
 
 
 def write_reviews(
@@ -291,8 +308,9 @@ def write_reviews(
     samples: int,
     seed: int,
 ) -> Written:
-    """``samples`` continuations of ``prompt``; ``sentiment`` positive/negative holds ``unit`` at ±HELD in
-    the direction of the probe's weight, a number holds it at that value, None leaves it free.
+    """``samples`` continuations of ``prompt``; ``sentiment`` positive/negative holds ``unit`` at
+    ``held_value`` of the classifier's class means (a classifier saved without them: ±HELD in the
+    direction of the probe's weight), a number holds it at that value, None leaves it free.
 
     A bare mLSTM (a checkpoint) has no probe: no probability, and only a number can be held."""
     classifier = source if isinstance(source, SentimentClassifier) else None
@@ -300,6 +318,7 @@ def write_reviews(
     if unit is not None:
         check_unit(model, unit)
     value: float | None = None
+    basis: str | None = None
     if sentiment in ("positive", "negative"):
         if classifier is None:
             raise ValueError(
@@ -308,8 +327,18 @@ def write_reviews(
             )
         if unit is None:
             raise ValueError(f"sentiment {sentiment!r} needs a unit to hold")
-        sign = 1.0 if classifier.coef_H[unit] >= 0 else -1.0
-        value = HELD * sign * (1.0 if sentiment == "positive" else -1.0)
+        means_2H = classifier.class_means_2H
+        if means_2H is not None and np.isfinite(means_2H[:, unit]).all():
+            value = held_value(means_2H, unit, sentiment)
+            basis = (
+                f"the {sentiment} class's mean of unit {unit} on the probe's training features "
+                f"({means_2H[1 if sentiment == 'positive' else 0, unit]:.3g}; the other class "
+                f"{means_2H[0 if sentiment == 'positive' else 1, unit]:.3g}) pushed {PUSH:g}× from their midpoint"
+            )
+        else:
+            sign = 1.0 if classifier.coef_H[unit] >= 0 else -1.0
+            value = HELD * sign * (1.0 if sentiment == "positive" else -1.0)
+            basis = f"±{HELD:g} in the direction of the probe's weight (this model keeps no class means)"
     elif sentiment is not None:
         value = float(sentiment)
         if not math.isfinite(value):
@@ -328,4 +357,4 @@ def write_reviews(
     )
     texts = [prompt + data.decode("utf-8", errors="replace") for data in written]
     probability = None if classifier is None else classifier.predict_proba(texts)
-    return Written(texts, probability, unit, value)
+    return Written(texts, probability, unit, value, basis)

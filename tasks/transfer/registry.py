@@ -94,7 +94,7 @@ def log_report(run_id: str, report: dict[str, Any], settings: Settings) -> None:
             store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
             with store.local_copy(key) as path:
                 mlflow.log_artifact(str(path), artifact_path=name)
-        for heatmap in report.get("heatmaps", []):  # the sentiment neuron over six test reviews
+        for heatmap in report.get("heatmaps", []):  # the sentiment neuron over six to eight test reviews
             store, key = split_object_uri(heatmap["uri"], endpoint_url=settings.s3_endpoint_url)
             with store.local_copy(key) as path:
                 mlflow.log_artifact(str(path), artifact_path=f"{name}/neuron")
@@ -107,7 +107,12 @@ def heatmaps_markdown(reports: list[dict[str, Any]], link: Callable[[str], str])
     for report in reports:
         if not report.get("heatmaps"):
             continue
-        lines += ["", f"Unit {report['top_unit']} over six {report['name']} test reviews:", ""]
+        lines += [
+            "",
+            f"Unit {report['top_unit']} over {len(report['heatmaps'])} {report['name']} test reviews (the "
+            "three most positive, the three most negative, the two most confidently misclassified):",
+            "",
+        ]
         for h in report["heatmaps"]:
             path = f"{report['name']}/neuron/{h['uri'].rsplit('/', 1)[-1]}"
             label = "positive" if h["label"] == 1 else "negative"

@@ -28,7 +28,7 @@ from tasks.pretrain.checkpoint import Checkpoint, load_checkpoint, newest_checkp
 from tasks.settings import Settings
 from tasks.store import split_object_uri, store_of
 from tasks.transfer.datasets import declared_name, load_dataset
-from tasks.transfer.explain import explain, pick_examples, to_png
+from tasks.transfer.explain import class_means, explain, pick_examples, to_png
 from tasks.transfer.features import cached_features, weights_fingerprint
 from tasks.transfer.precomputed import read_split
 from tasks.transfer.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
@@ -206,6 +206,7 @@ def probe(
             Path(scratch) / "probe.npz",
             coef=result.coef,
             intercept=np.array([result.intercept], dtype=np.float32),
+            class_means=class_means(*data["train"]),  # where `generate --sentiment` holds a unit
         )
         store.put_file(Path(scratch) / "probe.npz", f"{prefix}/probe.npz")
         plots = {}
@@ -267,8 +268,9 @@ def _neuron_heatmaps(
     test: tuple[np.ndarray, np.ndarray],
     scratch: Path,
 ) -> list[dict[str, Any]]:
-    """The top unit read byte by byte over six test reviews (``pick_examples``), one PNG each in
-    ``scratch``; returns what each shows. Only those six are read again, so this costs six reviews."""
+    """The top unit read byte by byte over six to eight test reviews (``pick_examples``: the three most
+    positive, the three most negative, the two most confidently misclassified), one PNG each in
+    ``scratch``; returns what each shows. Only those reviews are read again, not the test set."""
     test_X, test_y = test
     p_N = probability(test_X, result.coef, result.intercept)
     examples = pick_examples(p_N, test_y)
@@ -316,8 +318,11 @@ def classifier_of(report: dict[str, Any], settings: Settings) -> SentimentClassi
     store, key = split_object_uri(report["probe_uri"], endpoint_url=settings.s3_endpoint_url)
     with store.local_copy(key) as path, np.load(path, allow_pickle=False) as arrays:
         coef_H, intercept = arrays["coef"], float(arrays["intercept"][0])
+        class_means_2H = arrays["class_means"] if "class_means" in arrays.files else None
     info = {key: report[key] for key in ("name", "checksum", "checkpoint_uri", "C", "test_accuracy")}
-    return SentimentClassifier(model, coef_H, intercept, {"dataset": info.pop("name"), **info})
+    return SentimentClassifier(
+        model, coef_H, intercept, {"dataset": info.pop("name"), **info}, class_means_2H
+    )
 
 
 def summary_table(reports: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
