@@ -117,3 +117,21 @@ def run_flow(
     bar = progress_bar(unit, show=show_progress)
     with prefect_api(get_settings()), bar, progress.reporting_to(RichSink(bar)):
         return flow(**parameters)
+
+
+def load_registered(model: str | None) -> tuple[Any, str]:
+    """The MLflow pyfunc model at ``model`` (default: the champion) and its URI, or one clear line."""
+    from tasks.tracking import connect
+
+    settings = get_settings()
+    connect(settings)
+    import mlflow.pyfunc
+    from mlflow.exceptions import MlflowException
+
+    uri = model or f"models:/{settings.model_name}@champion"
+    try:
+        return mlflow.pyfunc.load_model(uri), uri
+    except MlflowException as error:
+        raise fail(
+            f"cannot load {uri} from {settings.resolved_mlflow_tracking_uri}: {error.message}"
+        ) from None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from flows.cli.common import err, fail, out, user_errors
+from flows.cli.common import err, fail, load_registered, out, user_errors
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
@@ -38,20 +38,7 @@ UnitOption = Annotated[
 
 def load_classifier(model: str | None) -> tuple[SentimentClassifier, str]:
     """The classifier behind a registered MLflow model, or one clear line naming the URI."""
-    from tasks.tracking import connect
-
-    settings = get_settings()
-    connect(settings)
-    import mlflow.pyfunc
-    from mlflow.exceptions import MlflowException
-
-    uri = model or f"models:/{settings.model_name}@champion"
-    try:
-        loaded = mlflow.pyfunc.load_model(uri)
-    except MlflowException as error:
-        raise fail(
-            f"cannot load {uri} from {settings.resolved_mlflow_tracking_uri}: {error.message}"
-        ) from None
+    loaded, uri = load_registered(model)
     return loaded.unwrap_python_model().classifier, uri
 
 

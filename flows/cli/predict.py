@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import fail, out, user_errors
-from tasks.settings import get_settings
+from flows.cli.common import fail, load_registered, out, user_errors
 
 if TYPE_CHECKING:
     from tasks.transfer.explain import Reading
@@ -53,10 +52,8 @@ def predict(
     ] = None,
 ) -> None:
     """Score texts with a registered classifier (the champion by default)."""
-    from tasks.tracking import connect
     from tasks.transfer.datasets import read_table
 
-    settings = get_settings()
     try:
         for position, text in enumerate(texts or [], start=1):
             # An empty text has nothing to score, yet the model would still give it a probability.
@@ -67,18 +64,9 @@ def predict(
             texts = [*(texts or []), *read_table(input, text_column=text_column)[0]]
         if not texts:
             raise fail("nothing to score: give texts as arguments or --input FILE")
-        connect(settings)
-        import mlflow.pyfunc
         import pandas as pd
-        from mlflow.exceptions import MlflowException
 
-        uri = model or f"models:/{settings.model_name}@champion"
-        try:
-            classifier = mlflow.pyfunc.load_model(uri)
-        except MlflowException as error:
-            raise fail(
-                f"cannot load {uri} from {settings.resolved_mlflow_tracking_uri}: {error.message}"
-            ) from None
+        classifier, uri = load_registered(model)
         from models.serving import TextRejected
 
         try:
