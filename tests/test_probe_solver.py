@@ -299,7 +299,7 @@ def _per_C(data: Data, solver: str) -> list[tuple[float, float]]:
     return [(_accuracy(w, b, *data["dev"]), _accuracy(w, b, *data["test"])) for w, b in path]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # trains a 128-unit mLSTM on the Amazon reviews: about 3 minutes on two cores
 def test_on_real_features_newton_matches_liblinear_at_every_C_and_chooses_its_C(
     real: Data, one_thread: None
 ) -> None:

@@ -20,7 +20,7 @@ from tasks.pretrain.checkpoint import load_checkpoint
 FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--total-steps", "12"]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # three runs of the job; test_pretrain's resume test guards the restore in CI
 def test_a_resume_restores_the_whole_state_and_refuses_a_changed_setting(
     sample_manifest: str, home: Path
 ) -> None:
