@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import importlib.util
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from processes import SESSION_VARIABLE, started_by_session
@@ -149,6 +151,21 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh MLSTM home (store, MLflow database, caches) for one test."""
     monkeypatch.setenv("MLSTM_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(script: str, name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A script of benchmarks/ loaded as module ``name``. benchmarks/ is no package: its folder goes on
+    sys.path, as when the script is run (for benchmarks/common.py); the monkeypatch undoes both."""
+    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "pretrain.py"
+from conftest import load_benchmark
 
 
 def test_the_pretrain_benchmark_writes_its_json_report(
@@ -17,12 +14,7 @@ def test_the_pretrain_benchmark_writes_its_json_report(
 ) -> None:
     # benchmarks/ is no package: load the script by path, with its folder on sys.path as when it is run
     # (for benchmarks/common.py, which puts the checkout there too); undo both after.
-    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
-    spec = importlib.util.spec_from_file_location("pretrain_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("pretrain.py", "pretrain_benchmark", monkeypatch)
 
     out = tmp_path / "bench.json"
     argv = ["--presets", "tiny", "--batch", "4", "--seq-len", "8", "--steps", "1", "--warmup", "1"]
@@ -54,12 +46,7 @@ def test_the_pretrain_benchmark_writes_its_json_report(
 def test_the_sharding_benchmark_writes_a_row_per_sharding_against_ddp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
-    spec = importlib.util.spec_from_file_location("pretrain_benchmark_sharding", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("pretrain.py", "pretrain_benchmark_sharding", monkeypatch)
 
     out = tmp_path / "bench.json"
     argv = ["--sharding", "full", "--presets", "tiny", "--batch", "4", "--seq-len", "8", "--steps", "1"]
@@ -76,13 +63,8 @@ def test_the_job_reads_the_peak_the_benchmark_saves(tmp_path: Path, monkeypatch:
 
     from tasks.pretrain.train import MEASURED_PEAKS, peak_in_file
 
-    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
     monkeypatch.setenv("MLSTM_HOME", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("pretrain_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("pretrain.py", "pretrain_benchmark", monkeypatch)
     gpu = "NVIDIA H100 80GB HBM3"
     module.save_peaks(
         {module.DTYPE_NAMES[torch.bfloat16]: 7.93e14, module.DTYPE_NAMES[torch.float16]: 7.9e14}, gpu

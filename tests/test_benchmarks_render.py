@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -10,19 +9,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import load_benchmark
 
 
 @pytest.fixture
 def render(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     # benchmarks/ is no package: load the script by path, with its folder on the path for `common`.
-    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
-    spec = importlib.util.spec_from_file_location("render_benchmarks", BENCHMARKS / "render.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("render.py", "render_benchmarks", monkeypatch)
     return module
 
 

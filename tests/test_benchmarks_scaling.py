@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import load_benchmark
 
 from models.mlstm import preset
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py"
 
 
 @pytest.fixture
 def scaling(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     # benchmarks/ is no package: load the script by path, with its folder on the path for `common`.
-    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
-    spec = importlib.util.spec_from_file_location("scaling_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("scaling.py", "scaling_benchmark", monkeypatch)
     return module
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import load_benchmark
 from train_helpers import run_job
 
 from models.features import featurize
@@ -175,17 +176,8 @@ def test_the_mfu_peak_is_the_one_the_benchmark_measured(tmp_path: Path) -> None:
 def test_the_pretrain_benchmark_times_the_captured_step_beside_the_eager_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import importlib.util
-    import sys
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pretrain.py"
-    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])
     monkeypatch.setenv("MLSTM_HOME", str(tmp_path))  # where it saves the measured peak
-    spec = importlib.util.spec_from_file_location("pretrain_benchmark", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    module = load_benchmark("pretrain.py", "pretrain_benchmark", monkeypatch)
     out = tmp_path / "bench.json"
     argv = ["--presets", "tiny", "--batch", "8", "--seq-len", "16", "--steps", "3", "--warmup", "1"]
     argv += ["--impls", "graphed,fused", "--precision", "fp32", "--matmul-size", "1024", "--json", str(out)]
