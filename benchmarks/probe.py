@@ -47,17 +47,29 @@ def cell_state_like(rows: tuple[int, ...], width: int, seed: int = 0) -> Splits:
     return splits
 
 
-def timed(splits: Splits, solver: Solver, Cs: tuple[float, ...], device: str) -> tuple[float, ProbeResult]:
-    def progress(point: object) -> None:
-        say(f"  {solver}: {point}")
+def timed(
+    splits: Splits, solver: Solver, Cs: tuple[float, ...], device: str
+) -> tuple[float, list[float], ProbeResult]:
+    """The sweep's wall seconds, each C's (fit and dev scoring, from the previous C's end), the result."""
+    per_C: list[float] = []
+    last = time.perf_counter()
 
-    started = time.perf_counter()
+    def progress(point: object) -> None:
+        nonlocal last
+        if device == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        per_C.append(now - last)
+        last = now
+        say(f"  {solver}: {point} ({per_C[-1]:.2f} s)")
+
+    started = last
     result = fit_probe(
         *splits[0], *splits[1], *splits[2], Cs=Cs, solver=solver, device=device, on_fit=progress
     )
     if device == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - started, result
+    return time.perf_counter() - started, per_C, result
 
 
 def main() -> None:
@@ -82,9 +94,9 @@ def main() -> None:
         name, _, width = case.partition(":")
         splits = cell_state_like(ROWS[name], int(width))
         say(f"{name} × {width}: {len(Cs)} values of C")
-        base_s, base = timed(splits, "liblinear", Cs, "cpu")
+        base_s, base_per_C, base = timed(splits, "liblinear", Cs, "cpu")
         for solver in solvers:
-            fast_s, fast = timed(splits, solver, Cs, device)
+            fast_s, fast_per_C, fast = timed(splits, solver, Cs, device)
             rows.append(
                 {
                     "case": f"{name}-sized × {width}",
@@ -103,6 +115,16 @@ def main() -> None:
                         ),
                         2,
                     ),
+                    # Where the time goes along the path, and where the two answers part.
+                    "per_C": [
+                        {
+                            "C": a.C,
+                            "seconds": [round(a_s, 3), round(b_s, 3)],
+                            "dev_accuracy": [round(a.dev_accuracy, 4), round(b.dev_accuracy, 4)],
+                            "nonzero": [a.nonzero, b.nonzero],
+                        }
+                        for a, b, a_s, b_s in zip(base.sweep, fast.sweep, base_per_C, fast_per_C, strict=True)
+                    ],
                 }
             )
     lines = [

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -300,7 +301,25 @@ def probe_tables(results: dict[str, Any]) -> str:
     ]
     header = ["case", "solver", "liblinear s", "solver s", "speed-up", "C (lib, solver)"]
     header += ["dev acc (lib, solver)", "test acc (lib, solver)", "max dev gap over C (points)"]
-    return f"{len(Cs)} values of C, {min(Cs):g} … {max(Cs):g}.\n\n" + table(header, rows)
+    parts = [f"{len(Cs)} values of C, {min(Cs):g} … {max(Cs):g}.", table(header, rows)]
+    for r in results["rows"]:
+        if "per_C" not in r:  # records from before the per-C times
+            continue
+        per_C = [
+            [
+                f"2^{math.log2(p['C']):g}",
+                num(p["seconds"][0]),
+                num(p["seconds"][1]),
+                f"{p['dev_accuracy'][0]}, {p['dev_accuracy'][1]}",
+                f"{p['nonzero'][0]}, {p['nonzero'][1]}",
+            ]
+            for p in r["per_C"]
+        ]
+        parts.append(f"Per C, {r['case']}, {r['solver']} (seconds from the previous C's end):")
+        parts.append(
+            table(["C", "liblinear s", "solver s", "dev acc (lib, solver)", "non-zero (lib, solver)"], per_C)
+        )
+    return "\n\n".join(parts)
 
 
 def baseline_tables(results: dict[str, Any]) -> str:

@@ -106,6 +106,27 @@ def test_every_C_converges(data: Data) -> None:
     assert all(p.converged for p in points), [(p.C, p.iterations) for p in points]
 
 
+def test_the_lazy_hessian_keeps_its_first_weights_and_reuses_shared_rows() -> None:
+    # Against X_Wᵀ diag(D) X_W in float64, D the first call's weights, for a working set that grows
+    # and one that drops coordinates; the intercept is the last row and column.
+    rng = np.random.default_rng(0)
+    XT_HN = torch.from_numpy(rng.standard_normal((40, 300)).astype(np.float32))
+    first_D, later_D = (torch.from_numpy(rng.uniform(0.05, 0.25, 300)) for _ in range(2))
+    hessian = newton._LazyHessian()
+
+    def expected(W: np.ndarray) -> np.ndarray:
+        X = np.vstack([XT_HN.numpy()[W].astype(np.float64), np.ones(300)])
+        return (X * first_D.numpy()) @ X.T
+
+    for W, D in (
+        (np.array([1, 4, 9]), first_D),
+        (np.array([1, 2, 4, 9, 30]), later_D),
+        (np.array([2, 9, 31]), later_D),
+    ):
+        got = hessian.on(XT_HN[torch.from_numpy(W)], W, D)
+        np.testing.assert_allclose(got, expected(W), rtol=1e-5, atol=1e-4)
+
+
 def test_an_unknown_solver_is_refused(data: Data) -> None:
     with pytest.raises(ValueError, match="solver must be one of liblinear, newton, torch"):
         _fit(data, "saga")
