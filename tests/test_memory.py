@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_in_process
 from torch.nn import functional as F
 
 from models.mlstm import MLSTM, RECURRENCES, Recurrence, preset
 from tasks.pretrain.memory import per_gpu_bytes
 from tasks.pretrain.sharding import optimizer_state_bytes
-
-CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
 
 
 def measured(name: str, rows: int, seq_len: int, recurrence: Recurrence) -> dict[str, int]:
@@ -77,7 +74,7 @@ def test_the_planner_is_within_ten_percent_of_the_bytes_held_on_cpu(
 
 def test_the_planner_refuses_an_oversized_preset_with_what_would_fit() -> None:
     args = ["plan", "--preset", "large_32768", "--batch-size", "32", "--gpu-memory", "80", "--json"]
-    result = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=60)
+    result = cli_in_process(args)
     assert result.returncode == 1, result.stderr
     plan = json.loads(result.stdout)
     assert plan["fits"] is False and plan["device_bytes"] == 80 * 1024**3
@@ -88,15 +85,10 @@ def test_the_planner_refuses_an_oversized_preset_with_what_would_fit() -> None:
     suggested = re.match(r"--sharding full --nodes (\d+) ", plan["suggestion"])
     assert suggested, plan["suggestion"]
     nodes = suggested.group(1)
-    fitted = subprocess.run(
-        [CLI, *args[:-1], "--sharding", "full", "--nodes", nodes], capture_output=True, text=True
-    )
+    fitted = cli_in_process([*args[:-1], "--sharding", "full", "--nodes", nodes])
     assert fitted.returncode == 0 and "fits" in fitted.stdout, fitted.stdout + fitted.stderr
-    fewer = subprocess.run(  # the smallest power of two: half as many nodes do not fit
-        [CLI, *args[:-1], "--sharding", "full", "--nodes", str(int(nodes) // 2)],
-        capture_output=True,
-        text=True,
-    )
+    # The smallest power of two: half as many nodes do not fit.
+    fewer = cli_in_process([*args[:-1], "--sharding", "full", "--nodes", str(int(nodes) // 2)])
     assert fewer.returncode == 1, fewer.stdout
 
 
@@ -104,9 +96,7 @@ def test_pretrain_refuses_a_launch_that_cannot_fit_before_any_process_starts(
     sample_manifest: str, home: Path
 ) -> None:
     args = ["pretrain", "--corpus", sample_manifest, "--preset", "large_32768", "--gpus-per-node", "1"]
-    result = subprocess.run(
-        [CLI, *args, "--batch-size", "8", "--seq-len", "32"], capture_output=True, text=True
-    )
+    result = cli_in_process([*args, "--batch-size", "8", "--seq-len", "32"])
     assert result.returncode == 2
     assert "does not fit" in result.stderr and "--sharding full --nodes " in result.stderr, result.stderr
     assert not (home / "jobs").exists()  # no job folder: nothing was launched

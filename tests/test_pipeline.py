@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port
+from conftest import cli_in_process, free_port
 
 from tasks.corpus.sample import write_labelled_sample, write_sample
 from tasks.pipeline import (
@@ -249,9 +249,7 @@ def test_the_temporary_prefect_api_waits_for_a_busy_machine(monkeypatch: pytest.
     ],
 )
 def test_bad_rerun_flags_are_clear(args: list[str], message: str, tmp_path: Path) -> None:
-    env = {**os.environ, "MLSTM_HOME": str(tmp_path / "home")}
-    env.pop("PREFECT_API_URL", None)
-    done = cli(args, env, timeout=120)
+    done = cli_in_process(args, {"MLSTM_HOME": str(tmp_path / "home"), "PREFECT_API_URL": None})
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
 

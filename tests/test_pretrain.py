@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import cli_in_process
 from torch.nn import functional as F
 from train_helpers import job, run_job
 
@@ -293,14 +294,8 @@ def cli_env(prefect_api_url: str, home: Path) -> dict[str, str]:
 def test_bad_settings_fail_before_any_process_starts(
     flags: list[str], message: str, sample_manifest: str, home: Path
 ) -> None:
-    env = {**os.environ, "MLSTM_HOME": str(home), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
-    done = subprocess.run(
-        [CLI, "pretrain", "--corpus", sample_manifest, *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    env: dict[str, str | None] = {"MLSTM_HOME": str(home), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    done = cli_in_process(["pretrain", "--corpus", sample_manifest, *flags], env)
     assert done.returncode == 2, done.stderr
     assert message in " ".join(done.stderr.split()), done.stderr
     assert "Traceback" not in done.stderr

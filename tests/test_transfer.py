@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from conftest import cli_in_process
 from train_helpers import run_job
 
 from models.classifier import SentimentClassifier
@@ -353,8 +354,8 @@ def test_bad_transfer_flags_fail_before_any_work(
     flags: list[str], message: str, labelled: Path, home: Path, tmp_path: Path
 ) -> None:
     flags = [f.format(labelled=labelled) for f in flags]
-    result = cli(
-        ["transfer", "--checkpoint", str(tmp_path / "none"), *flags], {**os.environ, "MLSTM_HOME": str(home)}
+    result = cli_in_process(
+        ["transfer", "--checkpoint", str(tmp_path / "none"), *flags], {"MLSTM_HOME": str(home)}
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
