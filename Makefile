@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 # The CPU build of PyTorch: never let pip resolve the CUDA one (several GB).
 TORCH := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# pytest-xdist workers for make test, each taking whole test files (their module fixtures stay one).
+# Two on two cores: one at a time, the suite keeps about one core busy (it waits on servers, workers and
+# subprocesses), so two workers take it from about 35 to about 20 minutes before the long tests leave.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-long lint clean
 
@@ -29,7 +33,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -m "not long" --durations=40
+	$(VENV)/bin/pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # The end-to-end runs that take minutes each (the demo, the pipeline, a champion's transfer): about 20
 # minutes on two cores, so CI's test command leaves them out.

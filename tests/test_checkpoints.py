@@ -111,7 +111,7 @@ def test_a_real_run_resumes_from_the_previous_step_when_the_newest_is_cut_short(
     assert "resumed run cut from step 4 " in log
 
 
-@pytest.mark.slow
+@pytest.mark.long  # about 95 s; test_none_intact_names_every_damaged_file keeps the rule in make test
 def test_all_damaged_is_one_error_naming_them_and_no_relaunch(
     sample_manifest: str, home: Path, prefect_api_url: str
 ) -> None:

@@ -114,6 +114,7 @@ def _wait_for(env: dict[str, str], flow_run_id: str, states: set[str], timeout: 
     raise AssertionError(f"flow run {flow_run_id} never reached {states}")
 
 
+@pytest.mark.slow  # a Prefect server and a worker start first: about 100 s
 def test_deploy_creates_pools_limits_and_every_deployment_idempotently(deployed: dict[str, str]) -> None:
     again = subprocess.run(
         [CLI, "deploy"], cwd=ROOT, env=deployed, capture_output=True, text=True, timeout=300
@@ -161,7 +162,7 @@ def test_a_missing_file_or_deployment_name_is_one_clear_error(
     assert unknown.returncode == 2 and "declares no deployment nightly" in unknown.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long  # Prefect workers picking up runs: about 100 s with the teardown
 def test_runs_of_deployments_complete_on_workers(
     deployed: dict[str, str], worker: Any, tmp_path: Path
 ) -> None:
@@ -186,7 +187,7 @@ def test_runs_of_deployments_complete_on_workers(
     assert "waiting for a worker" in done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long  # about 100 s; test_slurm's and test_pretrain's cancel and kill tests stay in make test
 def test_cancelling_a_training_run_stops_every_process(
     deployed: dict[str, str], worker: Any, tmp_path: Path
 ) -> None:

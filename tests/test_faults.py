@@ -181,7 +181,7 @@ def outage(
     yield Outage(failed, seconds, num_failed_requests, left, rerun, markers)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the outage's retries: about 95 s; the throttling test keeps the fault path in make test
 def test_an_outage_mid_build_publishes_nothing_and_a_rerun_finishes(
     outage: Outage, raw_sources: str, clean_build: dict[str, Any]
 ) -> None:
@@ -203,7 +203,7 @@ def test_an_outage_mid_build_publishes_nothing_and_a_rerun_finishes(
     _check_same_as_clean(raw_sources, "outage", clean_build)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # shares the outage above
 def test_an_outage_is_one_line_on_stderr(outage: Outage) -> None:
     stderr = outage.failed.stderr
     assert "Traceback" not in stderr, stderr

@@ -62,7 +62,7 @@ def test_non_utf8_file_names_the_byte(home: Path, tmp_path: Path) -> None:
     assert f"{path}: not UTF-8 at byte 5" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long  # about 80 s; the checkpoint test below runs the same commands in make test
 def test_explain_and_generate_on_a_registered_model(mlflow_server: str, tmp_path: Path) -> None:
     import mlflow
 

@@ -40,7 +40,8 @@ def run(args: list[str], home: Path, *, nproc: int, name: str) -> tuple[list[dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["optimizer", "full"])
+# optimizer is long: full shards Adam's state as optimizer does, and the weights and gradients too.
+@pytest.mark.parametrize("sharding", [pytest.param("optimizer", marks=pytest.mark.long), "full"])
 def test_a_sharding_trains_as_ddp_with_a_share_of_adams_state(
     sharding: str, sample_manifest: str, home: Path
 ) -> None:
@@ -54,7 +55,7 @@ def test_a_sharding_trains_as_ddp_with_a_share_of_adams_state(
     assert 0.4 <= ratio <= 0.6, ratio
 
 
-@pytest.mark.slow
+@pytest.mark.long  # about 70 s: three launches of two ranks
 def test_a_sharded_checkpoint_resumes_at_another_world_size_and_sharding(
     sample_manifest: str, home: Path
 ) -> None:
