@@ -47,6 +47,11 @@ _MLFLOW_STATE = (
 )
 for name in _MLFLOW_STATE:
     os.environ.pop(name, None)
+# Under pytest-xdist, each worker and every process it starts gets its share of the cores as OpenMP (and
+# so torch, MKL and OpenBLAS) threads: two workers each spinning two threads on two cores ran a small
+# training loop more than 4× slower than one thread each did.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
 # Every process the suite starts inherits this, so the session's end finds any that outlived it.
 _SESSION_TOKEN = uuid.uuid4().hex
 os.environ[SESSION_VARIABLE] = _SESSION_TOKEN
