@@ -15,13 +15,11 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test test-long lint clean
 
-# --no-compile: byte-compiling every installed module (torch alone: 20 of its 39 s) is left to Python,
-# which compiles what it imports, once, on first use.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --no-compile "$(TORCH)" 2>/dev/null \
-		|| $(VENV)/bin/pip install -q --no-compile "$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(VENV)/bin/pip install -q --no-compile -c constraints.txt ".[dev,dask,team]"
+	$(VENV)/bin/pip install -q "$(TORCH)" 2>/dev/null \
+		|| $(VENV)/bin/pip install -q "$(TORCH)" --extra-index-url $(TORCH_INDEX)
+	$(VENV)/bin/pip install -q -c constraints.txt ".[dev,dask,team]"
 	touch $(STAMP)
 
 demo: $(STAMP)
