@@ -38,8 +38,9 @@ test: $(STAMP)
 	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
 	[ $$tests = 0 ] && [ $$typed = 0 ]
 
-# The end-to-end runs that take minutes each (the demo, the pipeline, a champion's transfer): about 20
-# minutes on two cores, so CI's test command leaves them out.
+# The end-to-end runs that take a minute or more each (the demo, the pipeline, a champion's transfer, the
+# outage, deployments on workers; tests/README.md lists them): about 30 minutes on two cores, so CI's test
+# command leaves them out.
 test-long: $(STAMP)
 	rm -rf build
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null

@@ -17,10 +17,11 @@ so a C costs a few passes over X.
 
 The Hessian is lazy (Doikov, Chayti & Jaggi 2023): its weights p(1-p) are those of each C's first
 Newton step, and later steps at that C reuse the matrix, computing only the rows of coordinates new to
-the working set. Building the k × k matrix was 80% of a 4096-wide sweep; within one C the weights move
-little, and any positive semi-definite matrix still gives a descent direction for the line search, so
-the extra (cheap) steps this costs buy back 3× the time. The converged point is the same: only the
-gradient, always exact, decides when a C is done.
+the working set. Building the k × k matrix was about two thirds of a 4096-wide sweep's CPU time;
+within one C the weights move little, and any positive semi-definite matrix still gives a descent
+direction for the line search, so the extra (cheap) steps cost less than the builds they save: the
+sweep took half the time (docs/benchmarks.md). The converged point is the same: only the gradient,
+always exact, decides when a C is done.
 
 Convergence: a C is done when the minimum-norm subgradient of the objective above has max-norm
 ≤ ``tol`` / C over every weight and the intercept (each coordinate's optimality residual is at most
