@@ -178,6 +178,7 @@ def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], e
     assert table.returncode == 0 and "pipeline runs" in table.stdout
 
 
+@pytest.mark.slow  # a CLI process importing every stage: about 15 s
 def test_mlflow_down_at_start_is_one_clear_error_and_nothing_starts(
     inputs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -193,6 +194,7 @@ def test_mlflow_down_at_start_is_one_clear_error_and_nothing_starts(
     assert not (tmp_path / "home" / "store").exists()  # no corpus, no checkpoint: nothing half-done
 
 
+@pytest.mark.slow  # a CLI process importing every stage: about 20 s
 def test_prefect_down_is_one_clear_error(inputs: dict[str, Path], tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}/api"
     env = {**os.environ, "MLSTM_HOME": str(tmp_path / "home"), "PREFECT_API_URL": url}
@@ -203,6 +205,7 @@ def test_prefect_down_is_one_clear_error(inputs: dict[str, Path], tmp_path: Path
     assert url in done.stderr and "PREFECT_API_URL" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # a CLI process waiting out a Prefect server's start: 20-35 s
 def test_a_temporary_prefect_api_that_does_not_start_is_one_clear_error(
     inputs: dict[str, Path], tmp_path: Path
 ) -> None:
