@@ -63,37 +63,44 @@ def gates_backward(
 
 
 class _CompiledOrPlain:
-    """``torch.compile(plain)``, which falls back to ``plain`` for good if compiling fails on first use.
+    """``torch.compile(plain)``, which falls back to ``plain`` for good where compiling fails, at any call.
 
     Triton being importable does not mean compilation works (it also needs a C compiler, a supported
-    GPU, a writable cache): a run then goes on, slower, with one warning, instead of failing. The first
-    call is eager in every use (the training step's warm-up runs before CUDA-graph capture)."""
+    GPU, a writable cache): a run then goes on, slower, with one warning, instead of failing. Any call may
+    compile: the first, and a later one with a shape not seen before (the features path's batch shrinking
+    as texts end, a validation batch), so every call is guarded; the guard costs nothing when nothing
+    raises. The first call is eager in every use (the training step's warm-up runs before CUDA-graph
+    capture). ``backend``: torch.compile's (tests give one that fails on purpose)."""
 
-    def __init__(self, plain: Callable[..., Any]) -> None:
+    def __init__(self, plain: Callable[..., Any], *, backend: str | Callable[..., Any] = "inductor") -> None:
         self.plain = plain
         # dynamic=None: a shape seen twice (features: fewer rows as texts end) compiles once, symbolically.
-        self.compiled: Callable[..., Any] | None = torch.compile(plain, fullgraph=True)
-        self.checked = False
+        self.compiled: Callable[..., Any] | None = torch.compile(plain, fullgraph=True, backend=backend)
 
     def __call__(self, *args: Tensor) -> Any:
-        if self.compiled is not None and not self.checked:
-            try:
-                result = self.compiled(*args)
-            except torch.OutOfMemoryError:
-                raise  # the device's, not the compiler's: the plain function would not fit either
-            except Exception as error:  # any compiler failure: the plain function computes the same
-                first_line = next(iter(str(error).splitlines()), "")
-                warnings.warn(
-                    f"torch.compile of {self.plain.__name__} failed ({type(error).__name__}: {first_line}); "
-                    "the gate math runs uncompiled",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self.compiled = None
-                return self.plain(*args)
-            self.checked = True
-            return result
-        return (self.compiled or self.plain)(*args)
+        if self.compiled is None:
+            return self.plain(*args)
+        try:
+            return self.compiled(*args)
+        except torch.OutOfMemoryError:
+            raise  # the device's, not the compiler's: the plain function would not fit either
+        except Exception as error:  # any compiler failure: the plain function computes the same
+            warnings.warn(
+                f"torch.compile of {self.plain.__name__} failed ({_describe(error)}); "
+                "the gate math runs uncompiled",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.compiled = None
+            return self.plain(*args)
+
+
+def _describe(error: BaseException) -> str:
+    """Its type and first line, then those of the error it wraps: the compiler's own says what failed."""
+    line = next((text for text in str(error).splitlines() if text.strip()), "")
+    inner = getattr(error, "inner_exception", None) or error.__cause__
+    described = f"{type(error).__name__}: {line}"
+    return f"{described} {_describe(inner)}" if isinstance(inner, BaseException) else described
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -152,3 +153,48 @@ def test_a_gate_function_that_fails_to_compile_runs_uncompiled_with_a_warning() 
         torch.testing.assert_close(step(x), x / 2)
     torch.testing.assert_close(step(x), x / 2)  # and from then on, without asking the compiler again
     assert step.compiled is None
+
+
+def test_a_compile_that_fails_at_a_later_shape_falls_back_too() -> None:
+    """The first shape compiles; a second one (a shorter feature batch) recompiles and fails: that call and
+    every later one run uncompiled, with one warning, instead of raising."""
+    torch._dynamo.reset()
+    compiles: list[int] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiles.append(len(compiles))
+        if len(compiles) > 1:
+            raise RuntimeError("no C compiler for this shape")
+        return graph.forward
+
+    step = _CompiledOrPlain(gates, backend=backend)
+    z, c = torch.randn(6, 32), torch.randn(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: it compiled
+        for got, want in zip(step(z, c), gates(z, c), strict=True):
+            torch.testing.assert_close(got, want)
+    assert step.compiled is not None and len(compiles) == 1
+    z, c = torch.randn(3, 32), torch.randn(3, 8)
+    with pytest.warns(RuntimeWarning, match="gates failed .*no C compiler"):
+        for got, want in zip(step(z, c), gates(z, c), strict=True):
+            torch.testing.assert_close(got, want)
+    assert step.compiled is None and len(compiles) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning in all, and no compiler asked again
+        step(torch.randn(5, 32), torch.randn(5, 8))
+    assert len(compiles) == 2
+
+
+def test_running_out_of_device_memory_is_not_taken_for_a_compiler_failure() -> None:
+    torch._dynamo.reset()
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def out_of_memory(*args: Any) -> Any:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        return out_of_memory
+
+    step = _CompiledOrPlain(gates, backend=backend)
+    with pytest.raises(torch.OutOfMemoryError):
+        step(torch.randn(2, 8), torch.randn(2, 2))
+    assert step.compiled is not None  # the plain function would not fit either: nothing to fall back to
