@@ -1,5 +1,5 @@
-"""The memory planner: its figures against the bytes PyTorch holds on CPU, and its refusal of a launch
-that cannot fit, with what would, before any process starts."""
+"""The memory planner: its peak against the bytes a step holds at its peak on CPU, and its refusal of a
+launch that cannot fit, with what would, before any process starts."""
 
 from __future__ import annotations
 
@@ -59,17 +59,65 @@ def measured(name: str, rows: int, seq_len: int, recurrence: Recurrence) -> dict
     }
 
 
+def peak(name: str, rows: int, seq_len: int, recurrence: Recurrence) -> int:
+    """The most tensor bytes alive at once over a whole fp32 training step on CPU (forward, cross-entropy,
+    backward, Adam), its second one (Adam's state then exists, as in a run): parameters, gradients, Adam's
+    state, what the forward keeps and the backward's own temporaries, each storage once (MemTracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = MLSTM(preset(name), recurrence=recurrence)
+    optimizer = torch.optim.Adam(model.parameters())
+    data = torch.randint(0, 256, (rows, seq_len + 1))
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for step in range(2):
+            logits, _, _ = model(data[:, :-1], model.zero_state(rows))
+            F.cross_entropy(logits.float().flatten(0, 1), data[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step == 0:
+                tracker.reset_mod_stats()  # the first step creates Adam's state: its peak is not a run's
+    snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return int(snapshot["Total"])
+
+
+# The fused recurrence (every GPU job's) within 10%; the reference cell (a debugging path), whose autograd
+# adds a gradient per step, within 15%.
+TOLERANCE = {"fused": 0.10, "reference": 0.15}
+
+
 @pytest.mark.parametrize("recurrence", RECURRENCES)
 @pytest.mark.parametrize(("name", "rows", "seq_len"), [("tiny", 8, 32), ("tiny", 16, 64), ("small", 8, 32)])
-def test_the_planner_is_within_ten_percent_of_the_bytes_held_on_cpu(
+def test_the_planned_peak_is_within_ten_percent_of_a_steps_peak_on_cpu(
     name: str, rows: int, seq_len: int, recurrence: Recurrence
 ) -> None:
     planned = per_gpu_bytes(
         preset(name), sharding="none", world_size=1, rows=rows, seq_len=seq_len, compute_bytes=4,
         recurrence=recurrence,
     )  # fmt: skip
-    for part, held in measured(name, rows, seq_len, recurrence).items():
-        assert getattr(planned, part) == pytest.approx(held, rel=0.10), (part, getattr(planned, part), held)
+    measured = peak(name, rows, seq_len, recurrence)
+    assert planned.allocated == pytest.approx(measured, rel=TOLERANCE[recurrence]), (planned, measured)
+
+
+@pytest.mark.parametrize("recurrence", RECURRENCES)
+def test_the_planners_parts_are_the_bytes_held_on_cpu(recurrence: Recurrence) -> None:
+    """Weights, gradients and Adam's state exactly as held; what the backward keeps (saved by autograd
+    or on the fused function's context) within 10%: the activations but xz, the input's gate share,
+    which is alive at the peak (the test above) though not saved."""
+    planned = per_gpu_bytes(
+        preset("small"), sharding="none", world_size=1, rows=8, seq_len=32, compute_bytes=4,
+        recurrence=recurrence,
+    )  # fmt: skip
+    held = measured("small", 8, 32, recurrence)
+    xz = 8 * 32 * 4 * preset("small").hidden_size * 4 if recurrence == "fused" else 0
+    assert (planned.weights, planned.grads, planned.optimizer) == (
+        held["weights"],
+        held["grads"],
+        held["optimizer"],
+    )
+    assert planned.activations - xz == pytest.approx(held["activations"], rel=0.10)
 
 
 def test_the_planner_refuses_an_oversized_preset_with_what_would_fit() -> None:
