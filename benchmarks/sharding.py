@@ -36,7 +36,7 @@ def worker(
     from tasks.pretrain.sharding import optimizer_state_bytes, wrap
     from tasks.pretrain.train import World, optimizer_step
 
-    world = World.from_env()
+    world = World.from_env(group=sharding == "full")
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model = MLSTM(preset(preset_name)).to(world.device)

@@ -370,3 +370,57 @@ def test_the_flow_retries_a_crashed_job_from_latest(
     for index, moments in a.state["optimizer"]["state"].items():
         for key, value in moments.items():
             assert torch.equal(b.state["optimizer"]["state"][index][key], value), (index, key)
+
+
+@pytest.mark.slow
+def test_one_rank_reads_sigterm_from_its_own_flag_and_tracking_off_keeps_mlflow_out(
+    sample_manifest: str, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No host round trip per step on one rank (on a GPU each was a sync that stalls a captured step):
+    the loop reduces values only where it logs and validates; and --tracking off writes no MLflow run."""
+    config = TrainConfig(
+        corpus=sample_manifest, preset="tiny", run_name="quiet", store=str(home / "store"), batch_size=8,
+        seq_len=32, max_steps=12, log_every=6, val_every=100, checkpoint_every=100, tracking="off",
+    )  # fmt: skip
+    reductions: list[int] = []
+    original = World.sum
+    monkeypatch.setattr(World, "sum", lambda self, values: reductions.append(1) or original(self, values))
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        result = fit(config, World(), get_settings(home=home))
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert result["steps"] == 12 and result["run_id"] is None
+    assert len(reductions) == 3  # the loss at steps 6 and 12, the validation at the end: not one a step
+    assert not (home / "mlflow.db").exists()
+
+
+def test_a_checkpoint_holds_learning_rates_as_numbers_and_a_resume_restores_floats(
+    sample_manifest: str, home: Path
+) -> None:
+    """A captured step's learning rates are device tensors; saved as such, a launch without the graph
+    would take a Tensor for its lr (Adam then leaves its fast path). Here the tensors are made on the CPU."""
+    config = TrainConfig(
+        corpus=sample_manifest, preset="tiny", run_name="lr", store=str(home / "store"), batch_size=8,
+        seq_len=32, tracking="off",
+    )  # fmt: skip
+    settings = get_settings(home=home)
+    captured = Trainer(config, World(), settings)
+    for group in captured.optimizer.param_groups:  # as a captured run holds them
+        group["lr"], group["initial_lr"] = torch.tensor(group["lr"]), torch.tensor(group["initial_lr"])
+    captured.schedule.base_lrs = [torch.tensor(lr) for lr in captured.schedule.base_lrs]
+    captured.schedule.step()
+    captured.step = 1
+    uri = captured.save()
+    assert uri is not None
+    saved = load_checkpoint(uri).state
+    groups = saved["optimizer"]["param_groups"]
+    assert all(type(g["lr"]) is float and type(g["initial_lr"]) is float for g in groups), groups
+    schedule = saved["schedule"]
+    assert all(type(lr) is float for lr in [*schedule["base_lrs"], *schedule["_last_lr"]]), schedule
+
+    resumed = Trainer(config, World(), settings)
+    assert resumed.resume()
+    resumed.train_step()
+    assert all(type(g["lr"]) is float for g in resumed.optimizer.param_groups)
+    assert all(type(lr) is float for lr in resumed.schedule.base_lrs)

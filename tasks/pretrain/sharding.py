@@ -5,9 +5,10 @@
   Adam's state of its share of the parameters only.
 - ``full``: ZeRO-3 through FSDP2 ``fully_shard``: weights, gradients and Adam state are DTensors
   sharded over the ranks; a forward gathers the weights in the compute dtype (bf16 on GPUs, fp32 on
-  CPU) and gradients are reduced in fp32 (FSDP's mixed-precision policy).
+  CPU) and gradients are reduced in fp32 (FSDP's mixed-precision policy). On one rank too: a world of
+  one saves no memory, but runs the many-rank code and writes its DCP checkpoints (no CUDA graph).
 
-Checkpoints: where the state is sharded (``optimizer`` or ``full`` on more than one rank), each rank
+Checkpoints: where the state is sharded (``optimizer`` on more than one rank, or ``full``), each rank
 saves its own share through ``torch.distributed.checkpoint`` (DCP): nothing is gathered on one rank,
 and a resume at any world size and any sharding loads the files, DCP resharding them
 (``save_sharded``, ``load_sharded``). ``none`` and one rank keep one consolidated ``state.pt``
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -51,14 +53,20 @@ def wrap(
     dtype: torch.dtype,
     lr: float,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The module to run forward through and its Adam, for a sharding (plain Adam on one rank)."""
-    if world_size == 1:  # nothing to share: the same numbers as any sharding
+    """The module to run forward through and its Adam, for a sharding. On one rank ``none`` and
+    ``optimizer`` are plain Adam (nothing to share: the same numbers); ``full`` is FSDP2 over a world of
+    one, so that the many-rank code and its DCP checkpoints run, and resume, on one GPU too."""
+    if world_size == 1 and sharding != "full":
         return model, torch.optim.Adam(model.parameters(), lr=lr)
     if sharding == "full" and dtype == torch.float16:
         # GradScaler's unscale and skip do not see FSDP2's sharded gradients as one step; not verified.
         raise ValueError(
             "--sharding full with fp16 (--precision fp16, or auto on a GPU without bf16) is not supported: "
             "use --precision bf16 or fp32, or --sharding optimizer"
+        )
+    if sharding == "full" and not dist.is_initialized():
+        raise ValueError(
+            "--sharding full needs a process group, even on one rank: launch it through torchrun"
         )
     if sharding == "full":
         # bf16/fp16 weights in compute, fp32 master weights and reductions: autocast's numbers.

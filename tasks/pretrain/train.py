@@ -111,6 +111,11 @@ class TrainConfig(BaseModel):
         description="auto: capture the training step as one CUDA graph on one GPU; off: never.",
     )
     mlflow_run_id: str | None = Field(default=None, description="MLflow run to log into (rank 0).")
+    tracking: Literal["mlflow", "off"] = Field(
+        default="mlflow",
+        description="mlflow: params, metrics and checkpoints in MLflow (rank 0); off: in the log only, "
+        "for a node without MLflow.",
+    )
 
     @field_validator("preset")
     @classmethod
@@ -168,6 +173,19 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
     """The papers' schedule: linear warm-up, then linear decay to zero at the end of the run."""
     warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
     return warmup * max(0.0, 1.0 - step / total_steps)
+
+
+def plain_lr(value: Any) -> Any:
+    """``value`` with every 0-dim tensor in it a float, through dicts and lists: a captured step's learning
+    rates are device tensors (the schedule fills them in place), and a launch without the graph that
+    loaded one would keep a Tensor for its lr, on which Adam quietly leaves its fast path."""
+    if isinstance(value, Tensor) and value.dim() == 0:
+        return float(value)
+    if isinstance(value, dict):
+        return {key: plain_lr(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain_lr(item) for item in value]
+    return value
 
 
 def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype:
@@ -268,7 +286,8 @@ class World:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls) -> World:
+    def from_env(cls, *, group: bool = False) -> World:
+        """``group``: a process group even for a world of one (``--sharding full`` shards over it)."""
         rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
@@ -276,7 +295,7 @@ class World:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        if size > 1:
+        if size > 1 or group:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return cls(rank, local_rank, size, device)
 
@@ -285,13 +304,16 @@ class World:
             dist.barrier()
 
     def sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks; a world of one returns them as they are (no device round trip)."""
+        if self.size == 1:
+            return list(values)
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.size > 1:
-            dist.all_reduce(tensor)
+        dist.all_reduce(tensor)
         return tensor.tolist()
 
     def any(self, flag: bool) -> bool:
-        return self.sum([float(flag)])[0] > 0
+        """Whether any rank's flag is set: an all-reduce (a host sync) on several ranks, none on one."""
+        return flag if self.size == 1 else self.sum([float(flag)])[0] > 0
 
     def gather_rows(self, tensor: Tensor) -> Tensor:
         """This rank's rows of a [B/W, …] tensor joined with every other rank's, in rank order."""
@@ -324,6 +346,9 @@ class Preempted:
 
 
 JOB_ERROR_PREFIX = "error: "  # a line of rank 0's log that says why the job gave up
+# Steps between the ranks' agreement on a SIGTERM: each is an all-reduce the host waits for. One rank
+# reads its own flag every step, at no cost.
+SIGNAL_EVERY = 10
 
 
 def log(world: World, message: str) -> None:
@@ -368,7 +393,13 @@ class Trainer:
         # A captured step (one rank on a GPU) reads lr from a device tensor the schedule fills (a float
         # would be baked in), and fused Adam skips an fp16 overflow step on the device, without asking
         # the host. Otherwise the sharding says who holds what.
-        self.graphed = config.cuda_graph == "auto" and graph_supported(world.device, world.size)
+        # --sharding full is honoured on one rank too (FSDP2 over a world of one: the many-rank code and
+        # its DCP checkpoints), which a graph does not capture.
+        self.graphed = (
+            config.cuda_graph == "auto"
+            and config.sharding != "full"
+            and graph_supported(world.device, world.size)
+        )
         self.ddp: nn.Module
         self.optimizer: torch.optim.Optimizer
         if self.graphed:
@@ -393,6 +424,11 @@ class Trainer:
             self.optimizer,
             lambda step: lr_factor(step, warmup_steps=config.warmup_steps, total_steps=self.total_steps),
         )
+        # The schedule computes in floats and fills the captured Adam's lr tensor in place; its own state
+        # (and so every checkpoint) then holds numbers, whichever way the step runs.
+        self.schedule.base_lrs = [float(lr) for lr in self.schedule.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = float(group["initial_lr"])
         self.scaler = torch.amp.GradScaler(world.device.type, enabled=self.dtype == torch.float16)
         self.state: State = self.model.zero_state(len(self.plan.rows))
         self.step = 0  # steps done; the next step to take
@@ -412,6 +448,7 @@ class Trainer:
             / "checkpoints"
             / f"{self.config.run_name}-rank{self.world.rank}"
         )
+        started = time.perf_counter()
         found = checkpoint.load_intact(self.store, self.config.run_name, shards_to=scratch)
         if found is None:
             return False
@@ -437,6 +474,15 @@ class Trainer:
                 f"{self.total_steps}: relaunch with --total-steps {saved.meta['total_steps']}"
             )
         state = saved.state
+        # Learning rates as numbers: a checkpoint written before they were saved so held device tensors.
+        state["schedule"] = plain_lr(state["schedule"])
+        if "param_groups" in state:  # a sharded checkpoint's run state
+            state["param_groups"] = plain_lr(state["param_groups"])
+        if "optimizer" in state:
+            state["optimizer"] = {
+                **state["optimizer"],
+                "param_groups": plain_lr(state["optimizer"]["param_groups"]),
+            }
         # A checkpoint's optimizer settings say how it ran (fused, lr as a number), not how this launch runs.
         keys = ("lr", "fused", "capturable", "foreach")
         own = [{k: g[k] for k in keys} for g in self.optimizer.param_groups] if self.graphed else []
@@ -472,37 +518,43 @@ class Trainer:
         self.step, self.skipped_steps = saved.step, int(saved.meta["skipped_steps"])
         self.last_loss, self.last_val_bpc = saved.meta["loss"], saved.meta["val_bpc"]
         self.mlflow_run_id = self.mlflow_run_id or saved.meta.get("mlflow_run_id")
-        log(self.world, f"resumed run {self.config.run_name} from step {self.step} ({saved.uri})")
+        seconds = time.perf_counter() - started
+        log(
+            self.world,
+            f"resumed run {self.config.run_name} from step {self.step} ({saved.uri}) in {seconds:.2f} s",
+        )
         return True
 
     def save(self) -> str | None:
         """Every rank gathers the carried state; rank 0 writes (each rank its share of a sharded
         state, through DCP). Returns the URI on rank 0."""
+        started = time.perf_counter()
         h, c = (self.world.gather_rows(t.detach()) for t in self.state)
         if shard.is_sharded(self.model, self.optimizer):
-            return self.save_sharded(h, c)
+            return self.save_sharded(h, c, started)
         weights, optimizer_state = shard.full_state(self.model, self.optimizer)
         if not self.world.is_main:
             return None
-        if self.graphed:  # the same file whether the step was captured or not: lr a number, Adam's defaults
+        # The same file whether the step was captured or not: lr a number, Adam's defaults.
+        optimizer_state["param_groups"] = plain_lr(optimizer_state["param_groups"])
+        if self.graphed:
             optimizer_state["param_groups"] = [
-                {**g, "lr": float(g["lr"]), "fused": None, "capturable": False}
-                for g in optimizer_state["param_groups"]
+                {**g, "fused": None, "capturable": False} for g in optimizer_state["param_groups"]
             ]
         state = {
             "model": weights,
             "optimizer": optimizer_state,
-            "schedule": self.schedule.state_dict(),
+            "schedule": plain_lr(self.schedule.state_dict()),
             "scaler": self.scaler.state_dict(),
             "h": h.cpu(),
             "c": c.cpu(),
             "rng": torch.get_rng_state(),
         }
         uri = checkpoint.save_checkpoint(self.store, self.config.run_name, self.step, state, self.meta())
-        log(self.world, f"checkpoint step={self.step} uri={uri}")
+        log(self.world, f"checkpoint step={self.step} uri={uri} in {time.perf_counter() - started:.2f} s")
         return uri
 
-    def save_sharded(self, h: Tensor, c: Tensor) -> str | None:
+    def save_sharded(self, h: Tensor, c: Tensor, started: float) -> str | None:
         """Each rank writes its share of the weights and Adam's state (DCP) into its own scratch
         folder and copies it into the store; once all have, rank 0 writes the rest, ``meta.json``
         with every file's sha256, then ``latest.json``."""
@@ -520,7 +572,7 @@ class Trainer:
             return None
         run_state = {
             **shard.optimizer_layout(self.model, self.optimizer),
-            "schedule": self.schedule.state_dict(),
+            "schedule": plain_lr(self.schedule.state_dict()),
             "scaler": self.scaler.state_dict(),
             "h": h.cpu(),
             "c": c.cpu(),
@@ -528,7 +580,11 @@ class Trainer:
         }
         files = {name: digest for part in shards for name, digest in (part or {}).items()}
         uri = checkpoint.save_sharded_checkpoint(self.store, run, step, run_state, files, self.meta())
-        log(self.world, f"checkpoint step={step} uri={uri} (sharded: {len(files)} DCP files)")
+        seconds = time.perf_counter() - started
+        log(
+            self.world,
+            f"checkpoint step={step} uri={uri} in {seconds:.2f} s (sharded: {len(files)} DCP files)",
+        )
         return uri
 
     def meta(self) -> dict[str, Any]:
@@ -554,7 +610,10 @@ class Trainer:
     # -- steps ---------------------------------------------------------------------------------------
 
     def batch(self, plan: BatchPlan, stream: ByteStream, step: int) -> tuple[Tensor, Tensor]:
-        rows = torch.from_numpy(plan.batch(stream, step).astype(np.int64)).to(self.world.device)
+        rows = torch.from_numpy(plan.batch(stream, step).astype(np.int64))
+        if self.world.device.type == "cuda":
+            # From page-locked memory the copy is asynchronous: the host goes on to the next step's launch.
+            rows = rows.pin_memory().to(self.world.device, non_blocking=True)
         return rows[:, :-1], rows[:, 1:]
 
     def total_skipped_steps(self) -> int:
@@ -631,7 +690,13 @@ class Tracker:
     """Rank 0's MLflow run: params once, metrics asynchronously so logging never stalls a step."""
 
     def __init__(self, trainer: Trainer) -> None:
-        import mlflow
+        try:
+            import mlflow
+        except ImportError as error:
+            raise ValueError(
+                "MLflow is not installed where rank 0 runs: install it, or pass --tracking off to keep "
+                "the run's metrics in its log only"
+            ) from error
 
         from tasks.tracking import start_tracking
 
@@ -704,7 +769,7 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
     trainer = Trainer(config, world, settings)
     resumed = trainer.resume()
     stop = min(trainer.total_steps, config.max_steps or trainer.total_steps)
-    tracker = Tracker(trainer) if world.is_main else None
+    tracker = Tracker(trainer) if world.is_main and config.tracking == "mlflow" else None
     preempted = Preempted()
     tokens_per_step = config.batch_size * config.seq_len
     peak = peak_flops(world.device, trainer.dtype, settings.home)
@@ -722,7 +787,10 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
         loss = trainer.train_step()
         window_steps += 1
         step = trainer.step
-        stopping = world.any(preempted.signalled)
+        # One rank reads its flag; several agree every SIGNAL_EVERY steps (the same steps on every rank).
+        stopping = (world.size == 1 or step % SIGNAL_EVERY == 0 or step == stop) and world.any(
+            preempted.signalled
+        )
         if step % config.log_every == 0 or step == stop or stopping:
             trainer.last_loss = world.sum([loss.item()])[0] / world.size
             seconds = time.perf_counter() - window_start
@@ -797,7 +865,7 @@ def iter_progress(lines: Iterator[str]) -> Iterator[dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     config = TrainConfig.from_args(sys.argv[1:] if argv is None else argv)
-    world = World.from_env()
+    world = World.from_env(group=config.sharding == "full")
     try:
         result = fit(config, world, get_settings())
     except (StreamError, ValueError) as error:
