@@ -1,6 +1,7 @@
 # The two commands of the README, each setting up its own virtual environment first.
 #   make demo   run the whole job on embedded defaults
 #   make test   run the test suite against the installed package
+#   make gpu-check   every GPU path on a machine with one CUDA GPU (docs/benchmarks.md)
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -13,7 +14,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # subprocesses), so two workers take it from about 35 to about 20 minutes before the long tests leave.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-long lint clean
+.PHONY: demo test test-long gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +46,12 @@ test-long: $(STAMP)
 	rm -rf build
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/pytest -m long
+
+# Every GPU path in at most 8 minutes, one table last (benchmarks/gpu_check.py). It runs with that
+# machine's Python and CUDA build of torch from the working tree, not this venv's CPU build, so it
+# needs no install beyond the wheels tasks.pretrain.train imports; without a GPU it says so and fails.
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mlstm-sentiment

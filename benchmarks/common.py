@@ -91,7 +91,7 @@ def add_record_option(parser: argparse.ArgumentParser) -> None:
 
 def git_commit() -> str:
     """The checkout's commit, with ``-dirty`` when tracked files other than docs/ and the results differ
-    from it (the figures then measured code no commit holds)."""
+    from it (the figures then measured code no commit holds); in a copy without git, MLSTM_BENCH_COMMIT."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
@@ -114,7 +114,8 @@ def git_commit() -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # A copy of the tree without its .git (a lent GPU machine): the commit it was copied from, if said.
+        return os.environ.get("MLSTM_BENCH_COMMIT", "unknown")
     return f"{commit}-dirty" if dirty else commit
 
 

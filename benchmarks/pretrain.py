@@ -53,6 +53,7 @@ from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
 from tasks.pretrain.graphed import GraphedStep
+from tasks.pretrain.memory import per_gpu_bytes
 from tasks.pretrain.train import (
     MEASURED_PEAKS,
     PRECISION_NAMES,
@@ -221,6 +222,8 @@ class Row:
     vs_reference: float | None = None  # chars/s over the reference recurrence's (graphed, fused rows)
     vs_paper: float | None = None  # chars/s over PAPER_CHARS_PER_S
     peak_memory_bytes: int = 0
+    # tasks.pretrain.memory's planned peak for this row's step, without the CUDA context (the mLSTM rows)
+    planned_allocated_bytes: int | None = None
     first_loss: float | None = None
     last_loss: float | None = None
     parity_max_abs_diff: float | None = None  # reference, baseline: its logits against the fused forward's
@@ -280,6 +283,17 @@ def train_row(
     except torch.OutOfMemoryError:
         row.status = "out of memory"
     row.peak_memory_bytes = peak_memory(device)
+    if isinstance(model, MLSTM) and impl != "baseline":
+        row.planned_allocated_bytes = per_gpu_bytes(
+            config,
+            sharding="none",
+            world_size=1,
+            rows=batch,
+            seq_len=args.seq_len,
+            compute_bytes=dtype.itemsize,
+            recurrence=model.recurrence,
+            graphed=impl == "graphed",
+        ).allocated
     if losses:
         row.first_loss, row.last_loss = losses[0], losses[-1]
     if row.step_seconds:
@@ -290,6 +304,65 @@ def train_row(
     del model, optimizer, scaler, state, graph  # the graph holds its memory pool until it goes
     release_memory(device)
     return row
+
+
+def profile_step(
+    name: str,
+    impl: str,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    path: Path,
+) -> None:
+    """One step of ``impl`` under torch.profiler, after a warm-up one; its operators by device time to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    release_memory(device)
+    torch.manual_seed(0)
+    model = IMPLEMENTATIONS[impl](preset(name)).to(device)
+    graphed = impl == "graphed"
+    optimizer = torch.optim.Adam(
+        model.parameters(),
+        lr=torch.tensor(LR, device=device) if graphed else LR,
+        fused=graphed,
+        capturable=graphed,
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    state = model.zero_state(batch, device=device)
+    bytes_BT = torch.randint(0, 256, (batch, args.seq_len + 1), device=device)
+    inputs, targets = bytes_BT[:, :-1], bytes_BT[:, 1:]
+    graph = (
+        GraphedStep(model, optimizer, scaler, state, inputs, targets, dtype=dtype, clip=CLIP)
+        if graphed
+        else None
+    )
+
+    def step() -> None:
+        nonlocal state
+        if graph is not None:
+            graph(inputs, targets)
+        else:
+            _, state, _ = optimizer_step(
+                model, optimizer, scaler, inputs, targets, state, dtype=dtype, clip=CLIP
+            )
+        synchronize(device)
+
+    step()  # warm: compilation and the allocator stay out of the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        step()
+    seconds = time.perf_counter() - started
+    averages = profiler.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        text = averages.table(sort_by=sort.replace("cuda", "device"), row_limit=30)
+    except (AttributeError, KeyError, ValueError):  # older torch names device time cuda time
+        text = averages.table(sort_by=sort, row_limit=30)
+    header = f"{name} {impl}, batch {batch} × {args.seq_len}, {DTYPE_NAMES[dtype]} on {device}: one step {seconds:.3f} s (profiled)"
+    path.write_text(header + "\n" + text + "\n")
+    say(f"profile of one step written to {path}")
 
 
 def add_utilisation(rows: list[Row], peaks: dict[str, float], datasheet: float | None) -> None:
@@ -482,6 +555,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--baseline", action=argparse.BooleanOptionalAction, default=True, help="Also time the baseline."
     )
     parser.add_argument("--json", type=Path, dest="json_path", help="Also write the numbers to this file.")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="PATH",
+        help="Also profile one step of the first preset, batch and precision (torch.profiler; the captured "
+        "step on a GPU) and write its operators by device time to PATH: where a goal is missed, where the "
+        "time goes.",
+    )
     add_record_option(parser)
     parser.add_argument(
         "--sharding",
@@ -556,6 +637,10 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(train_row(name, impl, batch, args, device, dtype))
     add_utilisation(rows, peaks, datasheet)
     print_report(rows, peaks, datasheet, info)
+    if args.profile:
+        impl = "graphed" if "graphed" in args.impls else args.impls[0]
+        profile_step(args.presets[0], impl, args.batches[0], args, device, dtypes[0], args.profile)
+        release_memory(device)  # the model and graph went with the function
 
     goals = evaluate_goal(rows, device, args)
     for goal in goals:

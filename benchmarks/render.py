@@ -120,6 +120,9 @@ def pretrain_tables(results: dict[str, Any]) -> str:
                 ratio(row["vs_baseline"]),
                 num(row["vs_paper"]),
                 f"{row['peak_memory_bytes'] / 2**30:.2f} GiB",
+                f"{row['planned_allocated_bytes'] / 2**30:.2f} GiB"
+                if row.get("planned_allocated_bytes")
+                else "",
                 loss,
             ]
         )
@@ -133,7 +136,15 @@ def pretrain_tables(results: dict[str, Any]) -> str:
         "s/step (mean)",
         "chars/s",
     ]
-    header += ["MFU", "vs reference", "vs baseline", "vs paper", "peak memory", "first → last loss"]
+    header += [
+        "MFU",
+        "vs reference",
+        "vs baseline",
+        "vs paper",
+        "peak memory",
+        "planned",
+        "first → last loss",
+    ]
     lines = [
         f"Matmul peak ({settings['matmul_size']}³, measured in the same run): {peaks}. "
         f"Checks failed: {len(results['checks_failed'])}.",
@@ -302,6 +313,20 @@ def probe_tables(results: dict[str, Any]) -> str:
     header = ["case", "solver", "liblinear s", "solver s", "speed-up", "C (lib, solver)"]
     header += ["dev acc (lib, solver)", "test acc (lib, solver)", "max dev gap over C (points)"]
     parts = [f"{len(Cs)} values of C, {min(Cs):g} … {max(Cs):g}.", table(header, rows)]
+    source = results.get("liblinear_source") or {}
+    if source.get("path"):  # --liblinear-from: the baseline ran elsewhere, earlier
+        parts.insert(
+            1,
+            f"liblinear was not run here: its sweeps are those recorded in `{source['path']}` "
+            f"({source['date']}, {describe(source['machine'])}).",
+        )
+    goal = results.get("goal") or {}
+    if goal.get("applies"):
+        verdict = "met" if goal["met"] else "not met"
+        parts.append(
+            f"Goal: the {goal['case']} {goal['solver']} sweep in at most {goal['goal_s']:g} s on a GPU: "
+            f"{goal['seconds']} s, {verdict}."
+        )
     for r in results["rows"]:
         if "per_C" not in r:  # records from before the per-C times
             continue
@@ -388,6 +413,40 @@ def neuron_tables(results: dict[str, Any]) -> str:
     return "\n".join([*lines, table(header, rows)])
 
 
+def job_tables(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    rows = [
+        [
+            r["sharding"] + (" (captured)" if r["captured"] else ""),
+            f"{r['signalled_at']} → {r['checkpointed_at']}",
+            num(r["straight_chars_per_s"]),
+            num(r["resumed_chars_per_s"]),
+            num(r["checkpoint_save_s"]),
+            num(r["checkpoint_load_s"]),
+            f"{r['loss_rel_diff']:.1e}",
+            f"{r['max_weight_rel_diff']:.1e} ({r['worst_weight']})",
+            f"{'yes' if r['equal'] else 'NO'} (≤ {r['tolerance']:g})",
+        ]
+        for r in results["rows"]
+    ]
+    header = ["sharding", "SIGTERM after → checkpoint at step", "chars/s straight", "chars/s resumed"]
+    header += ["save s", "load s", "final loss rel diff", "max weight rel diff", "same run"]
+    return (
+        f"`{settings['preset']}`, batch {settings['batch']} × {settings['seq_len']}, {settings['steps']} steps, "
+        f"{results['precision']}, one rank.\n\n" + table(header, rows)
+    )
+
+
+def gpu_check_tables(results: dict[str, Any]) -> str:
+    rows = [
+        [p["part"], p["status"], f"{p['seconds']:.0f} ({p['limit_s']:.0f})", p["line"].replace("|", "/")]
+        for p in results["parts"]
+    ]
+    return f"{results['seconds']:.0f} s in all (budget {results['budget_s']:.0f} s).\n\n" + table(
+        ["part", "status", "seconds (limit)", "result"], rows
+    )
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "baseline": baseline_tables,
     "corpus": corpus_tables,
@@ -399,6 +458,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "sweep": sweep_tables,
     "probe": probe_tables,
     "neuron": neuron_tables,
+    "job": job_tables,
+    "gpu-check": gpu_check_tables,
 }
 
 

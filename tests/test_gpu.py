@@ -17,6 +17,7 @@ from models.mlstm import MLSTM, MLSTMConfig, small
 from models.recurrence import gate_functions, gates, gates_backward
 from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.pretrain.graphed import GraphedStep
+from tasks.pretrain.memory import per_gpu_bytes
 from tasks.pretrain.train import MEASURED_PEAKS, datasheet_flops, optimizer_step, peak_flops
 
 pytestmark = [
@@ -151,20 +152,27 @@ def test_features_alone_equal_features_in_a_batch() -> None:
 
 
 @pytest.mark.slow
-def test_a_captured_run_resumes_as_it_would_have_run(sample_manifest: str, home: Path) -> None:
+def test_a_captured_run_resumes_without_the_graph_as_it_would_have_run(
+    sample_manifest: str, home: Path
+) -> None:
+    """A captured run's checkpoint, resumed without the graph (as on more ranks): its learning rates are
+    numbers, so Adam gets a float lr, and the run ends where the captured one does. (A captured run
+    preempted and resumed captured: benchmarks/job.py, in make gpu-check.)"""
     common = ["--corpus", sample_manifest, "--store", str(home / "store"), "--preset", "tiny"]
     common += ["--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--checkpoint-every", "100"]
+    common += ["--tracking", "off"]  # a GPU node need not have MLflow
     straight = run_job([*common, "--run-name", "straight", "--max-steps", "16"], home)
-    run_job([*common, "--run-name", "halves", "--max-steps", "8"], home)
-    resumed = run_job([*common, "--run-name", "halves", "--max-steps", "16"], home)
+    half = run_job([*common, "--run-name", "halves", "--max-steps", "8"], home)
+    saved = load_checkpoint(half["checkpoint_uri"]).state
+    assert all(type(group["lr"]) is float for group in saved["optimizer"]["param_groups"])
+    assert all(type(lr) is float for lr in [*saved["schedule"]["base_lrs"], *saved["schedule"]["_last_lr"]])
+    resumed = run_job([*common, "--run-name", "halves", "--max-steps", "16", "--cuda-graph", "off"], home)
     assert resumed["steps"] == 16
-    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-2)
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=2e-2)
     a = load_checkpoint(straight["checkpoint_uri"]).state
     b = load_checkpoint(resumed["checkpoint_uri"]).state
     for name in a["model"]:
-        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-2, atol=1e-3, msg=name)
-    eager = run_job([*common, "--run-name", "eager", "--max-steps", "16", "--cuda-graph", "off"], home)
-    assert eager["final_loss"] == pytest.approx(straight["final_loss"], rel=2e-2)
+        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=2e-2, atol=2e-3, msg=name)
 
 
 def test_the_mfu_peak_is_the_one_the_benchmark_measured(tmp_path: Path) -> None:
@@ -187,3 +195,40 @@ def test_the_pretrain_benchmark_times_the_captured_step_beside_the_eager_one(
     # The same weights and batches: the captured step computes what the eager one does.
     assert graphed["first_loss"] == pytest.approx(fused["first_loss"], rel=1e-4)
     assert graphed["last_loss"] == pytest.approx(fused["last_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("graphed", [True, False], ids=["captured", "eager"])
+def test_the_planned_peak_is_within_twenty_percent_of_the_allocators(graphed: bool) -> None:
+    """tasks.pretrain.memory against torch.cuda.max_memory_allocated over bf16 steps of `small` (the
+    capture's warm-up included): a plan that says "fits" must not meet an OOM at step 1."""
+    torch.manual_seed(0)
+    rows, seq_len = 64, 256
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = MLSTM(small()).to(CUDA)
+    optimizer = (
+        torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device=CUDA), fused=True, capturable=True)
+        if graphed
+        else torch.optim.Adam(model.parameters(), lr=1e-3)
+    )
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    bytes_BT = torch.randint(0, 256, (rows, seq_len + 1), device=CUDA)
+    inputs, targets = bytes_BT[:, :-1], bytes_BT[:, 1:]
+    if graphed:
+        step = GraphedStep(
+            model, optimizer, scaler, model.zero_state(rows), inputs, targets, dtype=torch.bfloat16, clip=1.0
+        )
+        for _ in range(3):
+            step(inputs, targets)
+    else:
+        state = model.zero_state(rows)
+        for _ in range(3):
+            _, state, _ = optimizer_step(
+                model, optimizer, scaler, inputs, targets, state, dtype=torch.bfloat16, clip=1.0
+            )
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    planned = per_gpu_bytes(
+        small(), sharding="none", world_size=1, rows=rows, seq_len=seq_len, compute_bytes=2, graphed=graphed
+    ).allocated
+    assert 0.8 <= planned / measured <= 1.2, (planned, measured)

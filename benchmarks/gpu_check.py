@@ -1,0 +1,338 @@
+#!/usr/bin/env python
+"""Every GPU path of the project in one command, each part under its own time limit; one table last.
+
+    make gpu-check                                        # PYTHONPATH=. python3 benchmarks/gpu_check.py
+    PYTHONPATH=. .venv/bin/python benchmarks/gpu_check.py --rehearse     # the parts at toy sizes, CPU
+
+On a machine with one CUDA GPU, with only the working tree and the few wheels that
+``tasks.pretrain.train`` needs beside torch (pydantic, pydantic-settings and theirs: no Prefect,
+MLflow or boto3), the parts, in order:
+
+- pretrain: ``benchmarks/pretrain.py``: paper_4096 in bf16 at batch 256 and 512, the captured
+  (graphed), eager (fused) and step-by-step (reference) steps, MFU against the matmul peak measured in
+  the same run, the memory planner's figure beside ``torch.cuda.max_memory_allocated``, and one
+  profiled step (``--profile``: where the time goes);
+- features: ``benchmarks/features.py``: paper_4096 on IMDB test reviews in bf16 (the shared data
+  under ``MLSTM_SHARED_DIR``; the generated sample, said so, where it is absent);
+- probe: ``benchmarks/probe.py``: the 4096-wide SST-sized sweep on the GPU (newton and torch)
+  against liblinear's sweep as recorded on a CPU (``benchmarks/results/probe-cpu.json``);
+- tests: every ``-m gpu`` test (``tests/test_gpu.py``, ``tests/test_probe_solver.py``);
+- job: ``benchmarks/job.py``: a real one-GPU job through torchrun, small preset, preempted by SIGTERM
+  and resumed, against the same job left alone: captured (``--sharding none``) and FSDP2 with DCP
+  checkpoints (``--sharding full`` on one rank), with the checkpoint's save and load seconds;
+- scaling: ``benchmarks/scaling.py`` on the measured eager step (what each rank of a DDP job runs);
+- render: ``docs/benchmarks.md`` rendered again from the result files.
+
+Each part is a process of its own, killed at its limit (``--budget`` caps the whole: a part gets what
+is left), so a hang costs that part only. The benchmarks write their ``--record gpu`` files
+(``benchmarks/results/NAME-gpu.json``, the GPU named in each); this command writes its summary to
+``benchmarks/results/gpu-check.json`` and every part's output to ``--logs``. The goals (issue 26): the
+graphed step ≥ 55 % MFU at batch 256 and ≥ 60 % at 512; features ≥ 2.5M chars/s; the probe sweep ≤ 10 s.
+
+Without a GPU it says so in one line and exits 2. ``--rehearse`` runs every part on the CPU at toy
+sizes instead, writing only to ``--logs``: the command's own check where no GPU is (nothing recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common import REPO, RESULTS, machine, new_parser, record, say  # the working tree on the path
+
+GOAL_FEATURES_CHARS_PER_S = 2.5e6
+BUDGET_S = 480  # issue 26: the whole check in at most 8 minutes
+KILL_GRACE_S = 10
+
+
+@dataclasses.dataclass
+class Part:
+    name: str
+    limit_s: float
+    argv: list[str]  # after the interpreter
+    summarise: Callable[[Path], tuple[bool, str, dict[str, Any]]]  # logs → (ok, one line, figures)
+    stdout_json: bool = False  # the script prints its JSON report on stdout (benchmarks/probe.py)
+
+
+@dataclasses.dataclass
+class Outcome:
+    part: str
+    status: str  # passed, failed, timed out, not run
+    seconds: float
+    limit_s: float
+    line: str
+    figures: dict[str, Any]
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
+
+
+def summarise_pretrain(logs: Path) -> tuple[bool, str, dict[str, Any]]:
+    report = _json(logs / "pretrain.json")
+    rows = report["rows"]
+    memory = [
+        {
+            "impl": r["impl"],
+            "batch": r["batch"],
+            "planned_gib": r["planned_allocated_bytes"] / 2**30,
+            "measured_gib": r["peak_memory_bytes"] / 2**30,
+            "planned_over_measured": r["planned_allocated_bytes"] / max(r["peak_memory_bytes"], 1),
+        }
+        for r in rows
+        if r.get("planned_allocated_bytes") and r["status"] == "ok"
+    ]
+    goals = [g for g in report["goal"] if g["applies"]]
+    parts = [f"{g['impl']} b{g['batch']} MFU {g['mfu']:.1%} (goal {g['mfu_goal']:.0%})" for g in goals]
+    parts += [
+        f"{r['impl']} b{r['batch']} {r['mfu']:.1%}"
+        for r in rows
+        if r["mfu"] is not None and r["impl"] != (goals[0]["impl"] if goals else None)
+    ]
+    parts += [f"plan/alloc {m['impl']} b{m['batch']} {m['planned_over_measured']:.2f}" for m in memory]
+    ok = not report["checks_failed"] and all(r["status"] == "ok" or r["impl"] == "reference" for r in rows)
+    figures = {"goals": goals, "memory": memory, "checks_failed": report["checks_failed"]}
+    return ok, "; ".join(parts) or "no rows", figures
+
+
+def summarise_features(logs: Path) -> tuple[bool, str, dict[str, Any]]:
+    report = _json(logs / "features.json")
+    line, goals = [], []
+    for r in report["features"]:
+        met = r["chars_per_s"] >= GOAL_FEATURES_CHARS_PER_S
+        goals.append({"preset": r["preset"], "chars_per_s": r["chars_per_s"], "met": met})
+        line.append(
+            f"{r['preset']} {r['chars_per_s']:,.0f} chars/s (goal {GOAL_FEATURES_CHARS_PER_S:,.0f}), "
+            f"{r['vs_reference']:.2f}× reference, batch {r['batch_size']}, diff {r['max_rel_diff']:.1e}"
+        )
+    source = report["texts_source"]
+    line.append("IMDB texts" if "imdb" in source else f"texts: {source}")
+    return not report["checks_failed"], "; ".join(line), {"goals": goals, "texts": source}
+
+
+def summarise_probe(logs: Path) -> tuple[bool, str, dict[str, Any]]:
+    report = _json(logs / "probe.json")
+    line = [
+        f"{r['case']} {r['solver']} {r['solver_s']} s ({r['speedup']}× liblinear, C {r['C'][0]:g}/{r['C'][1]:g})"
+        for r in report["rows"]
+    ]
+    goal = report["goal"]
+    if goal["applies"]:
+        line.append(f"goal ≤ {goal['goal_s']:g} s {'met' if goal['met'] else 'NOT met'}")
+    same = all(r["max_dev_gap_points"] <= 0.5 for r in report["rows"])
+    return same, "; ".join(line), {"goal": goal, "rows": report["rows"]}
+
+
+def summarise_tests(logs: Path) -> tuple[bool, str, dict[str, Any]]:
+    suite = ElementTree.parse(logs / "tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = [
+        case.get("name", "?")
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    line = f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
+    if failed:
+        line += ": " + ", ".join(failed)
+    return not failed and passed + counts["skipped"] > 0, line, {**counts, "passed": passed, "failed": failed}
+
+
+def summarise_job(logs: Path) -> tuple[bool, str, dict[str, Any]]:
+    report = _json(logs / "job.json")
+    line = [
+        f"{r['sharding']}: SIGTERM at {r['signalled_at']}, checkpoint {r['checkpointed_at']} "
+        f"(save {r['checkpoint_save_s']} s, load {r['checkpoint_load_s']} s), resumed "
+        f"{'=' if r['equal'] else '≠'} straight (weights {r['max_weight_rel_diff']:.1e})"
+        for r in report["rows"]
+    ]
+    return all(r["equal"] for r in report["rows"]), "; ".join(line), {"rows": report["rows"]}
+
+
+def summarise_exit(logs: Path) -> tuple[bool, str, dict[str, Any]]:
+    return True, "", {}
+
+
+def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
+    """The parts with their command lines: the issue's sizes on a GPU, toy ones in a rehearsal."""
+    tests = ["-m", "pytest", "tests/test_gpu.py", "tests/test_probe_solver.py", "-m", "gpu", "-q"]
+    tests += ["-p", "no:cacheprovider", "--junitxml", str(logs / "tests.xml")]
+    if args.rehearse:
+        pretrain = ["--presets", "tiny", "--batch", "8", "--seq-len", "16", "--steps", "2", "--warmup", "1"]
+        pretrain += ["--impls", "fused,reference", "--no-baseline", "--matmul-size", "256"]
+        features = ["--presets", "tiny", "--texts", "32", "--baseline-texts", "4"]
+        probe = ["--cases", "sst:256", "--c-max-log2", "-5", "--solvers", "newton"]
+        job: list[str] = []
+        record: list[str] = []
+    else:
+        pretrain = ["--presets", "paper_4096", "--batch", "256,512", "--precision", "bf16"]
+        pretrain += ["--impls", "graphed,fused,reference", "--no-baseline"]
+        features = ["--presets", "paper_4096"]
+        probe = ["--cases", "sst:4096", "--solvers", "newton,torch"]
+        probe += ["--liblinear-from", str(RESULTS / "probe-cpu.json")]
+        job = []
+        record = ["--record", "gpu"]
+    pretrain += ["--json", str(logs / "pretrain.json"), "--profile", str(logs / "pretrain-profile.txt")]
+    features += ["--no-serve", "--json", str(logs / "features.json")]
+    chosen = [
+        Part("pretrain", 150, ["benchmarks/pretrain.py", *pretrain, *record], summarise_pretrain),
+        Part("features", 100, ["benchmarks/features.py", *features, *record], summarise_features),
+        Part(
+            "probe", 90, ["benchmarks/probe.py", *probe, "--json", *record], summarise_probe, stdout_json=True
+        ),
+        Part("tests", 150, tests, summarise_tests),
+        Part(
+            "job", 180, ["benchmarks/job.py", *job, "--json", str(logs / "job.json"), *record], summarise_job
+        ),
+    ]
+    if not args.rehearse:
+        scaling = ["benchmarks/scaling.py", "--from-json", str(logs / "pretrain.json"), "--record", "gpu"]
+        chosen += [
+            Part("scaling", 30, scaling, summarise_exit),
+            Part("render", 30, ["benchmarks/render.py"], summarise_exit),
+        ]
+    return [p for p in chosen if p.name in args.parts]
+
+
+def run_part(part: Part, limit_s: float, logs: Path) -> Outcome:
+    """The part as a process of its own (its own process group), killed at ``limit_s``."""
+    say(f"[gpu-check] {part.name}: python {' '.join(part.argv)} (limit {limit_s:.0f} s)")
+    log = logs / f"{part.name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    started = time.monotonic()
+    stdout = (logs / f"{part.name}.json").open("wb") if part.stdout_json else contextlib.nullcontext()
+    with log.open("wb") as out, stdout as report:
+        process = subprocess.Popen(
+            [sys.executable, *part.argv],
+            cwd=REPO,
+            env=env,
+            stdout=report if part.stdout_json else out,
+            stderr=out if part.stdout_json else subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a timeout stops its children too
+        )
+        try:
+            code = process.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            _stop(process)
+            return Outcome(part.name, "timed out", time.monotonic() - started, limit_s, _tail(log), {})
+    seconds = time.monotonic() - started
+    try:
+        ok, line, figures = part.summarise(logs)
+    except (OSError, ValueError, KeyError, IndexError, ElementTree.ParseError) as error:
+        ok, line, figures = False, f"no report ({type(error).__name__}: {error})", {}
+    if code != 0:
+        ok, line = False, f"exit {code}; {line or _tail(log)}"
+    return Outcome(part.name, "passed" if ok else "failed", seconds, limit_s, line, figures)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(log: Path, lines: int = 1) -> str:
+    text = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return " | ".join(text[-lines:])[-300:]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    names = ["pretrain", "features", "probe", "tests", "job", "scaling", "render"]
+    parser = new_parser(__doc__ or "", raw=True)
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="Seconds for all parts together.")
+    parser.add_argument("--parts", default=",".join(names), help="Comma-separated, of " + ", ".join(names))
+    parser.add_argument(
+        "--logs", type=Path, help="Folder for every part's output (default: a new temporary one)."
+    )
+    parser.add_argument(
+        "--rehearse", action="store_true", help="The parts at toy sizes on the CPU; nothing recorded."
+    )
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if unknown := [p for p in args.parts if p not in names]:
+        parser.error(f"--parts: {', '.join(unknown)} is not one of {', '.join(names)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print(
+            f"gpu-check: {sys.executable} has no torch: run it with the GPU machine's Python", file=sys.stderr
+        )
+        return 2
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.rehearse:
+        print(
+            f"gpu-check: torch {torch.__version__} sees no CUDA device: nothing run "
+            "(--rehearse runs the parts at toy sizes on the CPU)",
+            file=sys.stderr,
+        )
+        return 2
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="mlstm-gpu-check-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if cuda and not args.rehearse else "cpu")
+    info = machine(device)
+    say(f"[gpu-check] on {info.get('gpu') or info['cpu']}; logs in {logs}; budget {args.budget:.0f} s")
+    deadline = time.monotonic() + args.budget
+    outcomes = []
+    for part in parts(args, logs):
+        left = deadline - time.monotonic()
+        if left < 5:
+            outcomes.append(Outcome(part.name, "not run", 0.0, part.limit_s, "the budget was spent", {}))
+            continue
+        outcome = run_part(part, min(part.limit_s, left), logs)
+        outcomes.append(outcome)
+        say(f"[gpu-check] {part.name}: {outcome.status} in {outcome.seconds:.0f} s: {outcome.line}")
+        if outcome.status != "passed":
+            say(
+                f"[gpu-check] {part.name}: the end of {logs / (part.name + '.log')}:\n{_tail(logs / (part.name + '.log'), 15)}"
+            )
+    report = {
+        "machine": info,
+        "rehearsal": args.rehearse,
+        "budget_s": args.budget,
+        "seconds": sum(o.seconds for o in outcomes),
+        "parts": [dataclasses.asdict(o) for o in outcomes],
+    }
+    (logs / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.rehearse:
+        record("gpu-check", "", report, argv=argv, script="gpu_check")
+    print_table(outcomes, info, report["seconds"])
+    return 0 if all(o.status == "passed" for o in outcomes) else 1
+
+
+def print_table(outcomes: list[Outcome], info: dict[str, Any], seconds: float) -> None:
+    where = info.get("gpu") or f"CPU ({info['cpu']})"
+    print(f"\ngpu-check on {where}, torch {info['torch']}: {seconds:.0f} s")
+    print("| part | status | seconds (limit) | result |")
+    print("|---|---|---|---|")
+    for o in outcomes:
+        print(f"| {o.part} | {o.status} | {o.seconds:.0f} ({o.limit_s:.0f}) | {o.line} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
