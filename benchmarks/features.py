@@ -241,6 +241,44 @@ def feature_row(
     return row
 
 
+def profile_features(
+    name: str, texts: list[str], batch_size: int | None, device: torch.device, path: Path
+) -> None:
+    """featurize of ``texts`` under torch.profiler after a warm-up on them; operators by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = MLSTM(preset(name)).to(device).eval()
+    rows = batch_size or rows_for_memory(model, device)
+    featurize(model, texts, batch_size=rows, device=device)  # compilation and the allocator stay out
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    started = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        featurize(model, texts, batch_size=rows, device=device)
+        synchronize(device)
+    seconds = time.perf_counter() - started
+    chars = sum(len(encode(t)) for t in texts)
+    lengths = [len(encode(t)) for t in texts]
+    batches = [len(b) for b in length_batches(lengths, rows)]
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        text = profiler.key_averages().table(sort_by=sort, row_limit=30)
+    except (AttributeError, KeyError, ValueError):  # older torch names device time cuda time
+        text = profiler.key_averages().table(sort_by=sort.replace("device", "cuda"), row_limit=30)
+    header = (
+        f"{name} featurize on {device}: {len(texts)} texts, {chars:,} chars (longest {max(lengths):,}), "
+        f"{len(batches)} batches of at most {rows} rows ({batches[:8]}…), {seconds:.3f} s profiled, "
+        f"{chars / seconds:,.0f} chars/s"
+    )
+    path.write_text(header + "\n" + text + "\n")
+    say(f"profile of featurize written to {path}")
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------
 # Served-model latency
 
@@ -461,6 +499,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="Print the results as JSON on stdout (the tables then go to stderr), or write them to PATH.",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="PATH",
+        help="Also profile featurize on the first preset (torch.profiler, 512 of the texts, after a warm-up) "
+        "and write its operators by device time to PATH: where a goal is missed, where the time goes.",
+    )
     add_record_option(parser)
     args = parser.parse_args(argv)
     args.presets = _names(args.presets)
@@ -501,6 +546,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         n_baseline = args.baseline_texts or counts[name][1]
         say(f"{name} on {device} ({precision_of(device)}): {n_fast} texts, baseline {n_baseline} …")
         features.append(feature_row(name, pool, n_fast, n_baseline, batch_size, device))
+    if args.profile:
+        profile_features(args.presets[0], take(pool, 512), batch_size, device, args.profile)
     args.requests = args.requests or (GPU_REQUESTS if cuda else CPU_REQUESTS)
     serving = serve_rows(args, pool) if args.serve else []
     return {

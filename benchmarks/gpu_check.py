@@ -170,6 +170,7 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
     """The parts with their command lines: the issue's sizes on a GPU, toy ones in a rehearsal."""
     tests = ["-m", "pytest", "tests/test_gpu.py", "tests/test_probe_solver.py", "-m", "gpu", "-q"]
     tests += ["-p", "no:cacheprovider", "--junitxml", str(logs / "tests.xml")]
+    tests += ["-k", args.tests_k] if args.tests_k else []
     if args.rehearse:
         pretrain = ["--presets", "tiny", "--batch", "8", "--seq-len", "16", "--steps", "2", "--warmup", "1"]
         pretrain += ["--impls", "fused,reference", "--no-baseline", "--matmul-size", "256"]
@@ -187,6 +188,8 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
         record = ["--record", "gpu"]
     pretrain += ["--json", str(logs / "pretrain.json"), "--profile", str(logs / "pretrain-profile.txt")]
     features += ["--no-serve", "--json", str(logs / "features.json")]
+    features += ["--profile", str(logs / "features-profile.txt")]
+    job += ["--keep-logs", str(logs / "job-logs")]
     chosen = [
         Part("pretrain", 150, ["benchmarks/pretrain.py", *pretrain, *record], summarise_pretrain),
         Part("features", 100, ["benchmarks/features.py", *features, *record], summarise_features),
@@ -195,7 +198,7 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
         ),
         Part("tests", 150, tests, summarise_tests),
         Part(
-            "job", 180, ["benchmarks/job.py", *job, "--json", str(logs / "job.json"), *record], summarise_job
+            "job", 200, ["benchmarks/job.py", *job, "--json", str(logs / "job.json"), *record], summarise_job
         ),
     ]
     if not args.rehearse:
@@ -268,6 +271,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rehearse", action="store_true", help="The parts at toy sizes on the CPU; nothing recorded."
     )
+    parser.add_argument("--tests-k", metavar="EXPR", help="Only the -m gpu tests pytest -k EXPR selects.")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="Keep the recorded outcome of every part not run now (a rerun of the parts that failed).",
+    )
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := [p for p in args.parts if p not in names]:
@@ -318,11 +327,32 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": sum(o.seconds for o in outcomes),
         "parts": [dataclasses.asdict(o) for o in outcomes],
     }
+    if args.merge and not args.rehearse:
+        report["parts"] = merged(report["parts"], RESULTS / "gpu-check.json", info)
+        report["seconds"] = sum(p["seconds"] for p in report["parts"])
     (logs / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
     if not args.rehearse:
         record("gpu-check", "", report, argv=argv, script="gpu_check")
     print_table(outcomes, info, report["seconds"])
     return 0 if all(o.status == "passed" for o in outcomes) else 1
+
+
+def merged(parts: list[dict[str, Any]], path: Path, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """This run's parts, and the recorded outcome of every other part of the same GPU's last check."""
+    if not path.is_file():
+        return parts
+    document = json.loads(path.read_text())
+    if document["machine"].get("gpu") != info.get("gpu"):
+        return parts
+    now = {p["part"]: p for p in parts}
+    recorded = [p["part"] for p in document["results"]["parts"]]
+    earlier = {
+        p["part"]: {**p, "line": f"(recorded {document['date']}) {p['line']}"}
+        for p in document["results"]["parts"]
+        if p["part"] not in now
+    }
+    names = [*recorded, *(name for name in now if name not in recorded)]
+    return [now.get(name) or earlier[name] for name in names]
 
 
 def print_table(outcomes: list[Outcome], info: dict[str, Any], seconds: float) -> None:

@@ -30,6 +30,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -195,11 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default="small" if cuda else "tiny")
     parser.add_argument("--batch", type=int, default=128 if cuda else 8, help="Rows per step.")
     parser.add_argument("--seq-len", type=int, default=256 if cuda else 32)
-    parser.add_argument("--steps", type=int, default=300 if cuda else 24, help="Steps of every run.")
+    parser.add_argument("--steps", type=int, default=200 if cuda else 24, help="Steps of every run.")
     parser.add_argument(
         "--signal-at",
         type=int,
-        default=100 if cuda else 8,
+        default=60 if cuda else 8,
         help="The preempted run's SIGTERM: after this step.",
     )
     parser.add_argument("--log-every", type=int, default=10 if cuda else 4)
@@ -208,6 +210,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tracking", choices=("off", "mlflow"), default="off", help="The job's --tracking.")
     parser.add_argument("--json", type=Path, dest="json_path", help="Also write the report to this file.")
+    parser.add_argument(
+        "--keep-logs", type=Path, metavar="DIR", help="Copy every launch's log here at the end."
+    )
     add_record_option(parser)
     args = parser.parse_args(argv)
     args.shardings = [s.strip() for s in args.shardings.split(",") if s.strip()]
@@ -218,23 +223,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_checks(
+    args: argparse.Namespace, scratch: Path, device: torch.device, precision: str
+) -> list[dict[str, Any]]:
+    home = scratch / "home"
+    say("building a corpus of the generated sample …")
+    manifest = build_corpus(scratch / "corpus")
+    common = ["--corpus", manifest, "--store", str(home / "store"), "--preset", args.preset]
+    common += ["--batch-size", str(args.batch), "--seq-len", str(args.seq_len), "--lr", "0.002"]
+    common += ["--total-steps", str(args.steps), "--log-every", str(args.log_every)]
+    common += ["--checkpoint-every", str(10 * args.steps), "--val-every", str(10 * args.steps)]
+    common += ["--tracking", args.tracking]
+    jobs = Jobs(home, common)
+    return [check_sharding(jobs, sharding, args, device, precision) for sharding in args.shardings]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if device.type == "cuda" else "fp32"
-    rows = []
+    # Stopped at a time limit (make gpu-check): still clean up, and keep the launches' logs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory(prefix="mlstm-bench-job-") as scratch:
-        home = Path(scratch) / "home"
-        say("building a corpus of the generated sample …")
-        manifest = build_corpus(Path(scratch) / "corpus")
-        common = ["--corpus", manifest, "--store", str(home / "store"), "--preset", args.preset]
-        common += ["--batch-size", str(args.batch), "--seq-len", str(args.seq_len), "--lr", "0.002"]
-        common += ["--total-steps", str(args.steps), "--log-every", str(args.log_every)]
-        common += ["--checkpoint-every", str(10 * args.steps), "--val-every", str(10 * args.steps)]
-        common += ["--tracking", args.tracking]
-        jobs = Jobs(home, common)
-        for sharding in args.shardings:
-            rows.append(check_sharding(jobs, sharding, args, device, precision))
+        try:
+            rows = run_checks(args, Path(scratch), device, precision)
+        finally:
+            if args.keep_logs:
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for log in (Path(scratch) / "home" / "jobs").glob("*.log"):
+                    shutil.copy(log, args.keep_logs / log.name)
     lines = [
         f"Preempted and resumed against left alone: {args.preset}, batch {args.batch} × {args.seq_len}, "
         f"{args.steps} steps, SIGTERM after step {args.signal_at}, {precision} on {device}",
@@ -252,21 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['worst_weight']}) | {'yes' if r['equal'] else 'NO'} (≤ {r['tolerance']:g}) |"
         )
     print("\n".join(lines))
+    settings = ("preset", "batch", "seq_len", "steps", "signal_at", "log_every", "shardings", "tracking")
     report = {
         "machine": machine(device),
-        "settings": {
-            k: getattr(args, k)
-            for k in (
-                "preset",
-                "batch",
-                "seq_len",
-                "steps",
-                "signal_at",
-                "log_every",
-                "shardings",
-                "tracking",
-            )
-        },
+        "settings": {k: getattr(args, k) for k in settings},
         "precision": precision,
         "rows": rows,
     }

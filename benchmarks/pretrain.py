@@ -355,11 +355,11 @@ def profile_step(
         step()
     seconds = time.perf_counter() - started
     averages = profiler.key_averages()
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     try:
-        text = averages.table(sort_by=sort.replace("cuda", "device"), row_limit=30)
-    except (AttributeError, KeyError, ValueError):  # older torch names device time cuda time
         text = averages.table(sort_by=sort, row_limit=30)
+    except (AttributeError, KeyError, ValueError):  # older torch names device time cuda time
+        text = averages.table(sort_by=sort.replace("device", "cuda"), row_limit=30)
     header = f"{name} {impl}, batch {batch} × {args.seq_len}, {DTYPE_NAMES[dtype]} on {device}: one step {seconds:.3f} s (profiled)"
     path.write_text(header + "\n" + text + "\n")
     say(f"profile of one step written to {path}")

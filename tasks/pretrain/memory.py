@@ -6,7 +6,8 @@ and a the compute dtype's size (2 for bf16/fp16, 4 for fp32; f = 4 more under au
     weights     = 4·P            (÷W under full)             fp32 master weights
     optimizer   = 8·P            (÷W under optimizer, full)  Adam's two moments
     activations = N·(a·(8H + E) + 4·(5H + V) + 8) + a·5·(H² + E·H)    (the fused recurrence)
-                | N·(a·(7H + E) + 4·(4H + V) + 8) + a·5·(H² + E·H)    (--recurrence reference)
+                | N·(a·(7H + E) + 4·(4H + V) + 8) + a·5·(H² + E·H)    (--recurrence reference, fp32)
+                | N·(a·(3H + E) + 4·(12H + V) + 8) + T·a·5H² + a·5·(H² + E·H)   (reference, autocast)
     backward    = 4·(H·V + V) + N·13H·a + 5·H²·(a + f)                (the fused recurrence)
                 | 4·(H·V + V) + N·8H·4 + 2·5·H²·4                     (--recurrence reference)
     grads       = 4·P            (÷W under full)
@@ -28,7 +29,9 @@ share of the four gates, stays alive until the backward has used it) with the by
 cell state c, the three sigmoid gates and tanh(u) in fp32 (5H: the gate math runs in the state's fp32),
 the fp32 log-softmax over V, and the int64 target. The reference cell, through autograd step by step:
 h W_mh, m, the three gates, tanh(u) and x W_mx in the compute dtype (7H), c, tanh(c) and h in fp32 and
-the stacked h for the read-out (4H). Once per step, the weight-normalised matrices in the compute dtype.
+the stacked h for the read-out (4H); under autocast x W_x + b is fp32, so its gate math runs in fp32 (12H)
+and autocast casts W_h and W_mh anew at every step (T·5H², measured on an H200: 40 of a step's 57 GiB
+at batch 256). Once per step, the weight-normalised matrices in the compute dtype.
 
 backward: the fused recurrence's backward keeps per step dz (4H), dm ⊙ h W_mh (H) and dhm (H) in
 lists, stacks each once at its end (12H), holds the read-out's gradient into h (H), and ends in the two
@@ -139,9 +142,16 @@ def per_gpu_bytes(
     P, H, E, V, a = config.num_params, config.hidden_size, config.embed_size, config.vocab_size, compute_bytes
     N = rows * seq_len
     readout_grad = 4 * (H * V + V)
+    per_step_weights = 0
     if recurrence == "fused":
         per_step = a * (8 * H + E) + 4 * (5 * H + V) + 8
         backward = readout_grad + N * 13 * H * a + 5 * H * H * (a + (4 if a < 4 else 0))
+    elif a < 4:
+        # Under autocast x W_x + b is fp32, so the cell's gate math runs in fp32, and autocast casts the
+        # (computed, not leaf) recurrent weights anew at every step, each copy kept for the backward.
+        per_step = a * (3 * H + E) + 4 * (12 * H + V) + 8
+        per_step_weights = seq_len * 5 * H * H * a
+        backward = readout_grad + N * 8 * H * 4 + 2 * 5 * H * H * 4
     else:
         per_step = a * (7 * H + E) + 4 * (4 * H + V) + 8
         backward = readout_grad + N * 8 * H * 4 + 2 * 5 * H * H * 4
@@ -157,7 +167,7 @@ def per_gpu_bytes(
         weights=math.ceil(4 * P / shards),
         grads=math.ceil(4 * P / shards),
         optimizer=math.ceil(8 * P / (world_size if sharding != "none" else 1)),  # W = 1: whole
-        activations=N * per_step + a * 5 * (H * H + E * H),
+        activations=N * per_step + per_step_weights + a * 5 * (H * H + E * H),
         backward=backward,
         step=0 if graphed else math.ceil(4 * P / shards),
         workspace=workspace,
