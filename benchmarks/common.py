@@ -91,7 +91,10 @@ def add_record_option(parser: argparse.ArgumentParser) -> None:
 
 def git_commit() -> str:
     """The checkout's commit, with ``-dirty`` when tracked files other than docs/ and the results differ
-    from it (the figures then measured code no commit holds); in a copy without git, MLSTM_BENCH_COMMIT."""
+    from it (the figures then measured code no commit holds). MLSTM_BENCH_COMMIT, where set, says it
+    instead: a copy of the tree run elsewhere (a lent GPU machine) may carry a stale .git, or none."""
+    if os.environ.get("MLSTM_BENCH_COMMIT"):
+        return os.environ["MLSTM_BENCH_COMMIT"]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
@@ -114,8 +117,7 @@ def git_commit() -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # A copy of the tree without its .git (a lent GPU machine): the commit it was copied from, if said.
-        return os.environ.get("MLSTM_BENCH_COMMIT", "unknown")
+        return "unknown"
     return f"{commit}-dirty" if dirty else commit
 
 

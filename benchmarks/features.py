@@ -68,7 +68,9 @@ TEXT_COLUMNS = ("sentence", "text", "review")
 # given. The CPU ones finish in a few minutes in all on 2 cores (paper_4096 is ~170 MFLOP per byte): 64
 # texts make one full batch, where batching starts to pay on a CPU.
 CPU_COUNTS = {"tiny": (512, 64), "small": (256, 32), "paper_4096": (64, 4), "paper_8192": (16, 1)}
-GPU_COUNTS = {"tiny": (2048, 256), "small": (2048, 256), "paper_4096": (2048, 128), "paper_8192": (2048, 64)}
+# On a GPU one text at a time is launch-bound (an H200 read 4.8k chars/s of IMDB that way at paper_4096):
+# a few dozen texts give its rate; more only lengthen the run.
+GPU_COUNTS = {"tiny": (2048, 256), "small": (2048, 128), "paper_4096": (2048, 32), "paper_8192": (2048, 16)}
 CPU_REQUESTS, GPU_REQUESTS = 20, 50  # a request of 64 texts of `small` takes seconds on 2 CPU cores
 # The fast path and the baseline run the same weights on the same bytes: in fp32 they differ only by
 # summation order. Under bf16/fp16 autocast the recurrence rounds differently in a batch and alone.
@@ -503,7 +505,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--profile",
         type=Path,
         metavar="PATH",
-        help="Also profile featurize on the first preset (torch.profiler, 512 of the texts, after a warm-up) "
+        help="Also profile featurize on the first preset (torch.profiler, 128 of the texts, after a warm-up) "
         "and write its operators by device time to PATH: where a goal is missed, where the time goes.",
     )
     add_record_option(parser)
@@ -547,7 +549,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         say(f"{name} on {device} ({precision_of(device)}): {n_fast} texts, baseline {n_baseline} …")
         features.append(feature_row(name, pool, n_fast, n_baseline, batch_size, device))
     if args.profile:
-        profile_features(args.presets[0], take(pool, 512), batch_size, device, args.profile)
+        profile_features(args.presets[0], take(pool, 128), batch_size, device, args.profile)
     args.requests = args.requests or (GPU_REQUESTS if cuda else CPU_REQUESTS)
     serving = serve_rows(args, pool) if args.serve else []
     return {

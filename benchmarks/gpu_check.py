@@ -123,6 +123,8 @@ def summarise_features(logs: Path) -> tuple[bool, str, dict[str, Any]]:
 
 
 def summarise_probe(logs: Path) -> tuple[bool, str, dict[str, Any]]:
+    """Each solver must choose liblinear's C (or one with its dev accuracy) and reach its test accuracy
+    within half a point; along the path they may part where liblinear stops short at the large-C end."""
     report = _json(logs / "probe.json")
     line = [
         f"{r['case']} {r['solver']} {r['solver_s']} s ({r['speedup']}× liblinear, C {r['C'][0]:g}/{r['C'][1]:g})"
@@ -131,7 +133,11 @@ def summarise_probe(logs: Path) -> tuple[bool, str, dict[str, Any]]:
     goal = report["goal"]
     if goal["applies"]:
         line.append(f"goal ≤ {goal['goal_s']:g} s {'met' if goal['met'] else 'NOT met'}")
-    same = all(r["max_dev_gap_points"] <= 0.5 for r in report["rows"])
+    same = all(
+        abs(r["test_accuracy"][0] - r["test_accuracy"][1]) <= 0.005
+        and (r["C"][0] == r["C"][1] or abs(r["dev_accuracy"][0] - r["dev_accuracy"][1]) <= 0.005)
+        for r in report["rows"]
+    )
     return same, "; ".join(line), {"goal": goal, "rows": report["rows"]}
 
 
@@ -192,7 +198,7 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
     job += ["--keep-logs", str(logs / "job-logs")]
     chosen = [
         Part("pretrain", 150, ["benchmarks/pretrain.py", *pretrain, *record], summarise_pretrain),
-        Part("features", 100, ["benchmarks/features.py", *features, *record], summarise_features),
+        Part("features", 120, ["benchmarks/features.py", *features, *record], summarise_features),
         Part(
             "probe", 90, ["benchmarks/probe.py", *probe, "--json", *record], summarise_probe, stdout_json=True
         ),

@@ -197,11 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default="small" if cuda else "tiny")
     parser.add_argument("--batch", type=int, default=128 if cuda else 8, help="Rows per step.")
     parser.add_argument("--seq-len", type=int, default=256 if cuda else 32)
-    parser.add_argument("--steps", type=int, default=200 if cuda else 24, help="Steps of every run.")
+    parser.add_argument("--steps", type=int, default=100 if cuda else 24, help="Steps of every run.")
     parser.add_argument(
         "--signal-at",
         type=int,
-        default=60 if cuda else 8,
+        default=30 if cuda else 8,
         help="The preempted run's SIGTERM: after this step.",
     )
     parser.add_argument("--log-every", type=int, default=10 if cuda else 4)
