@@ -96,11 +96,18 @@ class _CompiledOrPlain:
 
 
 def _describe(error: BaseException) -> str:
-    """Its type and first line, then those of the error it wraps: the compiler's own says what failed."""
-    line = next((text for text in str(error).splitlines() if text.strip()), "")
-    inner = getattr(error, "inner_exception", None) or error.__cause__
-    described = f"{type(error).__name__}: {line}"
-    return f"{described} {_describe(inner)}" if isinstance(inner, BaseException) else described
+    """Its type and first line, then those of the errors it wraps: the compiler's own says what failed.
+
+    Each error once: a cycle of causes must not turn the fallback's warning into a crash."""
+    described: list[str] = []
+    seen: set[int] = set()
+    current: object = error
+    while isinstance(current, BaseException) and id(current) not in seen:
+        seen.add(id(current))
+        line = next((text for text in str(current).splitlines() if text.strip()), "")
+        described.append(f"{type(current).__name__}: {line}")
+        current = getattr(current, "inner_exception", None) or current.__cause__
+    return " ".join(described)
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.mlstm import MLSTM, MLSTMConfig
-from models.recurrence import _CompiledOrPlain, gates, gates_backward, recurrence
+from models.recurrence import _CompiledOrPlain, _describe, gates, gates_backward, recurrence
 
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -142,6 +143,16 @@ def test_under_autocast_the_fused_products_run_in_its_dtype() -> None:
     assert h.dtype == torch.bfloat16 and c.dtype == torch.float32  # the cell state stays wide
 
 
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """torch.compile's caches empty before and after: ``gates`` compiled by one test's backend is not
+    another's, and no test counts recompiles left by an earlier one."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_a_gate_function_that_fails_to_compile_runs_uncompiled_with_a_warning() -> None:
     def halved(x: torch.Tensor) -> torch.Tensor:
         torch._dynamo.graph_break()  # fullgraph=True refuses this: compilation fails at the first call
@@ -155,10 +166,10 @@ def test_a_gate_function_that_fails_to_compile_runs_uncompiled_with_a_warning() 
     assert step.compiled is None
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compile_that_fails_at_a_later_shape_falls_back_too() -> None:
     """The first shape compiles; a second one (a shorter feature batch) recompiles and fails: that call and
     every later one run uncompiled, with one warning, instead of raising."""
-    torch._dynamo.reset()
     compiles: list[int] = []
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -185,9 +196,8 @@ def test_a_compile_that_fails_at_a_later_shape_falls_back_too() -> None:
     assert len(compiles) == 2
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_running_out_of_device_memory_is_not_taken_for_a_compiler_failure() -> None:
-    torch._dynamo.reset()
-
     def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         def out_of_memory(*args: Any) -> Any:
             raise torch.OutOfMemoryError("CUDA out of memory")
@@ -198,3 +208,11 @@ def test_running_out_of_device_memory_is_not_taken_for_a_compiler_failure() -> N
     with pytest.raises(torch.OutOfMemoryError):
         step(torch.randn(2, 8), torch.randn(2, 2))
     assert step.compiled is not None  # the plain function would not fit either: nothing to fall back to
+
+
+def test_the_warning_names_the_wrapped_errors_once_each() -> None:
+    """The compiler's own error sits under torch's wrapper; a cycle of causes ends the description, not
+    the run."""
+    wrapper, inner = RuntimeError("backend='inductor' raised:\n  more"), OSError("no C compiler")
+    wrapper.__cause__, inner.__cause__ = inner, wrapper
+    assert _describe(wrapper) == "RuntimeError: backend='inductor' raised: OSError: no C compiler"
