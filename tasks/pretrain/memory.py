@@ -5,44 +5,75 @@ and a the compute dtype's size (2 for bf16/fp16, 4 for fp32; f = 4 more under au
 
     weights     = 4·P            (÷W under full)             fp32 master weights
     optimizer   = 8·P            (÷W under optimizer, full)  Adam's two moments
-    activations = N·(a·(8H + E) + 4·(5H + V) + 8) + a·5·(H² + E·H)    (the fused recurrence)
-                | N·(a·(7H + E) + 4·(4H + V) + 8) + a·5·(H² + E·H)    (--recurrence reference, fp32)
-                | N·(a·(3H + E) + 4·(12H + V) + 8) + T·a·5H² + a·5·(H² + E·H)   (reference, autocast)
-    backward    = 4·(H·V + V) + N·13H·a + 5·H²·(a + f)                (the fused recurrence)
-                | 4·(H·V + V) + N·8H·4 + 2·5·H²·4                     (--recurrence reference)
     grads       = 4·P            (÷W under full)
-    step        = 4·P            (÷W under full; 0 captured)  the eager foreach Adam's temporaries
-    workspace   = 1 GiB + DDP's gradient buckets 4·P and autocast's weight copy a·P (none, optimizer)
+    activations = N·(a·(4H + V) + 4·(5H + E)) + a·5·(H² + E·H)             (the fused recurrence)
+                | N·(4·(11H + E) + a·V) + a·5·(H² + E·H)                    (--recurrence reference, fp32)
+                | N·(4·(8H + E) + a·(4H + V)) + T·a·5H² + a·5·E·H          (reference, autocast)
+    backward    = max(loss, 4·(H·V + V) + N·13H·a + 5·H²·(a + f))          (the fused recurrence)
+                | max(loss + N·a·H, 4·(H·V + V) + N·4H + 13·H²·4, forward)  (reference)
+                  loss = N·(12V + 8); forward = N·20H (fp32) | N·(20H + a·H + 4E) + 20·(H² + E·H) + a·H·V
+    step        = max(4·P (÷W under full; 0 captured), 32·H²) + N·(20H + a·(H + V))   (fused)
+                | max(4·P (÷W under full; 0 captured), 32·H²) + N·(4H + a·V)           (reference)
+                  (8·a·H² for 32·H² and f = 0 under full, where FSDP gathers the weights in the compute dtype)
+    carried     = 4·b·(T + 1)·H·(2 in fp32, 1 under autocast) + 4·b·H under autocast   (fused, eager)
+                | 8·b·H (reference, eager) | 8·b·H + 16·N (captured)
+    workspace   = 1 GiB + DDP's gradient buckets 4·P (none, optimizer; more than one rank)
                         | the gathered weights a·P and their unsharded gradients 4·P (full)
                   + the capture's copy of the weights and Adam's state 12·P (captured, one GPU)
 
-    total       = weights + optimizer + workspace + max(activations + backward, grads + step)
+    total       = weights + optimizer + carried + workspace + max(activations + backward, grads + step)
+    allocated   = total − 1 GiB  (what ``torch.cuda.max_memory_allocated`` reports)
 
-The step's peak is at the end of the recurrence's backward, where what the forward left (activations)
-and the backward's own temporaries (backward) are all alive, and the weights' gradients are not yet
-(the fused recurrence makes them in two products at its end); or in the optimizer's step, with every
-gradient and Adam's temporaries, where the activations are gone. The larger counts.
+The step's peak is in its backward, where what the forward left (activations) is alive with one of
+the backward's own temporaries (backward): at its start, the cross-entropy's log-probabilities, their
+gradient and the logits' in fp32 (loss); or at the end of the fused recurrence's backward, with its
+per-step gradient lists, their stacks and its two weight-gradient products; or (the reference cell) the
+weights' gradients it adds up step by step, or the forward's own end. Else it is after the backward,
+with every gradient (grads + step). Terms under 1% of a step are left out (the batch, the initial
+state's step in h and c, the gradient of the embedding).
 
-activations: what the forward leaves for the backward, per row and step. The fused recurrence
-(models/recurrence.py): x W_mx, h, h W_mh, m and x W_x + b in the compute dtype (8H: xz, the input's
-share of the four gates, stays alive until the backward has used it) with the byte embedding (E); the
-cell state c, the three sigmoid gates and tanh(u) in fp32 (5H: the gate math runs in the state's fp32),
-the fp32 log-softmax over V, and the int64 target. The reference cell, through autograd step by step:
-h W_mh, m, the three gates, tanh(u) and x W_mx in the compute dtype (7H), c, tanh(c) and h in fp32 and
-the stacked h for the read-out (4H); under autocast x W_x + b is fp32, so its gate math runs in fp32 (12H)
-and autocast casts W_h and W_mh anew at every step (T·5H², measured on an H200: 40 of a step's 57 GiB
-at batch 256). Once per step, the weight-normalised matrices in the compute dtype.
+activations: what the forward leaves that stays alive until the recurrence's backward ends. The fused
+recurrence (models/recurrence.py): x W_mx, h, h W_mh and m in the compute dtype (4H); the cell state c,
+the three sigmoid gates and tanh(u) in fp32 (5H: the gate math runs in the state's fp32); the byte
+embedding x (4E: in fp32, or its two casts for the two products under autocast); the logits the caller
+holds (a·V); the weight-normalised matrices in the compute dtype. x W_x + b is not kept. The reference
+cell, through autograd step by step: the three gates, tanh(u), tanh(c), m, h, x W_mx, h W_mh, c and the
+stacked c the caller holds (11H). Under autocast x W_x + b is fp32 (b is), so its gate math runs in
+fp32 (8H; m, x W_mx, h W_mh and h's cast for h W_mh in the compute dtype), and autocast casts W_h and
+W_mh anew at every step (T·a·5H², measured on an H200: 40 of a step's 57 GiB at batch 256). Autocast
+keeps a cast only of a leaf weight (the read-out's, freed with the read-out's backward before the
+peak); the cell's matrices are computed, and each product keeps its own cast (counted above).
 
-backward: the fused recurrence's backward keeps per step dz (4H), dm ⊙ h W_mh (H) and dhm (H) in
-lists, stacks each once at its end (12H), holds the read-out's gradient into h (H), and ends in the two
-weight-gradient products dW_h, dW_mh (5H², cast to fp32 under autocast); the read-out's own gradient is
-made before it. The reference cell's autograd makes and adds an [H, 4H] and an [H, H] gradient every
-step: its figure is approximate (within 15% of the measured peak on CPU, against 1% for the fused one).
-The 1 GiB is the CUDA context and the allocator's slack.
+backward: the fused recurrence's backward keeps per step dz (4H), dm ⊙ h W_mh (H) and dhm (H) in lists
+and stacks each once at its end (12H), with the read-out's gradient into h (H) and the read-out's own
+(4·(H·V + V)), and ends in the two weight-gradient products dW_h, dW_mh (5H², cast to fp32 under
+autocast). The reference cell's autograd holds the read-out's gradient into the stacked h (4H), and up
+to three [H, 4H] and one [H, H] fp32 gradients of the recurrent weights in flight as it adds them up;
+its forward ends with x W_x + b in fp32 (16H) and the stacked h (4H) alive, and under autocast the fp32
+normalised weights, the read-out's cast and h's.
 
-`tests/test_memory.py` holds the total, less the 1 GiB, within 10% of the peak of live tensor bytes
-measured on CPU over a whole fp32 step (forward, backward, Adam), for the tiny and small presets; a
-GPU's ``torch.cuda.max_memory_allocated`` is set beside the planned figure by ``make gpu-check``.
+step: after the backward, with every gradient: the eager (foreach) Adam's temporaries (4·P; the captured
+step's fused Adam has none) or weight normalisation's backward (two more [H, 4H] fp32), whichever is
+larger, while the step's tensors its caller still holds live on: the logits and, for the fused
+recurrence, h, c and the per-step gates on the function's context (not saved tensors, so not freed with
+them: 16H).
+
+carried: the job (tasks/pretrain/train.py: optimizer_step) carries c, and in fp32 h, as the last step of
+the fused forward's [T + 1, b, H] tensors: views, which keep the whole tensors alive through the next
+step. The captured step copies them into its own tensors (and the batch into its inputs).
+
+workspace: the 1 GiB is the CUDA context and the allocator's slack. The capture (tasks/pretrain/graphed.py)
+snapshots the weights, Adam's state and the scaler's before its warm-up steps and holds them until it is
+captured: 12·P on a resumed run (4·P on a fresh one, where Adam's state comes later). torch.cuda.graph
+empties the allocator's cache before capturing, and the graph's private pool then keeps the step's
+intermediates for good: the same peak as an eager step's.
+
+`tests/test_memory.py` holds the allocated bytes within 10% of the most tensor bytes alive at once over
+the job's fp32 step (optimizer_step, its state carried) on CPU, for the tiny and small presets and both
+recurrences (about 1% off), and in bf16 under CPU autocast; ``make gpu-check`` sets them beside a GPU's
+``torch.cuda.max_memory_allocated``. Against the H200's (docs/benchmarks.md: paper_4096 in bf16, batch
+256 and 512, a fresh run) they are 0.99 of it for the eager fused step, 1.00 for the reference cell and
+1.01-1.03 captured, where they count a resumed run's snapshot (12·P, against a fresh run's 4·P).
 """
 
 from __future__ import annotations
@@ -66,14 +97,15 @@ class PerGpu:
     optimizer: int
     activations: int
     backward: int  # the backward's own temporaries at its peak
-    step: int  # the optimizer step's temporaries
+    step: int  # alive after the backward, beside the gradients: Adam's temporaries, the step's outputs
+    carried: int  # the state carried from one step into the next
     workspace: int
 
     @property
     def total(self) -> int:
         """The step's peak: the backward's or the optimizer step's, whichever is larger (see the module)."""
         peak = max(self.activations + self.backward, self.grads + self.step)
-        return self.weights + self.optimizer + self.workspace + peak
+        return self.weights + self.optimizer + self.carried + self.workspace + peak
 
     @property
     def allocated(self) -> int:
@@ -117,7 +149,8 @@ class MemoryPlan:
         held = (
             f"{self.preset} with --sharding {self.sharding} on {world} GPU(s), {self.rows_per_gpu} rows × "
             f"{self.seq_len} per GPU, needs {self.per_gpu.total / GiB:.1f} GiB per GPU at its peak (weights "
-            f"{gib['weights']:.1f}, optimizer {gib['optimizer']:.1f}, workspace {gib['workspace']:.1f}, and "
+            f"{gib['weights']:.1f}, optimizer {gib['optimizer']:.1f}, carried {gib['carried']:.1f}, workspace "
+            f"{gib['workspace']:.1f}, and "
             f"the larger of activations {gib['activations']:.1f} + backward {gib['backward']:.1f} and grads "
             f"{gib['grads']:.1f} + step {gib['step']:.1f}) of {self.device_bytes / GiB:.0f} GiB"
         )
@@ -140,37 +173,44 @@ def per_gpu_bytes(
     """The formula of the module's docstring; ``rows`` is this GPU's share of the batch, ``graphed`` the
     step captured as a CUDA graph (one GPU: fused Adam, and the capture's copy of the state)."""
     P, H, E, V, a = config.num_params, config.hidden_size, config.embed_size, config.vocab_size, compute_bytes
-    N = rows * seq_len
-    readout_grad = 4 * (H * V + V)
-    per_step_weights = 0
-    if recurrence == "fused":
-        per_step = a * (8 * H + E) + 4 * (5 * H + V) + 8
-        backward = readout_grad + N * 13 * H * a + 5 * H * H * (a + (4 if a < 4 else 0))
-    elif a < 4:
-        # Under autocast x W_x + b is fp32, so the cell's gate math runs in fp32, and autocast casts the
-        # (computed, not leaf) recurrent weights anew at every step, each copy kept for the backward.
-        per_step = a * (3 * H + E) + 4 * (12 * H + V) + 8
-        per_step_weights = seq_len * 5 * H * H * a
-        backward = readout_grad + N * 8 * H * 4 + 2 * 5 * H * H * 4
-    else:
-        per_step = a * (7 * H + E) + 4 * (4 * H + V) + 8
-        backward = readout_grad + N * 8 * H * 4 + 2 * 5 * H * H * 4
+    b, T = rows, seq_len
+    N = b * T
+    autocast = a < 4
     full = sharding == "full"  # on one rank too: FSDP2 over a world of one
+    f = 4 if autocast and not full else 0  # full: FSDP gathers the weights in the compute dtype
     shards = world_size if full else 1
-    if full:
-        workspace = CUDA_RESERVE + a * P + 4 * P
+    loss = N * (12 * V + 8)  # log-probabilities, their gradient and the logits' in fp32; the targets
+    readout_grad = 4 * (H * V + V)
+    if recurrence == "fused":
+        activations = N * (a * (4 * H + V) + 4 * (5 * H + E)) + a * 5 * (H * H + E * H)
+        backward = max(loss, readout_grad + N * 13 * H * a + 5 * H * H * (a + f))
+        outputs = N * (4 * 5 * H + a * (H + V))  # the gates on the function's context, c, h, the logits
+        carried = 4 * b * (T + 1) * H * (1 if autocast else 2) + (4 * b * H if autocast else 0)
     else:
-        workspace = CUDA_RESERVE + (4 * P if world_size > 1 else 0) + (a * P if a < 4 else 0)
-    if graphed:  # the capture's snapshot of the weights and Adam's state, alive through its warm-up
-        workspace += 12 * P
+        if autocast:
+            activations = N * (4 * (8 * H + E) + a * (4 * H + V)) + T * a * 5 * H * H + a * 5 * E * H
+            forward_end = N * (20 * H + a * H + 4 * E) + 20 * (H * H + E * H) + a * H * V
+        else:
+            activations = N * (4 * (11 * H + E) + a * V) + a * 5 * (H * H + E * H)
+            forward_end = N * 20 * H
+        backward = max(loss + N * a * H, readout_grad + N * 4 * H + 13 * H * H * 4, forward_end)
+        outputs = N * (4 * H + a * V)  # the stacked c and the logits
+        carried = 8 * b * H
+    if graphed:  # the graph's own h, c, inputs and targets, into which the step copies them
+        carried = 8 * b * H + 16 * N
+    adam = 0 if graphed else math.ceil(4 * P / shards)  # the eager foreach Adam's; fused Adam has none
+    gathered = a * P + 4 * P if full else 0  # FSDP's gathered weights and their unsharded gradients
+    buckets = 4 * P if world_size > 1 and not full else 0  # DDP's (and ZeRO-1's) gradient buckets
+    snapshot = 12 * P if graphed else 0  # the capture's copy of the weights and (resumed) Adam's state
     return PerGpu(
         weights=math.ceil(4 * P / shards),
         grads=math.ceil(4 * P / shards),
         optimizer=math.ceil(8 * P / (world_size if sharding != "none" else 1)),  # W = 1: whole
-        activations=N * per_step + per_step_weights + a * 5 * (H * H + E * H),
+        activations=activations,
         backward=backward,
-        step=0 if graphed else math.ceil(4 * P / shards),
-        workspace=workspace,
+        step=max(adam, 8 * H * H * (a if full else 4)) + outputs,  # or weight normalisation's backward
+        carried=carried,
+        workspace=CUDA_RESERVE + gathered + buckets + snapshot,
     )
 
 
