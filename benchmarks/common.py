@@ -69,6 +69,21 @@ def machine(device: Any = None, **versions: str) -> dict[str, Any]:
     return info
 
 
+def checkout_path() -> str:
+    """PYTHONPATH for a process a benchmark starts, so that it too runs this checkout, not an installed copy."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
+def profile_table(profiler: Any, device: Any, rows: int = 30) -> str:
+    """A torch.profiler run's operators by self time on the device (CPU time on a CPU)."""
+    averages = profiler.key_averages()
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        return str(averages.table(sort_by=sort, row_limit=rows))
+    except (AttributeError, KeyError, ValueError):  # older torch names device time cuda time
+        return str(averages.table(sort_by=sort.replace("device", "cuda"), row_limit=rows))
+
+
 def describe(info: dict[str, Any]) -> str:
     """The machine in one line, for a table's title."""
     where = info.get("gpu") or f"{info['cores']} × {info['cpu']}"

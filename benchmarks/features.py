@@ -53,7 +53,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
+from common import (  # the working tree on the path
+    REPO,
+    add_record_option,
+    machine,
+    new_parser,
+    profile_table,
+    record,
+    say,
+)
 
 from models.features import autocast_for, featurize, length_batches, rows_for_memory
 from models.mlstm import MLSTM, PRESETS, preset
@@ -260,14 +268,10 @@ def profile_features(
         featurize(model, texts, batch_size=rows, device=device)
         synchronize(device)
     seconds = time.perf_counter() - started
-    chars = sum(len(encode(t)) for t in texts)
     lengths = [len(encode(t)) for t in texts]
+    chars = sum(lengths)
     batches = [len(b) for b in length_batches(lengths, rows)]
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    try:
-        text = profiler.key_averages().table(sort_by=sort, row_limit=30)
-    except (AttributeError, KeyError, ValueError):  # older torch names device time cuda time
-        text = profiler.key_averages().table(sort_by=sort.replace("device", "cuda"), row_limit=30)
+    text = profile_table(profiler, device)
     header = (
         f"{name} featurize on {device}: {len(texts)} texts, {chars:,} chars (longest {max(lengths):,}), "
         f"{len(batches)} batches of at most {rows} rows ({batches[:8]}…), {seconds:.3f} s profiled, "

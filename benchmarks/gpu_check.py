@@ -50,7 +50,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import REPO, RESULTS, machine, new_parser, record, say  # the working tree on the path
+from common import (  # the working tree on the path
+    REPO,
+    RESULTS,
+    checkout_path,
+    machine,
+    new_parser,
+    record,
+    say,
+)
 
 GOAL_FEATURES_CHARS_PER_S = 2.5e6
 BUDGET_S = 480  # issue 26: the whole check in at most 8 minutes
@@ -182,7 +190,6 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
         pretrain += ["--impls", "fused,reference", "--no-baseline", "--matmul-size", "256"]
         features = ["--presets", "tiny", "--texts", "32", "--baseline-texts", "4"]
         probe = ["--cases", "sst:256", "--c-max-log2", "-5", "--solvers", "newton"]
-        job: list[str] = []
         record: list[str] = []
     else:
         pretrain = ["--presets", "paper_4096", "--batch", "256,512", "--precision", "bf16"]
@@ -190,12 +197,11 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
         features = ["--presets", "paper_4096"]
         probe = ["--cases", "sst:4096", "--solvers", "newton,torch"]
         probe += ["--liblinear-from", str(RESULTS / "probe-cpu.json")]
-        job = []
         record = ["--record", "gpu"]
     pretrain += ["--json", str(logs / "pretrain.json"), "--profile", str(logs / "pretrain-profile.txt")]
     features += ["--no-serve", "--json", str(logs / "features.json")]
     features += ["--profile", str(logs / "features-profile.txt")]
-    job += ["--keep-logs", str(logs / "job-logs")]
+    job = ["--keep-logs", str(logs / "job-logs"), "--json", str(logs / "job.json")]
     chosen = [
         Part("pretrain", 150, ["benchmarks/pretrain.py", *pretrain, *record], summarise_pretrain),
         Part("features", 120, ["benchmarks/features.py", *features, *record], summarise_features),
@@ -203,9 +209,7 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
             "probe", 90, ["benchmarks/probe.py", *probe, "--json", *record], summarise_probe, stdout_json=True
         ),
         Part("tests", 150, tests, summarise_tests),
-        Part(
-            "job", 200, ["benchmarks/job.py", *job, "--json", str(logs / "job.json"), *record], summarise_job
-        ),
+        Part("job", 200, ["benchmarks/job.py", *job, *record], summarise_job),
     ]
     if not args.rehearse:
         scaling = ["benchmarks/scaling.py", "--from-json", str(logs / "pretrain.json"), "--record", "gpu"]
@@ -220,8 +224,7 @@ def run_part(part: Part, limit_s: float, logs: Path) -> Outcome:
     """The part as a process of its own (its own process group), killed at ``limit_s``."""
     say(f"[gpu-check] {part.name}: python {' '.join(part.argv)} (limit {limit_s:.0f} s)")
     log = logs / f"{part.name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": checkout_path()}
     started = time.monotonic()
     stdout = (logs / f"{part.name}.json").open("wb") if part.stdout_json else contextlib.nullcontext()
     with log.open("wb") as out, stdout as report:

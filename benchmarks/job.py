@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import shutil
@@ -39,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
+from common import (  # the working tree on the path
+    add_record_option,
+    checkout_path,
+    machine,
+    new_parser,
+    record,
+    say,
+)
 
 from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.pretrain.launchers.base import JobHandle, JobSpec
@@ -50,7 +56,6 @@ from tasks.pretrain.sharding import SHARDINGS
 # that still counts as the same run: bf16 kernels add in another order from launch to launch.
 TOLERANCE = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-5}
 JOB_TIMEOUT_S = 300
-PYTHONPATH = os.environ.get("PYTHONPATH", "")
 
 
 def build_corpus(root: Path) -> str:
@@ -88,10 +93,7 @@ class Jobs:
             name=name,
             args=(*self.common, *args),
             # The job runs this checkout, as the benchmark does, not a copy the environment installed.
-            env={
-                "MLSTM_HOME": str(self.home),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), PYTHONPATH])),
-            },
+            env={"MLSTM_HOME": str(self.home), "PYTHONPATH": checkout_path()},
             workdir=self.home / "jobs",
         )
         say(f"  {name}: {shlex.join(spec.args)}")

@@ -48,7 +48,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_record_option, machine, new_parser, record, say  # the working tree on the path
+from common import (  # the working tree on the path
+    add_record_option,
+    machine,
+    new_parser,
+    profile_table,
+    record,
+    say,
+)
 from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
@@ -354,12 +361,7 @@ def profile_step(
     with profile(activities=activities) as profiler:
         step()
     seconds = time.perf_counter() - started
-    averages = profiler.key_averages()
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    try:
-        text = averages.table(sort_by=sort, row_limit=30)
-    except (AttributeError, KeyError, ValueError):  # older torch names device time cuda time
-        text = averages.table(sort_by=sort.replace("device", "cuda"), row_limit=30)
+    text = profile_table(profiler, device)
     header = f"{name} {impl}, batch {batch} × {args.seq_len}, {DTYPE_NAMES[dtype]} on {device}: one step {seconds:.3f} s (profiled)"
     path.write_text(header + "\n" + text + "\n")
     say(f"profile of one step written to {path}")
