@@ -60,24 +60,13 @@ JOB_TIMEOUT_S = 300
 
 def build_corpus(root: Path) -> str:
     """A corpus of the generated sample, built with the plain functions (no Prefect); its manifest URI."""
-    from tasks.corpus.build import (
-        CorpusConfig,
-        build_manifest,
-        parse_piece,
-        plan_corpus,
-        publish_manifest,
-        reduce_bucket,
-    )
+    from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
     from tasks.corpus.sample import write_sample
     from tasks.store import LocalStore
 
     files = write_sample(root / "raw", num_reviews=3000)
     plan = plan_corpus([str(f) for f in files], CorpusConfig(split=(18, 1, 1)))
-    store = LocalStore(root / "store")
-    pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
-    buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
-    manifest = build_manifest(plan, store, pieces, buckets)
-    publish_manifest(plan, store, manifest)
+    manifest = build_in_process(plan, LocalStore(root / "store"))
     return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
 
 

@@ -11,28 +11,17 @@ import pyarrow as pa
 
 from tasks.corpus.build import (
     CorpusConfig,
-    CorpusPlan,
-    build_manifest,
-    parse_piece,
+    build_in_process,
     plan_corpus,
-    publish_manifest,
-    reduce_bucket,
 )
 from tasks.corpus.reviews import CORPUS_SCHEMA
-from tasks.store import LocalStore, Store
+from tasks.store import LocalStore
 
 
 def build(sources: list[str | Path], store_dir: Path, config: CorpusConfig | None = None) -> dict[str, Any]:
-    return build_plan(plan_corpus([str(s) for s in sources], config or CorpusConfig()), LocalStore(store_dir))
-
-
-def build_plan(plan: CorpusPlan, store: Store) -> dict[str, Any]:
-    """The corpus of a plan built and published with the plain functions, no Prefect; its manifest."""
-    pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
-    buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
-    manifest = build_manifest(plan, store, pieces, buckets)
-    publish_manifest(plan, store, manifest)
-    return manifest
+    return build_in_process(
+        plan_corpus([str(s) for s in sources], config or CorpusConfig()), LocalStore(store_dir)
+    )
 
 
 def corpus_dir(store_dir: Path, manifest: dict[str, Any]) -> Path:

@@ -18,13 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from corpus_helpers import build_plan
 from fault_proxy import FaultProxy, fail_after_puts, never, proxies, random_faults
 
-from tasks.corpus.build import (
-    CorpusConfig,
-    plan_corpus,
-)
+from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
 from tasks.store import S3Store
 
 CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
@@ -54,7 +50,7 @@ def clean_build(raw_sources: str) -> dict[str, Any]:
     """The same sources built straight into the moto server (no proxy, no fault), with the plain
     functions: the bytes every faulty build must end up with."""
     plan = plan_corpus([f"s3://{raw_sources}/raw/"], SPLIT)
-    manifest = build_plan(plan, S3Store(f"s3://{raw_sources}/clean"))
+    manifest = build_in_process(plan, S3Store(f"s3://{raw_sources}/clean"))
     assert len(plan.pieces) == 3 * NUM_SEEDS
     return manifest
 

@@ -592,6 +592,16 @@ def publish_manifest(plan: CorpusPlan, store: Store, manifest: dict[str, Any]) -
     return store.url(plan.manifest_key)
 
 
+def build_in_process(plan: CorpusPlan, store: Store) -> dict[str, Any]:
+    """The corpus of a plan built and published in this process, piece after piece, without Prefect (a
+    machine with no Prefect, a test); its manifest. The flow runs the same steps on a task runner."""
+    pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
+    buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
+    manifest = build_manifest(plan, store, pieces, buckets)
+    publish_manifest(plan, store, manifest)
+    return manifest
+
+
 def read_manifest(store: Store, key: str) -> dict[str, Any]:
     return json.loads(store.read_bytes(key))
 
