@@ -48,9 +48,9 @@ from common import (  # the working tree on the path
 )
 
 from tasks.pretrain.checkpoint import load_checkpoint
+from tasks.pretrain.config import SHARDINGS
 from tasks.pretrain.launchers.base import JobHandle, JobSpec
 from tasks.pretrain.launchers.local import LocalLauncher
-from tasks.pretrain.sharding import SHARDINGS
 
 # The largest relative difference (‖resumed − straight‖ / ‖straight‖ per weight, and of the final loss)
 # that still counts as the same run: bf16 kernels add in another order from launch to launch.

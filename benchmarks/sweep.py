@@ -45,7 +45,8 @@ def build_corpus(root: Path, data: Path) -> str:
 def launch_in_process(settings: Any) -> Any:
     """The job's own ``fit`` in this process (one rank): the same training as under torchrun, without
     a torchrun start per launch, which on two cores costs more than the tiny model's steps."""
-    from tasks.pretrain.stage import PretrainParams, plan_job
+    from tasks.pretrain.config import PretrainParams
+    from tasks.pretrain.stage import plan_job
     from tasks.pretrain.train import World, fit
 
     def launch(params: PretrainParams) -> dict[str, Any]:

@@ -25,9 +25,10 @@ from prefect.context import get_run_context
 from prefect.exceptions import TerminationSignal
 
 from flows import names, progress
+from tasks.pretrain.config import PretrainParams
 from tasks.pretrain.launchers import launcher_for
 from tasks.pretrain.launchers.base import JobError, JobHandle, Launcher
-from tasks.pretrain.stage import Job, PretrainParams, job_result, open_mlflow_run, plan_job, watch
+from tasks.pretrain.stage import Job, job_result, open_mlflow_run, plan_job, watch
 from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
 

@@ -16,7 +16,7 @@ from prefect.context import get_run_context
 
 from flows import names
 from flows.pretrain import pretrain
-from tasks.pretrain.stage import PretrainParams
+from tasks.pretrain.config import PretrainParams
 from tasks.settings import get_settings
 from tasks.sweep.engine import Sweep, prepare
 from tasks.sweep.spec import SweepSpec

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tasks.corpus.build import CorpusConfig
 from tasks.pretrain.checkpoint import read_latest
-from tasks.pretrain.stage import PretrainParams
+from tasks.pretrain.config import PretrainParams, weight_settings
 from tasks.settings import Settings
 from tasks.store import Store
 from tasks.transfer.datasets import load_dataset
@@ -26,24 +26,6 @@ from tasks.transfer.stage import TransferParams, load_checkpoint_of
 
 Stage = Literal["corpus", "pretrain", "transfer"]
 STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer")
-# Settings of a training run that never change its weights: where and how wide it runs, how often it
-# reports (two ranks train the same model as one with the same global batch: tested), and max_steps,
-# a budget for one launch: raising it resumes the same run rather than starting another.
-PRETRAIN_KEY_IGNORES = {
-    "corpus",
-    "run",
-    "launcher",
-    "nodes",
-    "gpus_per_node",
-    "nproc",
-    "retries",
-    "max_steps",
-}
-PRETRAIN_KEY_IGNORES |= {"checkpoint_every", "val_every", "log_every"}
-# How a step runs, not what it learns (equal losses to rounding): a rerun with another need not retrain.
-PRETRAIN_KEY_IGNORES |= {"recurrence", "compile", "cuda_graph"}
-# How the state is spread over the GPUs, and how much memory they have: the same run either way.
-PRETRAIN_KEY_IGNORES |= {"sharding", "gpu_memory"}
 TRANSFER_KEY_IGNORES = {"checkpoint", "datasets", "batch_size"}
 
 
@@ -127,8 +109,9 @@ def transfer_params(stage: TransferStage, checkpoint_uri: str) -> TransferParams
 
 
 def pretrain_key(params: PretrainParams, corpus_id: str) -> str:
-    """What a training run's weights depend on: the corpus and the settings that change them."""
-    return digest({"corpus_id": corpus_id, **params.model_dump(exclude=PRETRAIN_KEY_IGNORES)})
+    """What a training run's weights depend on: the corpus and the settings marked as changing them
+    (tasks/pretrain/config.py); where, how wide and how often it reports leave the key as it is."""
+    return digest({"corpus_id": corpus_id, **params.model_dump(include=set(weight_settings()))})
 
 
 def pretrain_run_name(params: PretrainParams, corpus_id: str, *, force: bool) -> str:

@@ -68,7 +68,8 @@ def test_a_resume_whose_mlflow_run_is_gone_starts_a_new_tagged_run(
 ) -> None:
     from mlflow.tracking import MlflowClient
 
-    from tasks.pretrain.stage import PretrainParams, open_mlflow_run, plan_job
+    from tasks.pretrain.config import PretrainParams
+    from tasks.pretrain.stage import open_mlflow_run, plan_job
     from tasks.store import open_store
 
     uri = f"sqlite:///{tmp_path / 'reset.db'}"
@@ -157,7 +158,8 @@ def test_a_training_run_whose_store_cannot_be_written_fails_before_any_process(
 ) -> None:
     import uuid
 
-    from tasks.pretrain.stage import PretrainParams, plan_job
+    from tasks.pretrain.config import PretrainParams
+    from tasks.pretrain.stage import plan_job
     from tasks.store import StoreError
 
     bucket = f"missing-{uuid.uuid4().hex[:12]}"

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from tasks.pretrain.stage import Job, PretrainParams, plan_job
-from tasks.pretrain.train import TrainConfig
+from tasks.pipeline import pretrain_key
+from tasks.pretrain.config import LaunchSettings, PretrainParams, TrainConfig, weight_settings
+from tasks.pretrain.stage import Job, plan_job
 from tasks.settings import get_settings
 
 # A value other than the default for every setting of the stage. A new setting fails the first test
@@ -28,13 +29,17 @@ CHANGED: dict[str, Any] = {
     "batch_size": 16,
     "seq_len": 48,
     "lr": 0.00123,
+    "lr_base_batch": 32,
     "lr_scaling": "sqrt",
     "warmup_steps": 3,
     "precision": "fp32",
+    "clip": 0.5,
+    "seed": 7,
     "sharding": "optimizer",
     "gpu_memory": 40.0,
     "checkpoint_every": 5,
     "val_every": 6,
+    "val_steps": 3,
     "log_every": 2,
     "retries": 1,
     "recurrence": "reference",
@@ -42,7 +47,7 @@ CHANGED: dict[str, Any] = {
     "cuda_graph": "off",
 }
 # Settings of the launch, not of the trainer: where and how often it runs, checked on the Job instead.
-LAUNCH_ONLY = {"launcher", "nodes", "gpus_per_node", "nproc", "gpu_memory", "retries", "run"}
+LAUNCH_ONLY = {*LaunchSettings.model_fields, "run"}
 
 
 def test_every_setting_has_a_changed_value_here() -> None:
@@ -90,3 +95,18 @@ def test_every_pretrain_flag_reaches_the_trainers_config(
     assert done.exit_code == 0, done.output
     assert len(planned) == 1
     _check_reached(planned[0], sample_manifest)
+
+
+def test_the_pipelines_training_key_follows_exactly_the_settings_marked_as_changing_the_weights() -> None:
+    """A changed setting marked WEIGHTS (tasks/pretrain/config.py) is another run; any other is the same."""
+    base = PretrainParams(corpus="c")
+    key = pretrain_key(base, "corpus-id")
+    changes_key = {
+        name
+        for name, value in CHANGED.items()
+        if pretrain_key(base.model_copy(update={name: value}), "corpus-id") != key
+    }
+    assert changes_key == set(weight_settings()) & set(CHANGED)
+    # The ones a user would name: the model, the data's shape, the optimiser, its schedule and seed.
+    assert {"preset", "batch_size", "lr", "lr_base_batch", "clip", "seed", "total_steps"} <= changes_key
+    assert not changes_key & {"max_steps", "sharding", "log_every", "recurrence", "gpu_memory", "nproc"}

@@ -20,9 +20,9 @@ from tasks.pretrain.checkpoint import (
     save_shards,
     step_prefix,
 )
+from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.joblog import iter_progress
 from tasks.pretrain.sharding import optimizer_layout, save_sharded, wrap
-from tasks.pretrain.stage import PretrainParams
-from tasks.pretrain.train import iter_progress
 from tasks.store import LocalStore, Store, open_store
 from tasks.sweep.spec import parse_spec
 

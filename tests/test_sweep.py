@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tasks.corpus.sample import write_labelled_sample
-from tasks.pretrain.stage import PretrainParams
+from tasks.pretrain.config import PretrainParams
 from tasks.settings import Settings
 from tasks.sweep.engine import Sweep, lease_expired, sweep_trials
 from tasks.sweep.spec import SpecError, load_spec, parse_spec

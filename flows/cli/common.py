@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+import inspect
+import sys
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -12,6 +15,9 @@ from tasks.settings import get_settings
 
 if TYPE_CHECKING:
     from prefect import Flow
+    from pydantic import BaseModel
+
+Command = TypeVar("Command", bound=Callable[..., Any])
 
 err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
@@ -28,6 +34,35 @@ SetOption = Annotated[
         help="key=value, repeatable: pretrain.max_steps=500, transfer.c_max_log2=4, corpus.shard_mb=64.",
     ),
 ]
+
+
+def options_from(model: type[BaseModel], names: Iterable[str]) -> Callable[[Command], Command]:
+    """Give a command one option per field of ``model`` that ``names`` lists, in that order: ``--batch-size``
+    for ``batch_size``, the field's description for help, its default, and its Literal's values as
+    choices. The command takes them as ``**settings`` and builds the model, whose validation (bounds,
+    presets) is then the only one: a setting is declared once, in the model."""
+    options = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=... if info.is_required() else info.default,
+            annotation=Annotated[info.annotation, typer.Option(help=info.description)],
+        )
+        for name, info in ((name, model.model_fields[name]) for name in names)
+    ]
+
+    def decorate(command: Command) -> Command:
+        signature = inspect.signature(command, eval_str=True)
+        own = [
+            parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for parameter in signature.parameters.values()
+            if parameter.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        # Typer reads a command's options from its signature.
+        cast(Any, command).__signature__ = signature.replace(parameters=[*options, *own])
+        return command
+
+    return decorate
 
 
 class RichSink:
@@ -56,10 +91,7 @@ def fail(problem: str | BaseException) -> typer.Exit:
 
 def _message(error: BaseException) -> str:
     """The one line a user sees for an expected failure; S3's own words get the setting to look at."""
-    from boto3.exceptions import Boto3Error
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    if isinstance(error, ClientError | BotoCoreError | Boto3Error):
+    if isinstance(error, _loaded(_S3_ERRORS)):
         settings = get_settings()
         where = settings.s3_endpoint_url or "AWS S3"
         return (
@@ -69,22 +101,33 @@ def _message(error: BaseException) -> str:
     return str(error)
 
 
+# What S3 says once botocore's and the task's retries are spent: an outage, a denied key.
+_S3_ERRORS = {"boto3.exceptions": ("Boto3Error",), "botocore.exceptions": ("BotoCoreError", "ClientError")}
+# The errors that mean a bad input or an unreachable service, not a bug, by the module that defines them.
+_USER_ERRORS = {
+    **_S3_ERRORS,
+    "flows.runtime": ("ClusterUnavailable", "PrefectUnavailable"),
+    "tasks.corpus.sources": ("SourceError",),
+    "tasks.store": ("StoreError",),
+    "tasks.tracking": ("TrackingUnavailable",),
+}
+
+
+def _loaded(errors: dict[str, tuple[str, ...]]) -> tuple[type[BaseException], ...]:
+    """The error types of ``errors`` whose modules are imported: one never imported raised nothing, and
+    importing it only to name it (boto3, Prefect) would cost a refusal seconds."""
+    return tuple(
+        getattr(sys.modules[module], name)
+        for module, names in errors.items()
+        if module in sys.modules
+        for name in names
+    )
+
+
 def user_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
     """The errors that mean a bad input or an unreachable service, not a bug: one line, no traceback;
     ``more`` adds a command's own."""
-    # What S3 says once botocore's and the task's retries are spent: an outage, a denied key.
-    from boto3.exceptions import Boto3Error
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from flows.runtime import ClusterUnavailable, PrefectUnavailable
-    from tasks.corpus.sources import SourceError
-    from tasks.store import StoreError
-    from tasks.tracking import TrackingUnavailable
-
-    return (
-        SourceError, StoreError, PrefectUnavailable, ClusterUnavailable, TrackingUnavailable, ValueError,
-        ClientError, BotoCoreError, Boto3Error, *more,
-    )  # fmt: skip
+    return (ValueError, *_loaded(_USER_ERRORS), *more)
 
 
 def check_datasets(specs: list[str]) -> None:

@@ -150,7 +150,7 @@ def transfer(
     """Fit L1 logistic-regression probes on the mLSTM's features; find the sentiment neuron; register."""
     from pydantic import ValidationError
 
-    from tasks.pretrain.stage import flag_errors
+    from tasks.pretrain.config import flag_errors
     from tasks.transfer.stage import TransferParams
 
     if store:

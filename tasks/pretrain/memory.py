@@ -82,8 +82,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from models.mlstm import MLSTMConfig, Recurrence, preset
-from tasks.pretrain.sharding import SHARDINGS, Sharding
+from models.config import MLSTMConfig, Recurrence, preset
+from tasks.pretrain.config import SHARDINGS, Sharding
 
 GiB = 1024**3
 CUDA_RESERVE = 1 * GiB

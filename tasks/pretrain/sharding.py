@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-Sharding = Literal["none", "optimizer", "full"]
-SHARDINGS: tuple[Sharding, ...] = ("none", "optimizer", "full")
+from tasks.pretrain.config import Sharding
 
 
 def wrap(

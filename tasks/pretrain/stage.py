@@ -15,77 +15,19 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from models.mlstm import PRESETS, Recurrence
-from tasks.pretrain.checkpoint import read_latest
+from models.config import PRESETS
+from tasks.pretrain import joblog
+from tasks.pretrain.config import LauncherName, PretrainParams, TrainConfig, TrainSettings, flag_errors
 from tasks.pretrain.launchers.base import JobError, JobHandle, JobSpec, JobState, Launcher, LaunchError
 from tasks.pretrain.memory import plan as plan_memory
-from tasks.pretrain.sharding import Sharding
-from tasks.pretrain.stream import BatchPlan
-from tasks.pretrain.train import JOB_ERROR_PREFIX, LrScaling, Precision, TrainConfig, iter_progress
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, split_object_uri, store_of
 
 log = logging.getLogger(__name__)
-
-LauncherName = Literal["local", "slurm", "kubernetes"]
-
-
-class PretrainParams(BaseModel):
-    """The pretraining stage's parameters: what the CLI's flags and the Prefect UI's form set."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    corpus: str = Field(
-        description="URI of the corpus manifest.json (printed by `corpus build`); newest: the last built."
-    )
-    preset: str = Field(default="tiny", description="Model size: tiny, small, paper_4096, paper_8192.")
-    launcher: LauncherName = Field(default="local", description="local (torchrun here), slurm or kubernetes.")
-    nodes: int = Field(default=1, ge=1, description="Nodes (slurm, kubernetes).")
-    gpus_per_node: int = Field(default=0, ge=0, description="GPUs per node; one process each.")
-    nproc: int | None = Field(default=None, ge=1, description="Processes per node when there are no GPUs.")
-    run: str | None = Field(default=None, description="Run name; the same name resumes. Default: generated.")
-    max_steps: int | None = Field(default=None, ge=1, description="End this launch after this step.")
-    total_steps: int | None = Field(default=None, ge=1, description="Schedule length. Default: one epoch.")
-    batch_size: int = Field(default=128, ge=1, description="Global batch in rows.")
-    seq_len: int = Field(default=256, ge=1, description="Truncated BPTT length in bytes.")
-    lr: float = Field(default=5e-4, gt=0, description="Adam learning rate.")
-    lr_scaling: LrScaling = Field(default="none", description="Scale lr with the batch: none, linear, sqrt.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
-    precision: Precision = Field(default="auto", description="auto, bf16, fp16 or fp32.")
-    sharding: Sharding = Field(
-        default="none",
-        description="none (DDP), optimizer (ZeRO-1) or full (FSDP2, ZeRO-3); may change on a resume.",
-    )
-    gpu_memory: float = Field(
-        default=80.0, gt=0, description="GiB per GPU, for the memory check before launch."
-    )
-    checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
-    val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
-    log_every: int = Field(default=10, ge=1, description="Steps between progress lines.")
-    retries: int = Field(default=2, ge=0, description="Relaunches (resuming from latest) after a crash.")
-    # How a step runs, not what it computes: the same losses to rounding (docs/pretrain.md, "Speed").
-    recurrence: Recurrence = Field(
-        default="fused", description="fused, or reference (the cell step by step)."
-    )
-    compile: Literal["auto", "off"] = Field(
-        default="auto", description="Gate math through torch.compile on CUDA."
-    )
-    cuda_graph: Literal["auto", "off"] = Field(
-        default="auto", description="The step as one CUDA graph on a GPU."
-    )
-
-    @property
-    def nproc_per_node(self) -> int:
-        if self.gpus_per_node and self.nproc and self.nproc != self.gpus_per_node:
-            raise ValueError(
-                f"--nproc {self.nproc} with --gpus-per-node {self.gpus_per_node}: one process runs per "
-                "GPU, give only --gpus-per-node"
-            )
-        return self.gpus_per_node or self.nproc or 1
 
 
 class Job(BaseModel):
@@ -127,16 +69,19 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     store_options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
     corpus = resolve_corpus(params.corpus, settings)
     manifest = read_corpus_manifest(corpus, **store_options)
+    from tasks.pretrain.stream import BatchPlan  # pyarrow: only once the manifest is read
+
     # BatchPlan raises for a batch that ranks cannot share, or a split too short for it.
     plan = BatchPlan(manifest["splits"]["train"]["text_bytes"], params.batch_size, params.seq_len, world_size)
     total_steps = params.total_steps or plan.steps_per_epoch
     run = params.run or default_run_name(params.preset, manifest["corpus_id"])
     store_uri = absolute_uri(settings.resolved_store_uri)
-    # The fields both models have pass through as they are; the rest are the flow's to fill in.
-    shared = params.model_dump(include=TrainConfig.model_fields.keys() & PretrainParams.model_fields.keys())
+    # The training settings pass through as they are; where the run lives is the flow's to fill in.
+    settings_of_training = params.model_dump(include=set(TrainSettings.model_fields))
     try:
         config = TrainConfig(
-            **{**shared, "corpus": absolute_uri(corpus), "total_steps": total_steps},
+            **{**settings_of_training, "total_steps": total_steps},
+            corpus=absolute_uri(corpus),
             run_name=run,
             store=store_uri,
         )
@@ -155,15 +100,6 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     return Job(
         config=config, spec=spec, stop_step=stop, total_steps=total_steps, corpus_id=manifest["corpus_id"]
     )
-
-
-def flag_errors(error: ValidationError) -> str:
-    """A validation error in the words of the command line: ``--batch-size: …; --preset: …``."""
-    messages = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"])
-        messages.append(f"--{field.replace('_', '-')}: {item['msg']}".replace("Value error, ", ""))
-    return "; ".join(messages)
 
 
 def resolve_corpus(uri: str, settings: Settings) -> str:
@@ -227,6 +163,7 @@ def open_mlflow_run(
     ``parent_run_id``, a pipeline's run, when given)."""
     from mlflow.tracking import MlflowClient
 
+    from tasks.pretrain.checkpoint import read_latest
     from tasks.tracking import connect, run_exists
 
     experiment = connect(settings)
@@ -260,6 +197,8 @@ def open_mlflow_run(
 
 def job_result(job: Job, settings: Settings) -> dict[str, Any]:
     """What the CLI prints: read from the run's ``latest.json``, which the job writes last."""
+    from tasks.pretrain.checkpoint import read_latest
+
     store = open_store(job.config.store or settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
     latest = read_latest(store, job.config.run_name)
     if latest is None:
@@ -285,7 +224,7 @@ def watch(
 ) -> JobState:
     """Follow a job to its end, passing on each line of rank 0's log and each progress line."""
     offset = 0
-    errors: list[str] = []  # the job's own `error: …` lines (tasks/pretrain/train.py main)
+    errors: list[str] = []  # what the job said when it gave up (tasks/pretrain/joblog.py)
 
     def drain() -> None:
         nonlocal offset
@@ -293,9 +232,8 @@ def watch(
         lines = text.splitlines()
         for line in lines:
             on_line(line)
-            if line.startswith(JOB_ERROR_PREFIX):
-                errors.append(line.removeprefix(JOB_ERROR_PREFIX))
-        for progress in iter_progress(iter(lines)):
+        errors.extend(joblog.errors_in(lines))
+        for progress in joblog.iter_progress(lines):
             on_progress(progress)
 
     while True:

@@ -10,7 +10,6 @@ with the same ``--run-name`` resumes from ``latest.json`` exactly, with any numb
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -21,36 +20,26 @@ import signal
 import sys
 import tempfile
 import time
-import types
-import typing
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.mlstm import MLSTM, PRESETS, RECURRENCES, Recurrence, State, preset
-from tasks.pretrain import checkpoint
+from models.mlstm import MLSTM, State, preset
+from tasks.pretrain import checkpoint, joblog
 from tasks.pretrain import sharding as shard
+from tasks.pretrain.config import RUN_FIELDS, Precision, TrainConfig
 from tasks.pretrain.graphed import GraphedStep, graph_supported
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 from tasks.pretrain.torchrun import die_with_parent
 from tasks.settings import Settings, get_settings
 from tasks.store import Store, open_store, split_object_uri
 
-Precision = Literal["auto", "bf16", "fp16", "fp32"]
-LrScaling = Literal["none", "linear", "sqrt"]
-# The settings a run's numbers depend on: a relaunch that changes one is a different run.
-RUN_FIELDS = (
-    "corpus", "preset", "batch_size", "seq_len", "lr", "lr_base_batch", "lr_scaling", "warmup_steps",
-    "precision", "clip", "seed",
-)  # fmt: skip
 # Dense bf16 tensor-core peaks (FLOP/s) of GPUs by name, for model FLOPs utilisation against the datasheet.
 # The `mfu` metric uses a measured peak where one is known (MLSTM_PEAK_FLOPS, or the file
 # benchmarks/pretrain.py writes on a GPU, MEASURED_PEAKS under MLSTM_HOME); the datasheet's stays beside it.
@@ -62,111 +51,6 @@ GPU_PEAK_FLOPS = {
     "A10": 125e12,
     "V100": 125e12,
 }
-
-
-class TrainConfig(BaseModel):
-    """Everything a training run computes from. The job's flags are these fields, with dashes."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    corpus: str = Field(description="URI of the corpus manifest.json.")
-    preset: str = Field(description=f"Model size: {', '.join(PRESETS)}.")
-    # Not --run: torchrun would take it for an abbreviation of its own --run-path.
-    run_name: str = Field(description="Checkpoints go to <store>/runs/<run_name>/; the same name resumes.")
-    store: str | None = Field(default=None, description="Store for checkpoints. Default: MLSTM_STORE_URI.")
-    # Puri et al.: 256 rows per GPU × 128 GPUs = 32k rows; Radford et al.: 128 rows on 4 GPUs.
-    batch_size: int = Field(default=128, ge=1, description="Global batch: rows, split across ranks.")
-    seq_len: int = Field(default=256, ge=1, description="Truncated BPTT length in bytes.")
-    lr: float = Field(default=5e-4, gt=0, description="Adam learning rate at lr_base_batch rows.")
-    lr_base_batch: int = Field(default=128, ge=1, description="The batch size lr is given for.")
-    lr_scaling: LrScaling = Field(default="none", description="How lr follows the batch: none|linear|sqrt.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps before the decay.")
-    total_steps: int | None = Field(
-        default=None, ge=1, description="Length of the schedule. Default: one epoch of the train split."
-    )
-    max_steps: int | None = Field(
-        default=None, ge=1, description="End this launch after this step (a budget, not the schedule)."
-    )
-    precision: Precision = Field(default="auto", description="auto: bf16 or fp16 on GPUs, fp32 on CPU.")
-    # Not in RUN_FIELDS: how the state is spread over ranks, not what it is; a resume may change it.
-    sharding: shard.Sharding = Field(
-        default="none", description="none (DDP), optimizer (ZeRO-1) or full (FSDP2, ZeRO-3)."
-    )
-    clip: float = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
-    checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
-    val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
-    val_steps: int = Field(default=16, ge=1, description="Steps of the val split per validation.")
-    log_every: int = Field(default=10, ge=1, description="Steps between log lines and metrics.")
-    seed: int = Field(default=0, description="Seed of the initial weights.")
-    # How a step runs, not what it computes (the same losses to rounding): free to change on a resume.
-    recurrence: Recurrence = Field(
-        default="fused",
-        description=f"{'|'.join(RECURRENCES)}: the fused recurrence, or the cell step by step.",
-    )
-    compile: Literal["auto", "off"] = Field(
-        default="auto", description="auto: the fused gate math through torch.compile on CUDA; off: never."
-    )
-    cuda_graph: Literal["auto", "off"] = Field(
-        default="auto",
-        description="auto: capture the training step as one CUDA graph on one GPU; off: never.",
-    )
-    mlflow_run_id: str | None = Field(default=None, description="MLflow run to log into (rank 0).")
-    tracking: Literal["mlflow", "off"] = Field(
-        default="mlflow",
-        description="mlflow: params, metrics and checkpoints in MLflow (rank 0); off: in the log only, "
-        "for a node without MLflow.",
-    )
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, name: str) -> str:
-        preset(name)  # raises with the list of names
-        return name
-
-    @field_validator("run_name")
-    @classmethod
-    def _run_is_a_key(cls, name: str) -> str:
-        if not name or "/" in name or name.strip() != name or name in (".", ".."):
-            raise ValueError(f"run name {name!r} must be a non-empty name without '/' or surrounding spaces")
-        return name
-
-    def effective_lr(self) -> float:
-        ratio = self.batch_size / self.lr_base_batch
-        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
-
-    def to_args(self) -> list[str]:
-        """The job's command-line flags for this config (defaults left out)."""
-        args = []
-        for name, value in self.model_dump(exclude_defaults=True).items():
-            args += [f"--{name.replace('_', '-')}", str(value)]
-        return args
-
-    @classmethod
-    def from_args(cls, argv: list[str]) -> TrainConfig:
-        parser = argparse.ArgumentParser(
-            prog="python -m tasks.pretrain.train", description=__doc__.splitlines()[0]
-        )
-        for name, info in cls.model_fields.items():
-            kind, choices = _flag_type(info.annotation)
-            parser.add_argument(
-                f"--{name.replace('_', '-')}",
-                dest=name,
-                type=kind,
-                choices=choices,
-                required=info.is_required(),
-                default=argparse.SUPPRESS,
-                help=info.description,
-            )
-        return cls(**vars(parser.parse_args(argv)))
-
-
-def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is Literal:
-        return str, list(args)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return _flag_type(args[0])
-    return annotation, None
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
@@ -345,7 +229,6 @@ class Preempted:
         self.signalled = True
 
 
-JOB_ERROR_PREFIX = "error: "  # a line of rank 0's log that says why the job gave up
 # Steps between the ranks' agreement on a SIGTERM: each is an all-reduce the host waits for. One rank
 # reads its own flag every step, at no cost.
 SIGNAL_EVERY = 10
@@ -810,13 +693,7 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
                 metrics["mfu"] = flops / (peak * world.size)
             if datasheet:
                 metrics["mfu_datasheet"] = flops / (datasheet * world.size)
-            log(
-                world,
-                "progress "
-                + " ".join(
-                    f"{k}={v:.6g}" for k, v in {"step": step, "of": trainer.total_steps, **metrics}.items()
-                ),
-            )
+            log(world, joblog.progress_line({"step": step, "of": trainer.total_steps, **metrics}))
             if tracker:
                 tracker.metrics(metrics, step)
             window_start, window_steps = time.perf_counter(), 0
@@ -856,20 +733,13 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
     return result
 
 
-def iter_progress(lines: Iterator[str]) -> Iterator[dict[str, float]]:
-    """The ``progress k=v …`` lines of a job's log, as dicts (for the flow's progress display)."""
-    for line in lines:
-        if line.startswith("progress "):
-            yield {k: float(v) for k, _, v in (part.partition("=") for part in line.split()[1:])}
-
-
 def main(argv: list[str] | None = None) -> int:
     config = TrainConfig.from_args(sys.argv[1:] if argv is None else argv)
     world = World.from_env(group=config.sharding == "full")
     try:
         result = fit(config, world, get_settings())
     except (StreamError, ValueError) as error:
-        log(world, f"{JOB_ERROR_PREFIX}{error}")  # the launcher's watcher fails the job with it, unretried
+        log(world, f"{joblog.ERROR_PREFIX}{error}")  # the launcher's watcher fails the job with it, unretried
         return 2
     finally:
         world.close()

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tasks.pretrain.stage import PretrainParams, absolute_uri, plan_job, resolve_corpus
+from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.stage import absolute_uri, plan_job, resolve_corpus
 from tasks.settings import Settings
 from tasks.sweep.spec import Choice, IntUniform, LogUniform, SpecError, SweepSpec, Uniform
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from tasks.pretrain.stage import PretrainParams
+from tasks.pretrain.config import PretrainParams
 
 # The parameters the sweep sets itself on every launch: a spec cannot fix or search them.
 SWEEP_OWNED = ("corpus", "run", "max_steps", "total_steps")

@@ -1,0 +1,202 @@
+"""The pretraining stage's settings, declared once.
+
+- ``TrainSettings``: how the job trains. Each field is a flag of ``mlstm-sentiment pretrain`` (its options
+  are generated from this model), a field of the pipeline's ``pretrain.`` settings and of the Prefect
+  form, and a flag of the job itself (``python -m tasks.pretrain.train``).
+- ``LaunchSettings``: where and how wide it runs, and how often it is retried: the flow's, not the job's.
+- ``PretrainParams``: the stage's parameters, both of the above plus the corpus and the run's name.
+- ``TrainConfig``: what the job parses from its command line, the training settings plus where the run
+  lives and where it logs.
+
+A setting marked ``WEIGHTS`` changes the weights a run trains: it is part of the run's identity, so
+the pipeline's skip key is computed from these fields and a resume refuses a change to one. Adding a
+setting is one line here (and its test); nothing else lists them.
+
+Only pydantic and ``models/config.py`` are imported, so that a command can refuse a bad setting
+without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import types
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from models.config import PRESETS, Recurrence, preset
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+LrScaling = Literal["none", "linear", "sqrt"]
+Sharding = Literal["none", "optimizer", "full"]
+SHARDINGS: tuple[Sharding, ...] = typing.get_args(Sharding)
+LauncherName = Literal["local", "slurm", "kubernetes"]
+
+
+class _ChangesWeights:
+    """The marker of a setting the trained weights depend on (``Annotated[int, WEIGHTS]``)."""
+
+    def __repr__(self) -> str:
+        return "WEIGHTS"
+
+
+WEIGHTS = _ChangesWeights()
+
+
+class TrainSettings(BaseModel):
+    """How the job trains: the model, the data's shape, the optimiser and its schedule, how often it
+    reports, and how a step runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # One line a setting.
+    # fmt: off
+    preset: Annotated[str, WEIGHTS] = Field(default="tiny", description=f"Model size: {', '.join(PRESETS)}.")
+    # Puri et al.: 256 rows per GPU × 128 GPUs = 32k rows; Radford et al.: 128 rows on 4 GPUs.
+    batch_size: Annotated[int, WEIGHTS] = Field(default=128, ge=1, description="Global batch in rows, split across ranks.")
+    seq_len: Annotated[int, WEIGHTS] = Field(default=256, ge=1, description="Truncated BPTT length in bytes.")
+    lr: Annotated[float, WEIGHTS] = Field(default=5e-4, gt=0, description="Adam learning rate at --lr-base-batch rows.")
+    lr_base_batch: Annotated[int, WEIGHTS] = Field(default=128, ge=1, description="The batch size --lr is given for.")
+    lr_scaling: Annotated[LrScaling, WEIGHTS] = Field(default="none", description="How lr follows the batch: none, linear or sqrt.")
+    warmup_steps: Annotated[int, WEIGHTS] = Field(default=0, ge=0, description="Linear warm-up steps before the decay.")
+    total_steps: Annotated[int | None, WEIGHTS] = Field(default=None, ge=1, description="Schedule length. [default: one epoch of train]")
+    # A budget for one launch, not the schedule: raising it resumes the same run.
+    max_steps: int | None = Field(default=None, ge=1, description="End this launch after this step.")
+    precision: Annotated[Precision, WEIGHTS] = Field(default="auto", description="auto (bf16 or fp16 on GPUs, fp32 on CPU), bf16, fp16 or fp32.")
+    clip: Annotated[float, WEIGHTS] = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
+    seed: Annotated[int, WEIGHTS] = Field(default=0, description="Seed of the initial weights.")
+    # How the state is spread over ranks, not what it is: a resume may change it.
+    sharding: Sharding = Field(default="none", description="none (DDP), optimizer (ZeRO-1) or full (FSDP2, ZeRO-3).")
+    checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
+    val_every: int = Field(default=1000, ge=1, description="Steps between validations.")
+    val_steps: int = Field(default=16, ge=1, description="Steps of the val split per validation.")
+    log_every: int = Field(default=10, ge=1, description="Steps between progress lines.")
+    # How a step runs, not what it computes (the same losses to rounding): free to change on a resume.
+    recurrence: Recurrence = Field(default="fused", description="fused, or reference (the cell step by step: debugging).")
+    compile: Literal["auto", "off"] = Field(default="auto", description="auto (gate math through torch.compile on CUDA) or off.")
+    cuda_graph: Literal["auto", "off"] = Field(default="auto", description="auto (one CUDA graph per step on one GPU) or off.")
+    # fmt: on
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str) -> str:
+        preset(name)  # raises with the list of names
+        return name
+
+
+class LaunchSettings(BaseModel):
+    """Where the job runs, how wide, and how often it is relaunched: none of it changes the weights (two
+    ranks train the same model as one with the same global batch: tested)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # fmt: off
+    launcher: LauncherName = Field(default="local", description="local (torchrun here), slurm or kubernetes.")
+    nodes: int = Field(default=1, ge=1, description="Nodes (slurm, kubernetes).")
+    gpus_per_node: int = Field(default=0, ge=0, description="GPUs per node, one process each.")
+    nproc: int | None = Field(default=None, ge=1, description="Processes per node without GPUs. [default: 1]")
+    gpu_memory: float = Field(default=80.0, gt=0, description="GiB per GPU, checked before launch.")
+    retries: int = Field(default=2, ge=0, description="Relaunches after a crash (resuming from latest).")
+    # fmt: on
+
+
+class PretrainParams(TrainSettings, LaunchSettings):
+    """The pretraining stage's parameters: what the CLI's flags and the Prefect UI's form set."""
+
+    corpus: str = Field(
+        description="URI of the corpus manifest.json (printed by `corpus build`); newest: the last built."
+    )
+    run: str | None = Field(default=None, description="Run name; the same name resumes. [default: new]")
+
+    @property
+    def nproc_per_node(self) -> int:
+        if self.gpus_per_node and self.nproc and self.nproc != self.gpus_per_node:
+            raise ValueError(
+                f"--nproc {self.nproc} with --gpus-per-node {self.gpus_per_node}: one process runs per "
+                "GPU, give only --gpus-per-node"
+            )
+        return self.gpus_per_node or self.nproc or 1
+
+
+def weight_settings() -> frozenset[str]:
+    """The settings marked ``WEIGHTS``: a run's identity besides its corpus."""
+    return frozenset(name for name, info in TrainSettings.model_fields.items() if WEIGHTS in info.metadata)
+
+
+# What a resume compares with the checkpoint's config: the corpus and the settings of the weights. The
+# schedule's length is compared once resolved (its default is one epoch of the corpus).
+RUN_FIELDS = ("corpus", *sorted(weight_settings() - {"total_steps"}))
+
+
+class TrainConfig(TrainSettings):
+    """Everything a training run computes from. The job's flags are these fields, with dashes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: str = Field(description="URI of the corpus manifest.json.")
+    # Not --run: torchrun would take it for an abbreviation of its own --run-path.
+    run_name: str = Field(description="Checkpoints go to <store>/runs/<run_name>/; the same name resumes.")
+    store: str | None = Field(default=None, description="Store for checkpoints. Default: MLSTM_STORE_URI.")
+    mlflow_run_id: str | None = Field(default=None, description="MLflow run to log into (rank 0).")
+    tracking: Literal["mlflow", "off"] = Field(
+        default="mlflow",
+        description="mlflow: params, metrics and checkpoints in MLflow (rank 0); off: in the log only, "
+        "for a node without MLflow.",
+    )
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_is_a_key(cls, name: str) -> str:
+        if not name or "/" in name or name.strip() != name or name in (".", ".."):
+            raise ValueError(f"run name {name!r} must be a non-empty name without '/' or surrounding spaces")
+        return name
+
+    def effective_lr(self) -> float:
+        ratio = self.batch_size / self.lr_base_batch
+        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+
+    def to_args(self) -> list[str]:
+        """The job's command-line flags for this config (defaults left out)."""
+        args = []
+        for name, value in self.model_dump(exclude_defaults=True).items():
+            args += [f"--{name.replace('_', '-')}", str(value)]
+        return args
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> TrainConfig:
+        parser = argparse.ArgumentParser(
+            prog="python -m tasks.pretrain.train", description="The pretraining job (one rank of it)."
+        )
+        for name, info in cls.model_fields.items():
+            kind, choices = flag_type(info.annotation)
+            parser.add_argument(
+                f"--{name.replace('_', '-')}",
+                dest=name,
+                type=kind,
+                choices=choices,
+                required=info.is_required(),
+                default=argparse.SUPPRESS,
+                help=info.description,
+            )
+        return cls(**vars(parser.parse_args(argv)))
+
+
+def flag_type(annotation: Any) -> tuple[type, list[str] | None]:
+    """A field's type on a command line, and its choices where it is a Literal (``int | None`` → int)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        return str, list(args)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return flag_type(args[0])
+    return annotation, None
+
+
+def flag_errors(error: ValidationError) -> str:
+    """A validation error in the words of the command line: ``--batch-size: …; --preset: …``."""
+    messages = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        messages.append(f"--{field.replace('_', '-')}: {item['msg']}".replace("Value error, ", ""))
+    return "; ".join(messages)
