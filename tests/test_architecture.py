@@ -103,6 +103,14 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def test_the_job_is_run_not_imported() -> None:
+    """The training job is a program torchrun starts; the side that plans, launches and watches it
+    shares its settings (tasks/pretrain/config.py) and its log lines (joblog.py), never the job module,
+    which loads torch and the whole trainer."""
+    importers = sorted(source for source, targets in graph().items() if "tasks.pretrain.train" in targets)
+    assert importers == []
+
+
 def test_no_import_circles() -> None:
     assert cycles(graph()) == []
 
