@@ -5,7 +5,8 @@ environment, DDP averages gradients, autocast gives mixed precision (bf16 where 
 with a dynamic loss scale where it does not, fp32 on CPU or on request). Data follows DESIGN.md: the
 train split is one byte stream, the global batch has B contiguous rows, the hidden state carries from
 step to step (truncated BPTT), and where a step reads is a function of the step alone, so a relaunch
-with the same ``--run-name`` resumes from ``latest.json`` exactly, with any number of ranks.
+with the same ``--run-name`` resumes from ``latest.json`` exactly, with any number of ranks. Beside it:
+``world`` (ranks), ``step`` (the step; ``graphed`` captures it), ``checkpointer``, ``metrics``.
 """
 
 from __future__ import annotations
