@@ -63,8 +63,9 @@ from common import (  # the working tree on the path
     say,
 )
 
-from models.features import autocast_for, featurize, length_batches, rows_for_memory
+from models.features import featurize, length_batches, rows_for_memory
 from models.mlstm import MLSTM, PRESETS, preset
+from models.precision import PRECISION_NAMES, autocast, resolve_precision
 from models.text import encode
 
 # The shared data beside the checkout, or where MLSTM_SHARED_DIR says (a worktree elsewhere).
@@ -152,9 +153,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def precision_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return PRECISION_NAMES[resolve_precision("auto", device)]
 
 
 @torch.no_grad()
@@ -163,7 +162,7 @@ def baseline_features(model: MLSTM, texts: list[str], device: torch.device) -> n
     features_NH = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
     for n, text in enumerate(texts):
         bytes_T = torch.frombuffer(bytearray(encode(text)), dtype=torch.uint8).long().to(device)
-        with autocast_for(device):
+        with autocast(device, resolve_precision("auto", device)):
             _, (_, c_1H), _ = model(bytes_T[None])
         features_NH[n] = c_1H[0].float().cpu().numpy()
     return features_NH

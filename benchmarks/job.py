@@ -47,6 +47,7 @@ from common import (  # the working tree on the path
     say,
 )
 
+from models.precision import PRECISION_NAMES, resolve_precision
 from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.pretrain.config import SHARDINGS
 from tasks.pretrain.launchers.base import JobHandle, JobSpec
@@ -232,7 +233,7 @@ def run_checks(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if device.type == "cuda" else "fp32"
+    precision = PRECISION_NAMES[resolve_precision("auto", device)]  # what the job's --precision auto runs
     # Stopped at a time limit (make gpu-check): still clean up, and keep the launches' logs.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory(prefix="mlstm-bench-job-") as scratch:

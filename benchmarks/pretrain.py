@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pretraining step throughput and model FLOPs utilisation, against a step-by-step baseline in one run.
 
-Rows, each the real training step (``tasks.pretrain.train.optimizer_step``: autocast, cross-entropy, GradScaler,
+Rows, each the real training step (``tasks.pretrain.step.optimizer_step``: autocast, cross-entropy, GradScaler,
 gradient clipping, Adam) on random bytes with the hidden state carried from step to step:
 
 - graphed (CUDA only): the step a one-GPU job runs, ``tasks.pretrain.graphed.GraphedStep``: the fused
@@ -59,16 +59,12 @@ from common import (  # the working tree on the path
 from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
+from models.precision import PRECISION_NAMES, resolve_precision
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
-from tasks.pretrain.train import (
-    MEASURED_PEAKS,
-    PRECISION_NAMES,
-    TrainConfig,
-    datasheet_flops,
-    optimizer_step,
-    resolve_precision,
-)
+from tasks.pretrain.metrics import MEASURED_PEAKS, datasheet_flops
+from tasks.pretrain.step import optimizer_step
+from tasks.pretrain.train import TrainConfig
 from tasks.settings import get_settings
 
 # 3 epochs × 40 GB of Amazon reviews in 4 hours on 128 V100s: 120e9 / 14,400 s / 128 ≈ 65k chars/s.
@@ -224,7 +220,7 @@ class Row:
     chars_per_s: float | None = None
     mfu: float | None = None  # against the measured peak of the precision used
     mfu_vs_bf16_peak: float | None = None
-    mfu_vs_datasheet: float | None = None  # tasks.pretrain.train.GPU_PEAK_FLOPS, on a GPU it knows
+    mfu_vs_datasheet: float | None = None  # tasks.pretrain.metrics.GPU_PEAK_FLOPS, on a GPU it knows
     vs_baseline: float | None = None  # chars/s over the baseline's at the same preset, batch, precision
     vs_reference: float | None = None  # chars/s over the reference recurrence's (graphed, fused rows)
     vs_paper: float | None = None  # chars/s over PAPER_CHARS_PER_S
@@ -516,7 +512,7 @@ def precisions(names: list[str], device: torch.device) -> list[torch.dtype]:
         if name == "auto" and device.type == "cuda":
             dtypes += [torch.bfloat16, torch.float16] if torch.cuda.is_bf16_supported() else [torch.float16]
         else:
-            dtypes.append(resolve_precision(name, device))  # type: ignore[arg-type]
+            dtypes.append(resolve_precision(name, device))
     return list(dict.fromkeys(dtypes))
 
 

@@ -2,7 +2,7 @@
 """Step time and peak memory per rank for each ``--sharding``, against DDP (``none``) in the same run.
 
 ``benchmarks/pretrain.py --sharding S[,S…]`` runs this: one torchrun of W ranks per sharding, each
-rank timing the job's own step (``tasks.pretrain.train.optimizer_step`` on the model
+rank timing the job's own step (``tasks.pretrain.step.optimizer_step`` on the model
 ``tasks.pretrain.sharding.wrap`` gives it) on random bytes, B/W rows each. Peak memory is the CUDA
 allocator's peak on a GPU and the process's peak resident set on a CPU (which includes Python and
 torch themselves, ≈ the same for every row); optimizer bytes are the Adam state this rank holds.
@@ -34,7 +34,8 @@ def worker(
     """One rank's measurement (run under torchrun)."""
     from models.mlstm import MLSTM, preset
     from tasks.pretrain.sharding import optimizer_state_bytes, wrap
-    from tasks.pretrain.train import World, optimizer_step
+    from tasks.pretrain.step import optimizer_step
+    from tasks.pretrain.world import World
 
     world = World.from_env(group=sharding == "full")
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32

@@ -47,7 +47,8 @@ def launch_in_process(settings: Any) -> Any:
     a torchrun start per launch, which on two cores costs more than the tiny model's steps."""
     from tasks.pretrain.config import PretrainParams
     from tasks.pretrain.stage import plan_job
-    from tasks.pretrain.train import World, fit
+    from tasks.pretrain.train import fit
+    from tasks.pretrain.world import World
 
     def launch(params: PretrainParams) -> dict[str, Any]:
         config = plan_job(params, settings).config

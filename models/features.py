@@ -7,13 +7,13 @@ given, and the model masks what padding there is: a text's feature is the same a
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from models.mlstm import MLSTM
+from models.precision import autocast, resolve_precision
 from models.text import encode
 
 # Called after each batch with (rows, bytes) read, for progress bars.
@@ -22,14 +22,6 @@ OnBatch = Callable[[int, int], None]
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def autocast_for(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """bf16 autocast on GPUs that have it, fp16 on older ones; full precision on the CPU."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.autocast("cuda", dtype=dtype)
 
 
 # The fused feature path reads 256 bytes of a row at a time (MLSTM.final_cell_state's chunk_len).
@@ -89,12 +81,13 @@ def featurize(
     encoded = [encode(text) for text in texts]
     features_NH = np.zeros((len(encoded), model.config.hidden_size), dtype=np.float32)
     rows_per_batch = batch_size or rows_for_memory(model, device)
+    dtype = resolve_precision("auto", device)  # bf16 or fp16 on a GPU, fp32 on the CPU
     for rows in length_batches([len(b) for b in encoded], rows_per_batch, max_padding=max_padding):
         lengths = [len(encoded[r]) for r in rows]
         bytes_BT = np.zeros((len(rows), max(lengths)), dtype=np.int64)
         for b, r in enumerate(rows):
             bytes_BT[b, : lengths[b]] = np.frombuffer(encoded[r], dtype=np.uint8)
-        with autocast_for(device):
+        with autocast(device, dtype):
             c_BH = model.final_cell_state(
                 torch.from_numpy(bytes_BT).to(device), torch.tensor(lengths, device=device)
             )

@@ -61,7 +61,7 @@ def test_the_job_reads_the_peak_the_benchmark_saves(tmp_path: Path, monkeypatch:
     """The benchmark saves a GPU's measured peak under a precision's name; the job's mfu must find it."""
     import torch
 
-    from tasks.pretrain.train import MEASURED_PEAKS, peak_in_file
+    from tasks.pretrain.metrics import MEASURED_PEAKS, peak_in_file
 
     monkeypatch.setenv("MLSTM_HOME", str(tmp_path))
     module = load_benchmark("pretrain.py", "pretrain_benchmark", monkeypatch)

@@ -19,7 +19,8 @@ from models.recurrence import gate_functions, gates, gates_backward
 from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
-from tasks.pretrain.train import MEASURED_PEAKS, datasheet_flops, optimizer_step, peak_flops
+from tasks.pretrain.metrics import MEASURED_PEAKS, datasheet_flops, peak_flops
+from tasks.pretrain.step import optimizer_step
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from models.mlstm import MLSTM, RECURRENCES, Recurrence, preset
 from tasks.pretrain.memory import per_gpu_bytes
 from tasks.pretrain.sharding import optimizer_state_bytes
-from tasks.pretrain.train import optimizer_step
+from tasks.pretrain.step import optimizer_step
 
 
 class LiveBytes(TorchDispatchMode):
@@ -61,7 +61,7 @@ class LiveBytes(TorchDispatchMode):
 def peak(
     name: str, rows: int, seq_len: int, recurrence: Recurrence, dtype: torch.dtype = torch.float32
 ) -> int:
-    """The most tensor bytes alive at once over the job's training step on CPU (tasks.pretrain.train.
+    """The most tensor bytes alive at once over the job's training step on CPU (tasks.pretrain.step.
     optimizer_step: forward, cross-entropy, backward, clipping, Adam), its second, with the state the first
     carried and Adam's state, as in a run: parameters, gradients, Adam's state, the carried state, what
     the forward keeps and the backward's own temporaries."""

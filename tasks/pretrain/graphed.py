@@ -1,10 +1,11 @@
 """The training step captured once as a CUDA graph and replayed: one launch per step instead of thousands.
 
-Shapes are static in a run (the batch and seq_len are fixed), so the whole step is captured: autocast
-forward through the fused recurrence, cross-entropy, the GradScaler's scaling and unscaling, gradient
-clipping, Adam (``fused=True, capturable=True``: torch refuses to capture an Adam without
-``capturable``; its learning rate a device tensor the schedule fills in place), the GradScaler's
-update, and the carried state copied into the next step's input. What stays outside, and why:
+Shapes are static in a run (the batch and seq_len are fixed), so the whole step is captured, the same
+``tasks.pretrain.step.device_step`` the eager job runs: autocast forward through the fused recurrence,
+cross-entropy, the GradScaler's scaling and unscaling, gradient clipping, Adam (``fused=True,
+capturable=True``: torch refuses to capture an Adam without ``capturable``; its learning rate a device
+tensor the schedule fills in place), the GradScaler's update, and the carried state copied into the
+next step's input. What stays outside, and why:
 
 - the batch: copied into the graph's input tensors before each replay (it comes from the host);
 - the learning-rate schedule: ``LambdaLR.step`` runs on the host and ``fill_``s the lr tensor the
@@ -23,9 +24,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from models.mlstm import State
+from tasks.pretrain.step import device_step
 
 WARMUP_STEPS = 3  # eager steps before capture (DDP would need 11; it is not captured here)
 
@@ -35,8 +36,19 @@ def graph_supported(device: torch.device, world_size: int) -> bool:
     return device.type == "cuda" and world_size == 1
 
 
+def capturable_adam(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
+    """Adam as a captured step needs it: lr a device tensor the schedule fills (a float would be baked
+    into the graph), and fused, so an fp16 overflow step is skipped on the device without asking the host."""
+    return torch.optim.Adam(
+        model.parameters(),
+        lr=torch.tensor(lr, device=next(model.parameters()).device),
+        fused=True,
+        capturable=True,  # or Adam refuses to be captured
+    )
+
+
 class GraphedStep:
-    """``tasks.pretrain.train.optimizer_step`` as one CUDA graph. Call it with a batch; the carried state
+    """``tasks.pretrain.step.device_step`` as one CUDA graph. Call it with a batch; the carried state
     lives in ``state`` (the graph's own tensors: read them, or ``set_state`` to replace them)."""
 
     def __init__(
@@ -86,26 +98,22 @@ class GraphedStep:
         return self.loss.clone()
 
     def _body(self) -> None:
-        """The step, as captured: nothing in it may wait for the host."""
-        with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype != torch.float32):
-            logits, (h_BH, c_BH), _ = self.module(self.inputs_BT, (self.h_BH, self.c_BH))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), self.targets_BT.flatten())
-        self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(self.parameters, self.clip)
-        # The scaler's scale as a tensor: get_scale() would wait for the host.
-        scale = (
-            self.scaler._scale.clone()
-            if self.scaler.is_enabled() and self.scaler._scale is not None
-            else None
+        """The job's step (``device_step``), as captured: it writes into the graph's own tensors."""
+        loss, (h_BH, c_BH), fell = device_step(
+            self.module,
+            self.optimizer,
+            self.scaler,
+            self.inputs_BT,
+            self.targets_BT,
+            (self.h_BH, self.c_BH),
+            dtype=self.dtype,
+            clip=self.clip,
         )
-        self.scaler.step(self.optimizer)  # fused Adam takes found_inf on the device: an overflow skips
-        self.scaler.update()
-        if scale is not None and self.scaler._scale is not None:
-            self.skipped += (self.scaler._scale < scale).long()  # an overflow lowers the scale
-        self.h_BH.copy_(h_BH.detach())
-        self.c_BH.copy_(c_BH.detach())
-        self.loss.copy_(loss.detach())
+        if fell is not None:
+            self.skipped += fell.long()  # counted on the device: reading it would wait for the host
+        self.h_BH.copy_(h_BH)
+        self.c_BH.copy_(c_BH)
+        self.loss.copy_(loss)
 
     def _snapshot(self) -> list[tuple[Tensor, Tensor]]:
         """Every tensor the warm-up changes, with a copy of its value now."""

@@ -58,7 +58,7 @@ larger, while the step's tensors its caller still holds live on: the logits and,
 recurrence, h, c and the per-step gates on the function's context (not saved tensors, so not freed with
 them: 16H).
 
-carried: the job (tasks/pretrain/train.py: optimizer_step) carries c, and in fp32 h, as the last step of
+carried: the job (tasks/pretrain/step.py: optimizer_step) carries c, and in fp32 h, as the last step of
 the fused forward's [T + 1, b, H] tensors: views, which keep the whole tensors alive through the next
 step. The captured step copies them into its own tensors (and the batch into its inputs).
 
