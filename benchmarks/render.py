@@ -447,7 +447,21 @@ def gpu_check_tables(results: dict[str, Any]) -> str:
     )
 
 
+def cli_tables(results: dict[str, Any]) -> str:
+    rows = [
+        [f"`mlstm-sentiment {' '.join(r['args'])}`", r["case"].partition(":")[0], num(r["seconds"]),
+         ratio(r["vs_baseline"]), ", ".join(r["imports"]) or "none"]
+        for r in results["cases"]
+    ]  # fmt: skip
+    header = ["command", "case", "seconds (median)", "× baseline", "heavy imports"]
+    return (
+        f"Baseline: `python -c 'import typer'`, {num(results['baseline_seconds'])} s "
+        f"(median of {results['repeat']}).\n\n" + table(header, rows)
+    )
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "cli": cli_tables,
     "baseline": baseline_tables,
     "corpus": corpus_tables,
     "pretrain": pretrain_tables,

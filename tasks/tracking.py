@@ -72,6 +72,13 @@ def check_server(uri: str, setting: str = "MLSTM_MLFLOW_TRACKING_URI") -> None:
         ) from error
 
 
+def nothing_tracked(settings: Settings) -> bool:
+    """Whether MLflow is the embedded SQLite file and it does not exist yet: nothing has run, which a
+    reader (``status``) can say without importing MLflow or creating the database."""
+    uri = settings.resolved_mlflow_tracking_uri
+    return uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///"))
+
+
 def experiment_id(settings: Settings) -> str:
     return str(connect(settings).experiment_id)
 

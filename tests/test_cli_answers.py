@@ -21,6 +21,7 @@ CASES = {
     "a bad setting": (["pretrain", "--corpus", "c", "--batch-size", "0"], 2, "--batch-size"),
     "an unknown preset": (["pretrain", "--corpus", "c", "--preset", "huge"], 2, "choose one of tiny"),
     "a missing corpus": (["pretrain", "--corpus", "/nonexistent/manifest.json"], 2, "no corpus manifest"),
+    "status before anything ran": (["status"], 0, "no pipeline runs yet"),
 }
 
 
@@ -48,3 +49,4 @@ def test_the_cli_answers_without_loading_the_work(case: str, tmp_path: Path) -> 
     assert done.returncode == code, output
     assert says in output
     assert not heavy, f"{case} imported {sorted(heavy)}"
+    assert not (tmp_path / "mlflow.db").exists()  # an answer creates nothing

@@ -209,17 +209,26 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
 ) -> None:
     """Recent pipeline runs: their stages, metrics and model versions (from MLflow)."""
+    from tasks.tracking import nothing_tracked
+
+    settings = get_settings()
+    if nothing_tracked(settings):  # a fresh home: no need to load MLflow to say so
+        if not as_json:
+            err.print(
+                f"no pipeline runs yet ({settings.resolved_mlflow_tracking_uri}): `mlstm-sentiment demo` runs one"
+            )
+        return
     from tasks.pipeline import recent_pipelines
 
     try:
-        runs = recent_pipelines(get_settings(), limit)
+        runs = recent_pipelines(settings, limit)
     except user_errors() as error:
         raise fail(error) from None
     if as_json:
         for run in runs:
             print(json.dumps(run))
         return
-    table = Table(title=f"pipeline runs ({get_settings().resolved_mlflow_tracking_uri})")
+    table = Table(title=f"pipeline runs ({settings.resolved_mlflow_tracking_uri})")
     for column in (
         "started (UTC)",
         "status",
