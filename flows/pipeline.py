@@ -25,21 +25,24 @@ from flows.transfer import transfer
 from tasks.corpus.build import plan_corpus, read_manifest, summary_of
 from tasks.pipeline import (
     PipelineParams,
+    StageRecord,
     close_pipeline_run,
+    ended_states,
     finished_run,
     open_pipeline_run,
     pretrain_params,
     pretrain_run_name,
     transfer_key,
+    transfer_metrics,
     transfer_params,
     transfer_record_key,
 )
-from tasks.pretrain.stage import job_result, plan_job, read_corpus_manifest, resolve_corpus
+from tasks.pretrain.stage import read_corpus_manifest, resolve_corpus, run_result
 from tasks.settings import Settings, get_settings
 from tasks.store import store_of
 from tasks.sweep.engine import best_trial
 from tasks.tracking import find_run, model_link, run_link
-from tasks.transfer.stage import resolve_checkpoint, versus_baseline
+from tasks.transfer.stage import accuracy_beside_baseline, checkpoints_loaded_once, resolve_checkpoint
 
 
 @task(name="fingerprint sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
@@ -79,97 +82,90 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
     flow_run = get_run_context().flow_run  # type: ignore[union-attr]
     flow_run_id = str(flow_run.id) if flow_run else ""
     run_id = open_pipeline_run(settings, params, {"prefect_flow_run_id": flow_run_id})
-    # Each stage's record fills in as it goes: state, key, MLflow run, Prefect flow run.
-    stages: dict[str, dict[str, Any]] = {stage: {} for stage in params.stages}
+    records: dict[str, StageRecord] = {}  # each stage's, as it ends
     lineage = {"pipeline_run_id": run_id, "pipeline_prefect_flow_run_id": flow_run_id}
     metrics: dict[str, float] = {}
-    result: dict[str, Any] = {"run_id": run_id, "stages": stages}
     get_run_logger().info(
         "stages %s (forced: %s); MLflow parent run %s at %s",
         ", ".join(params.stages), ", ".join(params.force) or "none", run_id, settings.resolved_mlflow_tracking_uri,
     )  # fmt: skip
     try:
-        manifest_uri = resolve_corpus(params.manifest_uri, settings) if params.manifest_uri else None
-        if "corpus" in params.stages:
-            result["corpus"] = _corpus(params, settings, run_id, stages["corpus"])
-            manifest_uri = result["corpus"]["manifest_uri"]
-            metrics["corpus_rows"] = float(result["corpus"]["rows"])
-        checkpoint_uri = (
-            resolve_checkpoint(params.checkpoint_uri, settings) if params.checkpoint_uri else None
-        )
-        if params.from_sweep:
-            best = best_trial(params.from_sweep, settings)
-            checkpoint_uri = best["checkpoint_uri"]
-            manifest_uri = manifest_uri or best["manifest_uri"]
-            lineage.update(
-                sweep_id=params.from_sweep,
-                sweep_trial=str(best["trial"]),
-                pretrain_run=str(best["run"]),
-                **({"pretrain_run_id": best["run_id"]} if best.get("run_id") else {}),
-                **({"sweep_run_id": best["sweep_run_id"]} if best.get("sweep_run_id") else {}),
+        # A run reads each checkpoint from the store once: the transfer's key, features and registry share it.
+        with checkpoints_loaded_once():
+            manifest_uri = resolve_corpus(params.manifest_uri, settings) if params.manifest_uri else None
+            if "corpus" in params.stages:
+                records["corpus"] = _corpus(params, settings, run_id)
+                manifest_uri = records["corpus"].result["manifest_uri"]
+                metrics["corpus_rows"] = float(records["corpus"].result["rows"])
+            checkpoint_uri = (
+                resolve_checkpoint(params.checkpoint_uri, settings) if params.checkpoint_uri else None
             )
-            get_run_logger().info(
-                "from sweep %s: trial %s (%s), val bpc %.4f",
-                params.from_sweep,
-                best["trial"],
-                best["run"],
-                best["value"],
-            )
-        if "pretrain" in params.stages:
-            assert manifest_uri is not None  # PipelineParams checks it
-            result["pretrain"] = _pretrain(params, settings, manifest_uri, run_id, stages["pretrain"])
-            checkpoint_uri = result["pretrain"]["checkpoint_uri"]
-            metrics.update(
-                {k: float(result["pretrain"][k]) for k in ("final_loss", "val_bpc") if result["pretrain"][k]}
-            )
-        for stage, info in stages.items():
-            lineage.update({f"{stage}_run_id": info["run_id"]} if info.get("run_id") else {})
-            lineage.update(
-                {f"{stage}_prefect_flow_run_id": info["flow_run_id"]} if info.get("flow_run_id") else {}
-            )
-        if manifest_uri:
-            lineage["manifest_uri"] = manifest_uri
-        if "transfer" in params.stages:
-            assert checkpoint_uri is not None
-            lineage["checkpoint_uri"] = checkpoint_uri
-            done = _transfer(params, settings, checkpoint_uri, run_id, lineage, stages["transfer"])
-            result["transfer"] = done
-            for name, values in done["datasets"].items():
-                metrics[f"{name}_test_accuracy"] = float(values["test_accuracy"])
-                if values.get("baseline_test_accuracy") is not None:
-                    metrics[f"{name}_baseline_test_accuracy"] = float(values["baseline_test_accuracy"])
-            if done.get("registered"):
-                lineage["model_version"] = str(done["registered"]["version"])
-                lineage["model_name"] = done["registered"]["name"]
-                lineage["transfer_run_id"] = done["run_id"]
+            if params.from_sweep:
+                checkpoint_uri, manifest_uri = _from_sweep(params.from_sweep, settings, manifest_uri, lineage)
+            if "pretrain" in params.stages:
+                assert manifest_uri is not None  # PipelineParams checks it
+                records["pretrain"] = _pretrain(params, settings, manifest_uri, run_id)
+                done = records["pretrain"].result
+                checkpoint_uri = done["checkpoint_uri"]
+                metrics.update({k: float(done[k]) for k in ("final_loss", "val_bpc") if done[k]})
+            for stage, record in records.items():
+                lineage.update(record.lineage(stage))
+            if manifest_uri:
+                lineage["manifest_uri"] = manifest_uri
+            if "transfer" in params.stages:
+                assert checkpoint_uri is not None
+                lineage["checkpoint_uri"] = checkpoint_uri
+                records["transfer"] = _transfer(params, settings, checkpoint_uri, run_id, lineage)
+                done = records["transfer"].result
+                metrics.update(transfer_metrics(done))
+                if done.get("registered"):
+                    lineage["model_version"] = str(done["registered"]["version"])
+                    lineage["model_name"] = done["registered"]["name"]
+                    lineage["transfer_run_id"] = done["run_id"]
     except BaseException:
-        close_pipeline_run(run_id, stages | _failed(stages), lineage, metrics, failed=True)
+        close_pipeline_run(run_id, ended_states(params.stages, records), lineage, metrics, failed=True)
         raise
+    result: dict[str, Any] = {
+        "run_id": run_id,
+        "stages": {stage: record.summary() for stage, record in records.items()},
+        **{stage: record.result for stage, record in records.items()},
+    }
     summary = _summary(settings, result, lineage)
-    close_pipeline_run(run_id, stages, lineage, metrics, failed=False, note=summary)
+    close_pipeline_run(
+        run_id, ended_states(params.stages, records), lineage, metrics, failed=False, note=summary
+    )
     _publish_artifacts(result, summary)
     return result
 
 
-def _failed(stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The stage that was running when the pipeline failed has no state yet; later ones never started."""
-    states: dict[str, dict[str, Any]] = {}
-    for stage, info in stages.items():
-        if "state" not in info:
-            states[stage] = {**info, "state": "failed" if not states else "not started"}
-    return states
+def _from_sweep(
+    sweep_id: str, settings: Settings, manifest_uri: str | None, lineage: dict[str, str]
+) -> tuple[str, str | None]:
+    """The sweep's best trial: its checkpoint, and its corpus unless one is given; its ids into lineage."""
+    best = best_trial(sweep_id, settings)
+    lineage.update(
+        sweep_id=sweep_id,
+        sweep_trial=str(best["trial"]),
+        pretrain_run=str(best["run"]),
+        **({"pretrain_run_id": best["run_id"]} if best.get("run_id") else {}),
+        **({"sweep_run_id": best["sweep_run_id"]} if best.get("sweep_run_id") else {}),
+    )
+    get_run_logger().info(
+        "from sweep %s: trial %s (%s), val bpc %.4f", sweep_id, best["trial"], best["run"], best["value"]
+    )
+    return best["checkpoint_uri"], manifest_uri or best["manifest_uri"]
 
 
-def _corpus(params: PipelineParams, settings: Settings, run_id: str, info: dict[str, Any]) -> dict[str, Any]:
+def _corpus(params: PipelineParams, settings: Settings, run_id: str) -> StageRecord:
     key = corpus_key(params)
     store = store_of(settings)
-    info["key"] = key["corpus_id"]
-    if store.exists(key["manifest_key"]) and "corpus" not in params.force:
+    done = store.exists(key["manifest_key"]) and "corpus" not in params.force
+    if done:
         _skipped("corpus")
         summary = summary_of(read_manifest(store, key["manifest_key"]), store.url(key["manifest_key"]))
-        info["state"] = "skipped"
+        flow_run_id = None
     else:
-        state = build_corpus.with_options(task_runner=task_runner(settings))(
+        ran = build_corpus.with_options(task_runner=task_runner(settings))(
             sources=params.sources,
             store=settings.resolved_store_uri,
             config=params.corpus,
@@ -177,63 +173,67 @@ def _corpus(params: PipelineParams, settings: Settings, run_id: str, info: dict[
             parent_run_id=run_id,
             return_state=True,
         )
-        summary = state.result()
-        info.update(state="ran", flow_run_id=_flow_run_id_of(state))
+        summary, flow_run_id = ran.result(), _flow_run_id_of(ran)
     found = find_run(settings, {"stage": "corpus", "corpus_id": summary["corpus_id"]})
-    info["run_id"] = found.info.run_id if found else None
-    return summary
+    return StageRecord(
+        state="skipped" if done else "ran",
+        key=key["corpus_id"],
+        result=summary,
+        run_id=found.info.run_id if found else None,
+        flow_run_id=flow_run_id,
+    )
 
 
-def _pretrain(
-    params: PipelineParams, settings: Settings, manifest_uri: str, run_id: str, info: dict[str, Any]
-) -> dict[str, Any]:
+def _pretrain(params: PipelineParams, settings: Settings, manifest_uri: str, run_id: str) -> StageRecord:
     stage = pretrain_params(params.pretrain, manifest_uri)
     corpus_id = read_corpus_manifest(manifest_uri, endpoint_url=settings.s3_endpoint_url)["corpus_id"]
     forced = "pretrain" in params.force
     stage = stage.model_copy(update={"run": pretrain_run_name(stage, corpus_id, force=forced)})
-    job = plan_job(stage, settings)
-    info["key"] = stage.run
-    if not forced and finished_run(store_of(settings), job.config.run_name, job.stop_step):
+    assert stage.run is not None
+    # Already done? From the run's latest.json alone: the flow plans the job, once, when it runs.
+    skip = not forced and finished_run(store_of(settings), stage.run, stage.max_steps) is not None
+    if skip:
         _skipped("pretrain")
-        done = job_result(job, settings)
-        info["state"] = "skipped"
+        done, flow_run_id = run_result(settings, stage.run), None
     else:
-        state = pretrain(stage, parent_run_id=run_id, return_state=True)
-        done = state.result()
-        info.update(state="ran", flow_run_id=_flow_run_id_of(state))
-    info["run_id"] = done["run_id"]
-    return done
+        ran = pretrain(stage, parent_run_id=run_id, return_state=True)
+        done, flow_run_id = ran.result(), _flow_run_id_of(ran)
+    return StageRecord(
+        state="skipped" if skip else "ran",
+        key=stage.run,
+        result=done,
+        run_id=done["run_id"],
+        flow_run_id=flow_run_id,
+    )
 
 
 def _transfer(
-    params: PipelineParams,
-    settings: Settings,
-    checkpoint_uri: str,
-    run_id: str,
-    lineage: dict[str, str],
-    info: dict[str, Any],
-) -> dict[str, Any]:
+    params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str, lineage: dict[str, str]
+) -> StageRecord:
     key = transfer_key_task(checkpoint_uri, params)
     record = transfer_record_key(key)
     store = store_of(settings)
-    info["key"] = key[:16]
-    if store.exists(record) and "transfer" not in params.force:
+    skip = store.exists(record) and "transfer" not in params.force
+    if skip:
         _skipped("transfer")
-        done = json.loads(store.read_bytes(record))
-        info["state"] = "skipped"
+        done, flow_run_id = json.loads(store.read_bytes(record)), None
     else:
-        state = transfer(
+        ran = transfer(
             transfer_params(params.transfer, checkpoint_uri),
             parent_run_id=run_id,
             lineage=lineage,
             return_state=True,
         )
-        done = state.result()
+        done, flow_run_id = ran.result(), _flow_run_id_of(ran)
         # Written last: a transfer that failed half-way is not found by the next run.
         store.write_bytes(record, json.dumps(done, default=str).encode())
-        info.update(state="ran", flow_run_id=_flow_run_id_of(state))
-    info["run_id"] = done["run_id"]
-    return done
+    return StageRecord(
+        state="skipped" if skip else "ran",
+        key=key[:16],
+        result=done,
+        run_id=done["run_id"],
+        flow_run_id=flow_run_id,
+    )
 
 
 def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]) -> str:
@@ -253,7 +253,7 @@ def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]
         p = result["pretrain"]
         lines.append(f"- checkpoint: `{p['checkpoint_uri']}` (step {p['steps']}, val bpc {p['val_bpc']})")
     for name, values in result.get("transfer", {}).get("datasets", {}).items():
-        versus = versus_baseline(values["test_accuracy"], values.get("baseline_test_accuracy"))
+        versus = accuracy_beside_baseline(values["test_accuracy"], values.get("baseline_test_accuracy"))
         lines.append(f"- {name}: test accuracy {versus}")
     if lineage.get("model_version"):
         lines.append(

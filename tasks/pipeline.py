@@ -1,5 +1,8 @@
 """The whole job as one: its parameters, what each stage's result depends on, and its record in MLflow.
 
+The parameters import light (pydantic and the stages' own parameter models): the CLI checks them, and
+reads the pipeline's record, without loading torch; the work each key needs is imported where it starts.
+
 A stage is skipped when a finished result for the same inputs exists, found by a key computed from
 content, never from dates: the corpus by its ``corpus_id`` (sources' checksums and settings), the
 training run by the corpus and every setting that changes the weights, the transfer by the weights'
@@ -10,19 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tasks.corpus.build import CorpusConfig
-from tasks.pretrain.checkpoint import read_latest
+from tasks.corpus.config import CorpusConfig
 from tasks.pretrain.config import PretrainParams, weight_settings
 from tasks.settings import Settings
 from tasks.store import Store
-from tasks.transfer.datasets import load_dataset
-from tasks.transfer.features import weights_fingerprint
-from tasks.transfer.stage import TransferParams, load_checkpoint_of
+from tasks.transfer.config import TransferParams
 
 Stage = Literal["corpus", "pretrain", "transfer"]
 STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer")
@@ -123,14 +124,65 @@ def pretrain_run_name(params: PretrainParams, corpus_id: str, *, force: bool) ->
     return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}" if force else name
 
 
-def finished_run(store: Store, run: str, stop_step: int) -> dict[str, Any] | None:
-    """The run's ``latest.json`` when it has reached ``stop_step``: nothing left to train."""
+def finished_run(store: Store, run: str, max_steps: int | None) -> dict[str, Any] | None:
+    """The run's ``latest.json`` when it has reached the end of its schedule, or ``max_steps``: nothing
+    left to train. (The run's name comes from its key, so its schedule is the one asked for.)"""
+    from tasks.pretrain.checkpoint import read_latest
+
     latest = read_latest(store, run)
-    return latest if latest is not None and latest["step"] >= stop_step else None
+    if latest is None:
+        return None
+    stop = min(latest["total_steps"], max_steps or latest["total_steps"])
+    return latest if latest["step"] >= stop else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageRecord:
+    """What one stage of a pipeline run did: ran or skipped, the key its inputs were found by, its result
+    (the stage's own: corpus summary, training result, transfer report) and where it is recorded."""
+
+    state: Literal["ran", "skipped"]
+    key: str
+    result: dict[str, Any]
+    run_id: str | None  # the stage's MLflow run
+    flow_run_id: str | None = None  # the stage's Prefect flow run, when it ran
+
+    def summary(self) -> dict[str, Any]:
+        """The stage as the pipeline's result shows it (``--json``, the Prefect table)."""
+        own = {"state": self.state, "key": self.key, "run_id": self.run_id}
+        return own | ({"flow_run_id": self.flow_run_id} if self.flow_run_id else {})
+
+    def lineage(self, stage: str) -> dict[str, str]:
+        """The ids a registered model version carries back to this stage."""
+        ids = {f"{stage}_run_id": self.run_id, f"{stage}_prefect_flow_run_id": self.flow_run_id}
+        return {key: value for key, value in ids.items() if value}
+
+
+def ended_states(stages: list[Stage], records: dict[str, StageRecord]) -> dict[str, str]:
+    """Each stage's state at the end of a run: its record's; for a run that failed, the first stage
+    without one is the one that failed, and the later ones never started."""
+    states = {stage: record.state for stage, record in records.items()}
+    missing = [stage for stage in stages if stage not in records]
+    return states | {stage: "failed" if i == 0 else "not started" for i, stage in enumerate(missing)}
+
+
+def transfer_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """The pipeline run's metrics from a transfer's report: each dataset's test accuracy, and its
+    baseline's where it was measured."""
+    metrics = {}
+    for name, values in report["datasets"].items():
+        metrics[f"{name}_test_accuracy"] = float(values["test_accuracy"])
+        if values.get("baseline_test_accuracy") is not None:
+            metrics[f"{name}_baseline_test_accuracy"] = float(values["baseline_test_accuracy"])
+    return metrics
 
 
 def transfer_key(params: TransferParams, settings: Settings) -> str:
     """What a transfer's result depends on: the weights, the datasets' content and the probe's settings."""
+    from tasks.transfer.datasets import load_dataset
+    from tasks.transfer.features import weights_fingerprint
+    from tasks.transfer.stage import load_checkpoint_of
+
     model = load_checkpoint_of(params.checkpoint, settings).model()
     checksums = {
         spec: load_dataset(spec, text_column=params.text_column, label_column=params.label_column).checksum
@@ -238,7 +290,7 @@ def _clipped(value: str, limit: int = 500) -> str:
 
 def close_pipeline_run(
     run_id: str,
-    stages: dict[str, dict[str, Any]],
+    states: dict[str, str],
     lineage: dict[str, str],
     metrics: dict[str, float],
     *,
@@ -249,8 +301,8 @@ def close_pipeline_run(
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    for stage, info in stages.items():
-        client.set_tag(run_id, f"stage.{stage}", info["state"])
+    for stage, state in states.items():
+        client.set_tag(run_id, f"stage.{stage}", state)
     for key, value in lineage.items():
         if key not in _OWN_IDS:
             client.set_tag(run_id, key, value)
@@ -307,7 +359,7 @@ def recent_pipelines(settings: Settings, limit: int) -> list[dict[str, Any]]:
             "status": run.info.status,
             "stages": {stage: run.data.tags.get(f"stage.{stage}", "-") for stage in STAGES},
             "metrics": dict(run.data.metrics),
-            "vs_baseline": vs_baseline(run.data.metrics),
+            "vs_baseline": probe_vs_baseline(run.data.metrics),
             "model_version": run.data.tags.get("model_version"),
             "prefect_flow_run_id": run.data.tags.get("prefect_flow_run_id"),
         }
@@ -315,7 +367,7 @@ def recent_pipelines(settings: Settings, limit: int) -> list[dict[str, Any]]:
     ]
 
 
-def vs_baseline(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+def probe_vs_baseline(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
     """Per dataset whose TF-IDF baseline was measured: the probe's and the baseline's test accuracy and
     the difference (probe − baseline), from a pipeline run's metrics."""
     found = {}

@@ -102,7 +102,7 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path: Path, content: bytes, p
 
 
 def test_the_report_the_model_card_and_status_show_the_probe_beside_the_baseline() -> None:
-    from tasks.pipeline import vs_baseline
+    from tasks.pipeline import probe_vs_baseline
     from tasks.transfer.registry import model_card, report_markdown
 
     report = {
@@ -118,6 +118,6 @@ def test_the_report_the_model_card_and_status_show_the_probe_beside_the_baseline
     no_baseline = {**report, "baseline": None}
     assert "80.00% (no baseline measured)" in model_card(no_baseline)
     metrics = {"sst2_test_accuracy": 0.8, "sst2_baseline_test_accuracy": 0.8287, "imdb_test_accuracy": 0.9}
-    assert vs_baseline(metrics) == {
+    assert probe_vs_baseline(metrics) == {
         "sst2": {"test_accuracy": 0.8, "baseline_test_accuracy": 0.8287, "difference": pytest.approx(-0.0287)}
     }

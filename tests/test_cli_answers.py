@@ -17,6 +17,12 @@ CASES = {
     "a stage's help": (["pretrain", "--help"], 0, "--batch-size"),
     "a bad flag": (["pretrain", "--corpus", "c", "--bogus"], 2, "No such option"),
     "a bad flag of run": (["run", "pretrain", "--bogus"], 2, "No such option"),
+    "a bad stage": (["run", "nosuch"], 2, "unknown stage 'nosuch'"),
+    "a bad pipeline setting": (
+        ["run", "pretrain", "--set", "pretrain.batch_size=0"],
+        2,
+        "pretrain.batch_size",
+    ),
     "a bad choice": (["pretrain", "--corpus", "c", "--precision", "fp8"], 2, "fp8"),
     "a bad setting": (["pretrain", "--corpus", "c", "--batch-size", "0"], 2, "--batch-size"),
     "an unknown preset": (["pretrain", "--corpus", "c", "--preset", "huge"], 2, "choose one of tiny"),

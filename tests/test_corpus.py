@@ -273,7 +273,7 @@ def test_a_folder_without_review_files_is_an_error(tmp_path: Path) -> None:
 
 
 def test_config_errors_name_the_setting() -> None:
-    from tasks.corpus.build import parse_split
+    from tasks.corpus.config import parse_split
 
     with pytest.raises(ValueError, match="--split '1000:1'"):
         parse_split("1000:1")

@@ -347,3 +347,54 @@ def test_flow_run_names_say_what_a_run_is_about() -> None:
     assert _checkpoint("s3://b/p/runs/tiny-ab12/checkpoints/step-0000400") == "tiny-ab12@400"
     assert _checkpoint("/home/u/store/runs/tiny-ab12/latest.json") == "tiny-ab12"
     assert _checkpoint("newest") == "newest"
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_plans_the_job_once_and_reads_the_checkpoint_once(
+    sample_manifest: str, home: Path, prefect_api_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pretrain and transfer in this process, counting: the job is planned by the pretraining flow alone
+    (the pipeline's "already done?" reads the run's latest.json), and the checkpoint is read from the
+    store once per run, though the transfer's key, the features and the registry each need it."""
+    import flows.pretrain
+    import tasks.transfer.stage
+    from flows.cli.pipeline import run_pipeline
+    from tasks.pipeline import PretrainStage, TransferStage
+
+    calls = {"plan_job": 0, "load_checkpoint": 0}
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(flows.pretrain, "plan_job", counted("plan_job", flows.pretrain.plan_job))
+    monkeypatch.setattr(
+        tasks.transfer.stage,
+        "load_checkpoint",
+        counted("load_checkpoint", tasks.transfer.stage.load_checkpoint),
+    )
+    labelled = write_labelled_sample(tmp_path / "labelled", num_reviews=300)
+    params = PipelineParams(
+        stages=["pretrain", "transfer"],
+        manifest_uri=sample_manifest,
+        pretrain=PretrainStage(
+            batch_size=16, seq_len=64, max_steps=6, checkpoint_every=6, val_every=6, retries=0
+        ),
+        transfer=TransferStage(datasets=[f"reviews={labelled}"], baseline=False, c_min_log2=-2, c_max_log2=0),
+    )
+    first = run_pipeline(params, show_progress=False)
+    assert {stage: info["state"] for stage, info in first["stages"].items()} == {
+        "pretrain": "ran",
+        "transfer": "ran",
+    }
+    assert calls == {"plan_job": 1, "load_checkpoint": 1}
+    calls.update(plan_job=0, load_checkpoint=0)
+    again = run_pipeline(params, show_progress=False)  # nothing changed: both skip
+    assert {stage: info["state"] for stage, info in again["stages"].items()} == {
+        "pretrain": "skipped",
+        "transfer": "skipped",
+    }
+    assert calls == {"plan_job": 0, "load_checkpoint": 1}  # the transfer's key: the weights' fingerprint

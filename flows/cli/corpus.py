@@ -13,7 +13,7 @@ from flows.cli.common import RichSink, StoreOption, fail, out, progress_bar, use
 from tasks.settings import TaskRunnerName, get_settings
 
 if TYPE_CHECKING:
-    from tasks.corpus.build import CorpusConfig
+    from tasks.corpus.config import CorpusConfig
 
 app = typer.Typer(help="Build and inspect review corpora (Arrow shards + manifest).", no_args_is_help=True)
 
@@ -77,7 +77,7 @@ def corpus_build(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Shard raw Amazon reviews (2014/2018/2023 formats) into deduplicated Arrow files with a manifest."""
-    from tasks.corpus.build import CorpusConfig, parse_split
+    from tasks.corpus.config import CorpusConfig, parse_split
 
     try:
         config = CorpusConfig(

@@ -30,7 +30,7 @@ def demo(
     A generated sample, its corpus, a tiny mLSTM, its probe, the registered classifier, served with
     `mlflow models serve` and asked for two predictions.
     """
-    from tasks.corpus.build import CorpusConfig
+    from tasks.corpus.config import CorpusConfig
     from tasks.corpus.sample import write_labelled_sample, write_sample
     from tasks.pipeline import PipelineParams, PretrainStage, TransferStage
     from tasks.transfer.serve import invoke, serve_command, served

@@ -162,6 +162,7 @@ def run_stage(
 def _rerun_values(stage: str, origin: str | None) -> dict[str, Any]:
     """The parameters a rerun starts from: a past pipeline run's (the newest by default) or a URI's."""
     from tasks.pipeline import pipeline_params_of, recent_pipelines
+    from tasks.tracking import nothing_tracked
 
     settings = get_settings()
     if origin and ("/" in origin or ":" in origin):
@@ -171,7 +172,7 @@ def _rerun_values(stage: str, origin: str | None) -> dict[str, Any]:
         key = "manifest_uri" if stage == "pretrain" else "checkpoint_uri"
         return pipeline_values(**{key: origin})
     if origin is None:
-        newest = recent_pipelines(settings, 1)
+        newest = [] if nothing_tracked(settings) else recent_pipelines(settings, 1)
         if not newest:  # a fresh install: the defaults, and --set says the rest
             return pipeline_values()
         origin = newest[0]["run_id"]

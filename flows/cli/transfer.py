@@ -15,7 +15,7 @@ from flows.cli.common import StoreOption, check_datasets, err, fail, out, run_fl
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
-    from tasks.transfer.stage import TransferParams
+    from tasks.transfer.config import TransferParams
 
 app = typer.Typer()
 PANEL = "Transfer"
@@ -151,7 +151,7 @@ def transfer(
     from pydantic import ValidationError
 
     from tasks.pretrain.config import flag_errors
-    from tasks.transfer.stage import TransferParams
+    from tasks.transfer.config import TransferParams
 
     if store:
         os.environ["MLSTM_STORE_URI"] = store

@@ -23,7 +23,7 @@ from models.serving import ARTIFACT, MAX_TEXT_CHARS_KEY
 from tasks.settings import Settings, get_settings
 from tasks.store import split_object_uri
 from tasks.tracking import connect
-from tasks.transfer.stage import REFERENCE_SOURCE, baseline_accuracy, versus_baseline
+from tasks.transfer.stage import REFERENCE_SOURCE, accuracy_beside_baseline, baseline_accuracy
 
 CHAMPION = "champion"
 MODEL_CODE = Path(models.__file__).parent / "mlflow_model.py"
@@ -306,7 +306,7 @@ def model_card(report: dict[str, Any]) -> str:
         f"L1 logistic-regression probe on the mLSTM's final cell state, trained on {report['name']}{source}, "
         f"data checksum {report['checksum'][:16]}, checkpoint `{report['checkpoint_uri']}`.",
         "",
-        f"- test accuracy {versus_baseline(report['test_accuracy'], baseline_accuracy(report))}",
+        f"- test accuracy {accuracy_beside_baseline(report['test_accuracy'], baseline_accuracy(report))}",
     ]
     if "dev_accuracy" in report:
         lines.append(

@@ -11,23 +11,25 @@ pass them between tasks (and processes) without moving features around:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from models.classifier import SentimentClassifier, probability
 from models.features import OnBatch
 from tasks.pretrain.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
 from tasks.settings import Settings
 from tasks.store import split_object_uri, store_of
-from tasks.transfer.datasets import declared_name, load_dataset
+from tasks.transfer.config import TransferParams
+from tasks.transfer.datasets import load_dataset
 from tasks.transfer.explain import class_means, explain, pick_examples, to_png
 from tasks.transfer.features import cached_features, weights_fingerprint
 from tasks.transfer.precomputed import read_split
@@ -46,76 +48,6 @@ REFERENCE_SOURCE = "Radford et al. 2017, arXiv:1704.01444"
 SUMMARY_KEYS = ("test_accuracy", "dev_accuracy", "C", "nonzero", "top_unit", "top_unit_accuracy")
 
 
-class TransferParams(BaseModel):
-    """The transfer stage's parameters: what the CLI's flags and the Prefect UI's form set."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    checkpoint: str = Field(
-        description="Checkpoint URI: a step folder, a run folder or its latest.json; newest: the last saved."
-    )
-    datasets: list[str] = Field(
-        min_length=1, description="NAME=PATH, one per dataset: an SST or IMDB layout, or a CSV/JSONL table."
-    )
-    text_column: str | None = Field(default=None, description="Text column of CSV/JSONL tables.")
-    label_column: str | None = Field(default=None, description="Label column of CSV/JSONL tables.")
-    batch_size: int | None = Field(
-        default=None, ge=1, description="Texts per feature batch; none: as many as fit the device's memory."
-    )
-    c_min_log2: int = Field(default=-8, description="Smallest C of the sweep, as a power of 2.")
-    c_max_log2: int = Field(default=2, description="Largest C of the sweep, as a power of 2.")
-    register_dataset: str | None = Field(
-        default=None,
-        description="Dataset whose classifier is registered in MLflow. Default: the first; 'none': none.",
-    )
-    seed: int = Field(default=0, description="Seed of the probe's solver.")
-    baseline: bool = Field(
-        default=True,
-        description="Also measure the TF-IDF + logistic-regression baseline on the same splits (cached "
-        "in the store by dataset), shown beside the probe.",
-    )
-    solver: Literal["liblinear", "newton", "torch"] = Field(
-        # newton solves the same objective as liblinear, 5-10x faster over the sweep (docs/transfer.md).
-        default="newton",
-        description="Probe solver: newton (proximal Newton), liblinear (the reference) or torch (FISTA); "
-        "newton and torch use CPU threads or a GPU.",
-    )
-
-    @field_validator("datasets")
-    @classmethod
-    def _names_unique(cls, specs: list[str]) -> list[str]:
-        names = [declared_name(spec) for spec in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"dataset names must differ, got {', '.join(names)}: write NAME=PATH")
-        return specs
-
-    @model_validator(mode="after")
-    def _consistent(self) -> TransferParams:
-        if self.c_min_log2 > self.c_max_log2:
-            raise ValueError(f"c_min_log2 {self.c_min_log2} is above c_max_log2 {self.c_max_log2}")
-        names = [declared_name(spec) for spec in self.datasets]
-        if (
-            self.register_dataset
-            and self.register_dataset.lower() != "none"
-            and self.register_dataset not in names
-        ):
-            raise ValueError(
-                f"--register {self.register_dataset!r} is not one of the datasets ({', '.join(names)})"
-            )
-        return self
-
-    @property
-    def Cs(self) -> tuple[float, ...]:
-        return tuple(2.0**k for k in range(self.c_min_log2, self.c_max_log2 + 1))
-
-    @property
-    def registered_dataset(self) -> str | None:
-        """The dataset whose classifier is registered, or None."""
-        if self.register_dataset and self.register_dataset.lower() == "none":
-            return None
-        return self.register_dataset or declared_name(self.datasets[0])
-
-
 def resolve_checkpoint(uri: str, settings: Settings) -> str:
     """``newest`` is the checkpoint saved last in the store; any other URI is itself."""
     if uri != NEWEST:
@@ -128,8 +60,31 @@ def resolve_checkpoint(uri: str, settings: Settings) -> str:
     return found
 
 
+# The checkpoints read in the current ``checkpoints_loaded_once`` scope, by URI; None outside one.
+_loaded: contextvars.ContextVar[dict[str, Checkpoint] | None] = contextvars.ContextVar("loaded", default=None)
+
+
+@contextlib.contextmanager
+def checkpoints_loaded_once() -> Iterator[None]:
+    """Within it, each checkpoint is read from the store once and kept (a pipeline run: the transfer's
+    key, each dataset's features and the registry read the same one). A step's checkpoint never changes
+    once published, so a kept one is never stale; leaving the scope lets it go."""
+    token = _loaded.set({})
+    try:
+        yield
+    finally:
+        _loaded.reset(token)
+
+
 def load_checkpoint_of(uri: str, settings: Settings) -> Checkpoint:
-    return load_checkpoint(resolve_checkpoint(uri, settings), endpoint_url=settings.s3_endpoint_url)
+    resolved = resolve_checkpoint(uri, settings)
+    loaded = _loaded.get()
+    if loaded is not None and resolved in loaded:
+        return loaded[resolved]
+    checkpoint = load_checkpoint(resolved, endpoint_url=settings.s3_endpoint_url)
+    if loaded is not None:
+        loaded[resolved] = checkpoint
+    return checkpoint
 
 
 def extract(
@@ -341,7 +296,7 @@ def baseline_accuracy(report: dict[str, Any]) -> float | None:
     return float(baseline["test_accuracy"]) if baseline else None
 
 
-def versus_baseline(test_accuracy: float, baseline: float | None) -> str:
+def accuracy_beside_baseline(test_accuracy: float, baseline: float | None) -> str:
     """``82.10% vs baseline 80.00% (+2.10 points)``: a probe's test accuracy beside the baseline's."""
     if baseline is None:
         return f"{test_accuracy:.2%} (no baseline measured)"
