@@ -116,7 +116,7 @@ def test_no_import_circles() -> None:
 
 
 def test_a_circle_is_found() -> None:
-    # The checker itself: the circle that tasks/launch.py and tasks/slurm.py once made.
+    # The checker itself: a launcher and the module that picks launchers importing each other.
     edges = {"a.launch": {"a.slurm"}, "a.slurm": {"a.launch"}, "a.store": set()}
     assert cycles(edges) == [["a.launch", "a.slurm"]]
 

@@ -103,7 +103,7 @@ def test_the_stage_sizes_feature_batches_by_memory_unless_told(
     monkeypatch.setattr(models.features, "rows_for_memory", counted)
     texts = ["great", "awful!", "fine, I guess"]
     cached_features(LocalStore(tmp_path / "a"), model, texts)  # the stage's and the CLI's default
-    assert sized and sized[0] > 64  # a CPU's 1 GiB holds far more tiny rows than the old fixed 64
+    assert sized and sized[0] > 64  # sized to memory: a CPU's 1 GiB holds far more tiny rows than 64
     cached_features(LocalStore(tmp_path / "b"), model, texts, batch_size=2)
     assert len(sized) == 1  # a batch size given is used as it is
     assert TransferParams.model_fields["batch_size"].default is None

@@ -71,7 +71,7 @@ def test_loss_goes_down_on_the_amazon_corpus(amazon_manifest: str, home: Path) -
     result = run_job([*args, "--max-steps", "150", "--val-every", "50", "--val-steps", "8"], home)
     assert result["steps"] == 150 and result["preempted"] is False
     # A model that ignores its input can still learn the byte frequencies: it scores the val text's
-    # unigram entropy (4.50 bits here), which the old fixed bounds (< 4.5 / < 4.8) let through. The
+    # unigram entropy (4.50 bits here), which a fixed bound such as < 4.5 bits lets through. The
     # model must beat that by LOSS_MARGIN_BITS, on val and on its last training batch (the splits are
     # a hash of the same reviews, so they share the frequencies).
     unigram = _unigram_bits(open_split(amazon_manifest, "val", home / "cache"))

@@ -14,10 +14,10 @@ import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
-from tasks.transfer import newton
 from tasks.transfer.features import features_table
 from tasks.transfer.probe import DEFAULT_CS, ProbeResult, fit_probe
-from tasks.transfer.solver import l1_logistic_path
+from tasks.transfer.solvers import newton
+from tasks.transfer.solvers.fista import l1_logistic_path
 
 Data = dict[str, tuple[np.ndarray, np.ndarray]]
 

@@ -57,6 +57,12 @@ BAD_SPECS = {
     "unknown key": ("colour: blue\n", "colour", 13),
     "unknown parameter": ("  dropout: {uniform: [0.0, 0.5]}\n", "space.dropout", 13),
     "empty range": ("  warmup_steps: {int_uniform: [5, 2]}\n", "space.warmup_steps.int_uniform", 13),
+    "empty real range": ("  warmup_steps: {uniform: [3.0, 3.0]}\n", "space.warmup_steps.uniform", 13),
+    "log range from zero": (
+        "  warmup_steps: {log_uniform: [0.0, 10.0]}\n",
+        "space.warmup_steps.log_uniform",
+        13,
+    ),
     "empty choice": ("  seq_len: {choice: []}\n", "space.seq_len.choice", 13),
     "unknown distribution": ("  warmup_steps: {normal: [0, 1]}\n", "space.warmup_steps", 13),
     "budget below one rung": ("", "budget.max_steps", 6),

@@ -41,15 +41,21 @@ class Asha(BaseModel):
     eta: int = Field(default=3, ge=2, description="Reduction factor: the top 1/eta of a rung goes on.")
 
 
+def _check_range(kind: str, low: float, high: float, *, strict: bool = True, positive: bool = False) -> None:
+    """The range rule of every distribution: low below high (or equal, for integers), and above 0 where
+    the scale is logarithmic."""
+    if not ((low < high if strict else low <= high) and (low > 0 or not positive)):
+        needs = f"{'0 < ' if positive else ''}low {'<' if strict else '<='} high"
+        raise ValueError(f"{kind} needs {needs}, got [{low}, {high}]")
+
+
 class LogUniform(BaseModel):
     model_config = ConfigDict(extra="forbid")
     log_uniform: tuple[float, float]
 
     @model_validator(mode="after")
     def _range(self) -> LogUniform:
-        low, high = self.log_uniform
-        if not 0 < low < high:
-            raise ValueError(f"log_uniform needs 0 < low < high, got [{low}, {high}]")
+        _check_range("log_uniform", *self.log_uniform, positive=True)
         return self
 
 
@@ -59,9 +65,7 @@ class Uniform(BaseModel):
 
     @model_validator(mode="after")
     def _range(self) -> Uniform:
-        low, high = self.uniform
-        if not low < high:
-            raise ValueError(f"uniform needs low < high, got [{low}, {high}]")
+        _check_range("uniform", *self.uniform)
         return self
 
 
@@ -71,9 +75,7 @@ class IntUniform(BaseModel):
 
     @model_validator(mode="after")
     def _range(self) -> IntUniform:
-        low, high = self.int_uniform
-        if not low <= high:
-            raise ValueError(f"int_uniform needs low <= high, got [{low}, {high}]")
+        _check_range("int_uniform", *self.int_uniform, strict=False)
         return self
 
 

@@ -23,8 +23,8 @@ from matplotlib.figure import Figure
 from sklearn.linear_model import LogisticRegression
 
 from models.classifier import probability
-from tasks.transfer import newton
-from tasks.transfer.solver import l1_logistic_path
+from tasks.transfer.solvers import newton
+from tasks.transfer.solvers.fista import l1_logistic_path
 
 # 2^-8 … 2^2: from a probe with no non-zero weight to one that overfits 4096 features on 25k reviews.
 DEFAULT_CS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 3))
@@ -33,8 +33,8 @@ DEFAULT_CS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 3))
 MAX_ITER = 1000
 
 # liblinear: the paper's solver, the reference. newton: the warm-started working-set proximal Newton
-# path of newton.py (BLAS threads or a GPU for the products). torch: the warm-started FISTA path of
-# solver.py. All three solve liblinear's objective, its intercept penalised too.
+# path of solvers/newton.py (BLAS threads or a GPU for the products). torch: the warm-started FISTA
+# path of solvers/fista.py. All three solve liblinear's objective, its intercept penalised too.
 Solver = Literal["liblinear", "newton", "torch"]
 SOLVERS: tuple[Solver, ...] = ("liblinear", "newton", "torch")
 
@@ -99,7 +99,7 @@ def fit_probe(
         seed: liblinear's random_state, so that the same inputs give the same probe.
         on_fit: called with each C's sweep point as soon as it is scored, for progress.
         solver: ``liblinear`` (the reference), ``newton`` (warm-started proximal Newton path, see
-            newton.py) or ``torch`` (warm-started FISTA path, see solver.py).
+            solvers/newton.py) or ``torch`` (warm-started FISTA path, see solvers/fista.py).
         device: where the newton and torch solvers run ("cpu", "cuda"); liblinear ignores it.
 
     Raises:
