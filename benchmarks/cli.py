@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             env.pop(name, None)  # the embedded defaults, as on a fresh machine
         baseline = statistics.median(timed([sys.executable, "-c", "import typer"], env, args.repeat, 0))
         say(f"baseline (python -c 'import typer'): {baseline:.3f} s")
-        for name, arguments, expect in CASES:
+
+        def measure(name: str, arguments: list[str], expect: int) -> None:
             seconds = statistics.median(
                 timed([sys.executable, "-c", ENTRY, *arguments], env, args.repeat, expect)
             )
@@ -86,8 +87,17 @@ def main(argv: list[str] | None = None) -> None:
             say(f"{name}: {seconds:.3f} s, imports {', '.join(heavy) or 'none of ' + '/'.join(HEAVY)}")
             rows.append({"case": name, "args": arguments, "seconds": seconds, "vs_baseline": seconds / baseline,
                          "imports": heavy})  # fmt: skip
+
+        for name, arguments, expect in CASES:
+            measure(name, arguments, expect)
         if any(Path(home).iterdir()):
             say(f"note: the commands left {sorted(p.name for p in Path(home).iterdir())} in a fresh home")
+        # Once MLflow's database exists, status loads MLflow to read it: measured beside the rest.
+        subprocess.run(
+            [sys.executable, "-c", "from tasks.settings import get_settings; from tasks.tracking import connect; "
+             "connect(get_settings())"], env=env, check=True, capture_output=True,
+        )  # fmt: skip
+        measure("status, an MLflow database without runs", ["status"], 0)
     info = machine()
     results = {"machine": info, "baseline_seconds": baseline, "repeat": args.repeat, "cases": rows}
     print(f"\nCLI answers, median of {args.repeat} ({describe(info)})")

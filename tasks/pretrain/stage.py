@@ -64,11 +64,12 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
         )  # fmt: skip
         if not memory.fits:
             raise ValueError(memory.message())
-    # The checkpoints' store fails now, not at the first checkpoint after minutes of training.
-    store_of(settings).check_writable()
     store_options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
     corpus = resolve_corpus(params.corpus, settings)
     manifest = read_corpus_manifest(corpus, **store_options)
+    # The checkpoints' store fails now, not at the first checkpoint after minutes of training (and after
+    # the corpus: a refused launch leaves no folder behind).
+    store_of(settings).check_writable()
     from tasks.pretrain.stream import BatchPlan  # pyarrow: only once the manifest is read
 
     # BatchPlan raises for a batch that ranks cannot share, or a split too short for it.
