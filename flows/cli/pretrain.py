@@ -10,7 +10,7 @@ import typer
 
 from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, run_flow, user_errors
 from models.config import Recurrence
-from tasks.pretrain.config import LaunchSettings, PretrainParams, Sharding, TrainSettings, flag_errors
+from tasks.pretrain.config import PretrainParams, Sharding, flag_errors
 from tasks.settings import get_settings
 
 app = typer.Typer()
@@ -27,8 +27,8 @@ def run_pretrain(params: PretrainParams, *, show_progress: bool = True) -> dict[
     return run_flow(pretrain_flow, unit="step", show_progress=show_progress, params=params)
 
 
-# The stage's settings as flags, in this order: each is declared once, in tasks/pretrain/config.py.
-SETTINGS = ["corpus", "run", *TrainSettings.model_fields, *LaunchSettings.model_fields]
+# The stage's settings as flags: each is declared once, in tasks/pretrain/config.py.
+SETTINGS = list(PretrainParams.model_fields)
 
 
 @app.command(rich_help_panel=PANEL)

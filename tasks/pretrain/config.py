@@ -102,13 +102,21 @@ class LaunchSettings(BaseModel):
     # fmt: on
 
 
-class PretrainParams(TrainSettings, LaunchSettings):
-    """The pretraining stage's parameters: what the CLI's flags and the Prefect UI's form set."""
+class RunTarget(BaseModel):
+    """What a launch trains on, and the run it trains."""
+
+    model_config = ConfigDict(extra="forbid")
 
     corpus: str = Field(
         description="URI of the corpus manifest.json (printed by `corpus build`); newest: the last built."
     )
     run: str | None = Field(default=None, description="Run name; the same name resumes. [default: new]")
+
+
+# Fields in the order of the bases from the last: the corpus and run, the training, the launch (the
+# order of the Prefect form and of `pretrain --help`).
+class PretrainParams(LaunchSettings, TrainSettings, RunTarget):
+    """The pretraining stage's parameters: what the CLI's flags and the Prefect UI's form set."""
 
     @property
     def nproc_per_node(self) -> int:
