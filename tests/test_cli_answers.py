@@ -25,6 +25,7 @@ CASES = {
     ),
     "a bad choice": (["pretrain", "--corpus", "c", "--precision", "fp8"], 2, "fp8"),
     "a bad setting": (["pretrain", "--corpus", "c", "--batch-size", "0"], 2, "--batch-size"),
+    "an infinite lr": (["pretrain", "--corpus", "c", "--lr", "inf"], 2, "should be a finite number"),
     "an unknown preset": (["pretrain", "--corpus", "c", "--preset", "huge"], 2, "choose one of tiny"),
     "a missing corpus": (["pretrain", "--corpus", "/nonexistent/manifest.json"], 2, "no corpus manifest"),
     "status before anything ran": (["status"], 0, "no pipeline runs yet"),

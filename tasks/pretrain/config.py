@@ -49,7 +49,8 @@ class TrainSettings(BaseModel):
     """How the job trains: the model, the data's shape, the optimiser and its schedule, how often it
     reports, and how a step runs."""
 
-    model_config = ConfigDict(extra="forbid")
+    # A learning rate of inf trains NaNs to the end and exits 0: numbers are finite here or refused.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # One line a setting.
     # fmt: off
@@ -90,7 +91,7 @@ class LaunchSettings(BaseModel):
     """Where the job runs, how wide, and how often it is relaunched: none of it changes the weights (two
     ranks train the same model as one with the same global batch: tested)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # fmt: off
     launcher: LauncherName = Field(default="local", description="local (torchrun here), slurm or kubernetes.")
