@@ -60,11 +60,11 @@ from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
 from models.precision import PRECISION_NAMES, resolve_precision
+from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
 from tasks.pretrain.metrics import MEASURED_PEAKS, datasheet_flops
 from tasks.pretrain.step import optimizer_step
-from tasks.pretrain.train import TrainConfig
 from tasks.settings import get_settings
 
 # 3 epochs × 40 GB of Amazon reviews in 4 hours on 128 V100s: 120e9 / 14,400 s / 128 ≈ 65k chars/s.

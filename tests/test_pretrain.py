@@ -22,10 +22,11 @@ from train_helpers import job, run_job
 
 from models.mlstm import MLSTM, preset
 from tasks.pretrain.checkpoint import load_checkpoint, read_latest
+from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.metrics import peak_flops
 from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
-from tasks.pretrain.train import TrainConfig, Trainer, fit, lr_factor
+from tasks.pretrain.train import Trainer, fit, lr_factor
 from tasks.pretrain.world import World
 from tasks.settings import get_settings
 from tasks.store import LocalStore
