@@ -226,8 +226,8 @@ def test_no_credential_is_written_in_the_compose_file() -> None:
         for key, value in environment(service).items():
             if CREDENTIAL_KEY.search(key):
                 assert re.fullmatch(r"\$\{[^}]+\}", str(value)), f"{name}: {key} must come from infra/.env"
-    # A URL with a password: the password is a variable. Every variable set to a marker of its own, a
-    # password that is no marker was written here.
+    # A URL with a password: the password is a variable. With every variable set to a marker of its
+    # own, a password that is no marker is one typed into compose.yaml itself.
     markers = {name: f"marker-{name.lower()}" for name in env_example()}
     for where, value in strings(interpolated(compose(), markers)):
         for url in re.findall(r"\b[a-z][a-z0-9+.-]*://\S+", value):

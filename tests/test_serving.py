@@ -157,7 +157,7 @@ def test_the_printed_command_serves_and_refuses_bad_texts_by_row(server: str) ->
         assert refused.status_code == 400, (body, refused.text)
         assert message in refused.text, (body, refused.text)
 
-    # Refused before this change too: they stay 400s.
+    # A missing text column, no rows, a body that is not JSON: each a 400 as well.
     for body, raw in [
         ({"dataframe_records": [{"review": "fine"}]}, None),
         ({"dataframe_records": []}, None),
