@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from common import add_record_option, describe, machine, new_parser, record, say
 
-from tasks.transfer.probe import SOLVERS, ProbeResult, Solver, fit_probe
+from tasks.transfer.probe import ProbeResult, fit_probe
+from tasks.transfer.solvers import SOLVERS, Solver
 
 ROWS = {"sst": (6920, 872, 1821), "imdb": (22500, 2500, 25000)}
 # Issue 14: the 4096-wide SST-sized sweep in at most this long on a GPU.

@@ -16,8 +16,7 @@ from typer.testing import CliRunner
 
 from tasks.transfer.features import features_table
 from tasks.transfer.probe import DEFAULT_CS, ProbeResult, fit_probe
-from tasks.transfer.solvers import newton
-from tasks.transfer.solvers.fista import l1_logistic_path
+from tasks.transfer.solvers import Solver, fista, newton
 
 Data = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -99,9 +98,9 @@ def test_the_same_inputs_give_the_same_probe(
     assert again.intercept == fast.intercept and again.sweep == fast.sweep
 
 
-def test_every_C_converges(data: Data) -> None:
+def test_every_C_of_the_fista_path_converges(data: Data) -> None:
     X, y = data["train"]
-    points = list(l1_logistic_path(X, y, DEFAULT_CS))
+    points = list(fista.l1_logistic_path(X, y, DEFAULT_CS))
     assert [p.C for p in points] == list(DEFAULT_CS)
     assert all(p.converged for p in points), [(p.C, p.iterations) for p in points]
 
@@ -307,17 +306,16 @@ def real(shared_data: Path, one_thread: None) -> Data:
     return {"train": split("train", 2000), "dev": split("dev", 872), "test": split("test", 1000)}
 
 
-def _per_C(data: Data, solver: str) -> list[tuple[float, float]]:
+def _per_C(data: Data, solver: Solver) -> list[tuple[float, float]]:
     """(dev accuracy, test accuracy) of each C of the default sweep."""
-    from tasks.transfer.probe import _accuracy, _liblinear_path, _newton_path, _torch_path
+    from tasks.transfer.probe import _accuracy, solver_path
 
     X, y = data["train"]
-    path = {
-        "liblinear": lambda: _liblinear_path(X, y, DEFAULT_CS, 0),
-        "newton": lambda: _newton_path(X, y, DEFAULT_CS, "cpu"),
-        "torch": lambda: _torch_path(X, y, DEFAULT_CS, "cpu"),
-    }[solver]()
-    return [(_accuracy(w, b, *data["dev"]), _accuracy(w, b, *data["test"])) for w, b in path]
+    path = solver_path(solver, X, y, DEFAULT_CS)
+    return [
+        (_accuracy(p.coef, p.intercept, *data["dev"]), _accuracy(p.coef, p.intercept, *data["test"]))
+        for p in path
+    ]
 
 
 @pytest.mark.long  # trains a 128-unit mLSTM on the Amazon reviews: about 3 minutes on two cores

@@ -37,7 +37,8 @@ def probe(
     import torch
 
     from tasks.transfer.precomputed import probe_files
-    from tasks.transfer.probe import SOLVERS, SweepPoint
+    from tasks.transfer.probe import SweepPoint
+    from tasks.transfer.solvers import SOLVERS
 
     if solver not in SOLVERS:
         raise fail(f"--solver must be one of {', '.join(SOLVERS)}, got {solver!r}")

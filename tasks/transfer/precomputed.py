@@ -14,7 +14,8 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.store import split_object_uri
-from tasks.transfer.probe import DEFAULT_CS, ProbeResult, Solver, SweepPoint, fit_probe
+from tasks.transfer.probe import DEFAULT_CS, ProbeResult, SweepPoint, fit_probe
+from tasks.transfer.solvers import Solver
 
 SPLITS = ("train", "dev", "test")
 

@@ -16,27 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 from matplotlib.figure import Figure
 from sklearn.linear_model import LogisticRegression
 
 from models.classifier import probability
-from tasks.transfer.solvers import newton
-from tasks.transfer.solvers.fista import l1_logistic_path
+from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, fista, liblinear, newton
 
 # 2^-8 … 2^2: from a probe with no non-zero weight to one that overfits 4096 features on 25k reviews.
 DEFAULT_CS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 3))
-
-# liblinear's default of 100 Newton steps is short for raw, unscaled cell states at the large-C end.
-MAX_ITER = 1000
-
-# liblinear: the paper's solver, the reference. newton: the warm-started working-set proximal Newton
-# path of solvers/newton.py (BLAS threads or a GPU for the products). torch: the warm-started FISTA
-# path of solvers/fista.py. All three solve liblinear's objective, its intercept penalised too.
-Solver = Literal["liblinear", "newton", "torch"]
-SOLVERS: tuple[Solver, ...] = ("liblinear", "newton", "torch")
 
 
 @dataclass(frozen=True)
@@ -98,8 +87,8 @@ def fit_probe(
         Cs: inverse L1 strengths to try; swept in ascending order whatever the order given.
         seed: liblinear's random_state, so that the same inputs give the same probe.
         on_fit: called with each C's sweep point as soon as it is scored, for progress.
-        solver: ``liblinear`` (the reference), ``newton`` (warm-started proximal Newton path, see
-            solvers/newton.py) or ``torch`` (warm-started FISTA path, see solvers/fista.py).
+        solver: ``liblinear`` (the reference), ``newton`` (warm-started proximal Newton path) or
+            ``torch`` (warm-started FISTA path): one of ``tasks/transfer/solvers/``.
         device: where the newton and torch solvers run ("cpu", "cuda"); liblinear ignores it.
 
     Raises:
@@ -122,12 +111,8 @@ def fit_probe(
 
     sweep: list[SweepPoint] = []
     probes: list[tuple[np.ndarray, float]] = []  # (coef [H] float64, intercept) per C
-    fits = {
-        "liblinear": lambda: _liblinear_path(X_tr, y_tr, Cs, seed),
-        "newton": lambda: _newton_path(X_tr, y_tr, Cs, device),
-        "torch": lambda: _torch_path(X_tr, y_tr, Cs, device),
-    }[solver]()
-    for C, (coef_H, intercept) in zip(Cs, fits, strict=True):
+    for C, fit in zip(Cs, solver_path(solver, X_tr, y_tr, Cs, seed=seed, device=device), strict=True):
+        coef_H, intercept = fit.coef, fit.intercept
         point = SweepPoint(
             C=C,
             dev_accuracy=_accuracy(coef_H, intercept, X_dev, y_dev),
@@ -213,35 +198,13 @@ def plot_top_unit(result: ProbeResult, X: np.ndarray, y: np.ndarray, title: str)
     return fig
 
 
-def _l1_logistic(C: float, seed: int) -> LogisticRegression:
-    # l1_ratio=1 is pure L1; scikit-learn 1.8 deprecated penalty="l1" for it (FutureWarning).
-    # liblinear, as the paper's code used: exact coordinate descent whose only randomness is seeded,
-    # so a fit is reproducible, and fast on 25k × 4096 dense features without any rescaling, which
-    # saga would need to converge on raw cell states.
-    return LogisticRegression(C=C, l1_ratio=1.0, solver="liblinear", max_iter=MAX_ITER, random_state=seed)
-
-
-def _liblinear_path(
-    X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], seed: int
-) -> Iterator[tuple[np.ndarray, float]]:
-    # A generator, so each C's progress line comes as soon as its fit ends.
-    for C in Cs:
-        model = _l1_logistic(C, seed).fit(X, y)
-        yield model.coef_.ravel().astype(np.float64), float(model.intercept_.ravel()[0])
-
-
-def _torch_path(
-    X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], device: str
-) -> Iterator[tuple[np.ndarray, float]]:
-    for point in l1_logistic_path(X, y, Cs, device=device):
-        yield point.coef, point.intercept
-
-
-def _newton_path(
-    X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], device: str
-) -> Iterator[tuple[np.ndarray, float]]:
-    for point in newton.l1_logistic_path(X, y, Cs, device=device):
-        yield point.coef, point.intercept
+def solver_path(
+    solver: Solver, X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], *, seed: int = 0, device: str = "cpu"
+) -> Iterator[PathPoint]:
+    """The probe at each C of ``Cs`` (ascending) by ``solver``; liblinear takes ``seed``, the others ``device``."""
+    if solver == "liblinear":
+        return liblinear.l1_logistic_path(X, y, Cs, seed=seed)
+    return {"newton": newton, "torch": fista}[solver].l1_logistic_path(X, y, Cs, device=device)
 
 
 def _accuracy(coef_H: np.ndarray, intercept: float, X: np.ndarray, y: np.ndarray) -> float:

@@ -1,4 +1,4 @@
-"""An L1 logistic-regression path solver in PyTorch: the same problem as liblinear's, on CPU threads or a GPU.
+"""The ``torch`` solver: an L1 logistic-regression path by FISTA in PyTorch, on CPU threads or a GPU.
 
 For each C, ascending, it minimises liblinear's objective divided by C·N (same minimiser):
 
@@ -21,24 +21,14 @@ All work is dense matrix products, so torch's CPU threads or a CUDA device run i
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tasks.transfer.solvers import PathPoint
+
 TOL = 1e-3
 MAX_ITER = 3000
-
-
-@dataclass(frozen=True)
-class PathPoint:
-    """The probe at one C, in raw feature units: P(positive) = sigmoid(coef·x + intercept)."""
-
-    C: float
-    coef: np.ndarray  # float64 [H]
-    intercept: float
-    iterations: int
-    converged: bool
 
 
 def l1_logistic_path(

@@ -38,7 +38,7 @@ import numpy as np
 import scipy.linalg.blas
 import torch
 
-from tasks.transfer.solvers.fista import PathPoint
+from tasks.transfer.solvers import PathPoint
 
 TOL = 1e-3
 MAX_OUTER = 50
