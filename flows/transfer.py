@@ -22,6 +22,7 @@ from tasks.transfer.datasets import dataset_name
 from tasks.transfer.stage import (
     TransferParams,
     accuracy_on_test,
+    checkpoints_loaded_once,
     classifier_of,
     extract,
     probe,
@@ -114,6 +115,14 @@ def transfer(
             trained the checkpoint.
         lineage: Tags for the registered version beyond what the checkpoint's run records.
     """
+    # Each dataset's features and the registry read the one checkpoint (a pipeline's run, one scope).
+    with checkpoints_loaded_once():
+        return _probe_and_register(params, parent_run_id, lineage)
+
+
+def _probe_and_register(
+    params: TransferParams, parent_run_id: str | None, lineage: dict[str, str] | None
+) -> dict[str, Any]:
     settings = get_settings()
     extracted = [features_task(params, spec) for spec in params.datasets]
     checkpoint_run_id = extracted[0]["checkpoint_run_id"]

@@ -68,8 +68,8 @@ _loaded: contextvars.ContextVar[dict[str, Checkpoint] | None] = contextvars.Cont
 def checkpoints_loaded_once() -> Iterator[None]:
     """Within it, each checkpoint is read from the store once and kept (a pipeline run: the transfer's
     key, each dataset's features and the registry read the same one). A step's checkpoint never changes
-    once published, so a kept one is never stale; leaving the scope lets it go."""
-    token = _loaded.set({})
+    once published, so a kept one is never stale; leaving the outermost scope lets it go."""
+    token = _loaded.set(_loaded.get() if _loaded.get() is not None else {})  # an inner scope shares it
     try:
         yield
     finally:
