@@ -37,7 +37,7 @@ from tasks.pipeline import (
     transfer_params,
     transfer_record_key,
 )
-from tasks.pretrain.stage import read_corpus_manifest, resolve_corpus, run_result
+from tasks.pretrain.stage import read_corpus_manifest, resolve_corpus, result_of
 from tasks.settings import Settings, get_settings
 from tasks.store import store_of
 from tasks.sweep.engine import best_trial
@@ -191,10 +191,11 @@ def _pretrain(params: PipelineParams, settings: Settings, manifest_uri: str, run
     stage = stage.model_copy(update={"run": pretrain_run_name(stage, corpus_id, force=forced)})
     assert stage.run is not None
     # Already done? From the run's latest.json alone: the flow plans the job, once, when it runs.
-    skip = not forced and finished_run(store_of(settings), stage.run, stage.max_steps) is not None
-    if skip:
+    finished = None if forced else finished_run(store_of(settings), stage.run, stage.max_steps)
+    skip = finished is not None
+    if finished is not None:
         _skipped("pretrain")
-        done, flow_run_id = run_result(settings, stage.run), None
+        done, flow_run_id = result_of(stage.run, finished), None
     else:
         ran = pretrain(stage, parent_run_id=run_id, return_state=True)
         done, flow_run_id = ran.result(), _flow_run_id_of(ran)

@@ -198,17 +198,17 @@ def open_mlflow_run(
 
 def job_result(job: Job, settings: Settings) -> dict[str, Any]:
     """What the CLI prints: read from the run's ``latest.json``, which the job writes last."""
-    return run_result(settings, job.config.run_name, job.config.store)
-
-
-def run_result(settings: Settings, run: str, store_uri: str | None = None) -> dict[str, Any]:
-    """A training run's result as its ``latest.json`` says (in ``store_uri``, else the settings' store)."""
     from tasks.pretrain.checkpoint import read_latest
 
-    store = open_store(store_uri or settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
-    latest = read_latest(store, run)
+    store = open_store(job.config.store or settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
+    latest = read_latest(store, job.config.run_name)
     if latest is None:
-        raise LaunchError(f"run {run} ended without a checkpoint")
+        raise LaunchError(f"run {job.config.run_name} ended without a checkpoint")
+    return result_of(job.config.run_name, latest)
+
+
+def result_of(run: str, latest: dict[str, Any]) -> dict[str, Any]:
+    """A training run's result from its ``latest.json``, as the CLI and the pipeline show it."""
     return {
         "run": run,
         "run_id": latest.get("mlflow_run_id"),

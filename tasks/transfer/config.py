@@ -3,11 +3,10 @@ parameters check them without loading torch or scikit-learn."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tasks.transfer.datasets import declared_name
+from tasks.transfer.solvers import Solver
 
 
 class TransferParams(BaseModel):
@@ -38,7 +37,7 @@ class TransferParams(BaseModel):
         description="Also measure the TF-IDF + logistic-regression baseline on the same splits (cached "
         "in the store by dataset), shown beside the probe.",
     )
-    solver: Literal["liblinear", "newton", "torch"] = Field(
+    solver: Solver = Field(
         # newton solves the same objective as liblinear, 5-10x faster over the sweep (docs/transfer.md).
         default="newton",
         description="Probe solver: newton (proximal Newton), liblinear (the reference) or torch (FISTA); "
