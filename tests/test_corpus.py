@@ -351,3 +351,38 @@ def test_the_first_copy_in_source_and_line_order_is_the_one_kept(tmp_path: Path)
     assert same == ["a2"]  # a_5.json line 2: before its own line 3 (same cleaned text) and before b
     counts = {Path(s["uri"]).name: (s["kept"], s["duplicates"]) for s in manifest["sources"]}
     assert counts == {"a_5.json": (2, 1), "b_5.json": (1, 1)}
+
+
+def test_invalid_utf8_inside_a_review_is_rejected_and_every_shard_validates(tmp_path: Path) -> None:
+    """Guards: the JSON reader's fast path copies string bytes unchecked; a review holding raw bytes that
+    are not UTF-8 (tight or spaced) or a JSON-escaped lone surrogate is rejected with its line, the rest
+    kept, and every published shard passes pyarrow's full validation. The surrogate has a file of its
+    own: the fast reader refuses it, which would send its neighbours down the line-by-line path too."""
+
+    def review(text: bytes) -> bytes:
+        return b'{"reviewText": "' + text + b'", "overall": 4.0, "asin": "B1", "reviewerID": "R"}'
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = [
+        review(b"fine words here"),
+        review(b"bad bytes\xff\xfeinside"),
+        review(b"bad bytes \xff \xfe spaced"),
+    ]
+    (raw / "Bytes_5.json").write_bytes(b"\n".join(lines) + b"\n")
+    lines = [review(b"an escaped lone surrogate \\udcff here"), review(b"more fine words")]
+    (raw / "Escapes_5.json").write_bytes(b"\n".join(lines) + b"\n")
+    manifest = build([raw / "Bytes_5.json", raw / "Escapes_5.json"], tmp_path / "store", SMALL_SPLIT)
+    rows = rejected(tmp_path / "store", manifest)
+    assert [(Path(r["source"]).name, r["line"], r["reason"].split(":")[0]) for r in rows] == [
+        ("Bytes_5.json", 2, "undecodable bytes"),
+        ("Bytes_5.json", 3, "undecodable bytes"),
+        ("Escapes_5.json", 1, "undecodable text"),
+    ]
+    kept = [t for s in SPLITS for t in read_split(tmp_path / "store", manifest, s)["text"].to_pylist()]
+    assert sorted(kept) == sorted(clean_text(t) for t in ("fine words here", "more fine words"))
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            pa.ipc.open_file(corpus_dir(tmp_path / "store", manifest) / shard["path"]).read_all().validate(
+                full=True
+            )

@@ -406,7 +406,9 @@ def _write_shards(
                 # depend on how the work was cut), each made contiguous on its own (so memory
                 # holds one batch more, not one shard more).
                 for offset in range(0, part.num_rows, BATCH_ROWS):
-                    writer.write_table(part.slice(offset, BATCH_ROWS).combine_chunks())
+                    batch = part.slice(offset, BATCH_ROWS).combine_chunks()
+                    batch.validate(full=True)  # every reader downstream trusts a shard: none is written bad
+                    writer.write_table(batch)
             raw.flush()
             size, digest = sink.size, sink.sha256.hexdigest()
         shards.append(

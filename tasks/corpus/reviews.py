@@ -113,6 +113,12 @@ def _parse_fast(data: bytes, num_lines: int) -> pa.Table | None:
         return None
     if table.num_rows != num_lines:
         return None
+    try:
+        # The JSON reader copies a string's bytes as they are: invalid UTF-8 (raw bytes, an escaped lone
+        # surrogate) would reach the shards. Such a block goes line by line, where those lines are rejected.
+        table.validate(full=True)
+    except pa.ArrowInvalid:
+        return None
     return table
 
 
@@ -133,7 +139,11 @@ def _parse_slow(data: bytes, first_line: int, rejects: Rejects) -> tuple[pa.Tabl
         if isinstance(record, str):
             rejects.add(line_no, record, raw)
             continue
-        records.append(_coerce(record))
+        coerced = _coerce(record)
+        if unencodable := _not_utf8(coerced):
+            rejects.add(line_no, unencodable, raw)
+            continue
+        records.append(coerced)
         lines.append(line_no)
     table = pa.Table.from_pylist(records, schema=RAW_SCHEMA)
     return table, np.asarray(lines, dtype=np.int64)
@@ -155,6 +165,17 @@ def _loads(text: str) -> dict[str, object] | str:
     if not isinstance(record, dict):
         return f"not a JSON object (a {type(record).__name__})"
     return record
+
+
+def _not_utf8(record: dict[str, object]) -> str | None:
+    """Why a record's strings can't be UTF-8 (a JSON ``\\udXXX`` escape of a lone surrogate), or None."""
+    for name, value in record.items():
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as error:
+                return f"undecodable text: {name} holds a lone surrogate at character {error.start}"
+    return None
 
 
 def _coerce(record: dict[str, object]) -> dict[str, object]:
