@@ -20,10 +20,10 @@ from tasks.corpus.build import (
     parse_piece,
     plan_corpus,
     publish_manifest,
-    read_manifest,
     reduce_bucket,
     summary_of,
 )
+from tasks.corpus.manifest import read_manifest
 from tasks.corpus.sources import SourceError
 from tasks.settings import get_settings
 from tasks.store import store_of

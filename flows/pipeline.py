@@ -22,7 +22,8 @@ from flows.corpus import build_corpus
 from flows.pretrain import pretrain
 from flows.runtime import task_runner
 from flows.transfer import transfer
-from tasks.corpus.build import plan_corpus, read_manifest, summary_of
+from tasks.corpus.build import plan_corpus, summary_of
+from tasks.corpus.manifest import read_manifest
 from tasks.pipeline import (
     PipelineParams,
     StageRecord,

@@ -319,7 +319,9 @@ def open_store(uri: str, *, endpoint_url: str | None = None, max_attempts: int |
 
 def split_object_uri(uri: str, **kwargs: Any) -> tuple[Store, str]:
     """Split the URI of one object (a manifest, say) into its folder's store and the object's key."""
-    head, _, name = uri.rstrip("/").rpartition("/")
+    head, slash, name = uri.rstrip("/").rpartition("/")
+    if not slash and "://" not in uri:
+        head = "."  # a file in the working folder
     if not name or not head or head.endswith(":/"):
         raise StoreError(f"{uri!r} does not name an object inside a store")
     return open_store(head, **kwargs), name

@@ -118,7 +118,7 @@ def test_cli_errors_are_one_clear_line(cli_env: dict[str, str], tmp_path: Path) 
     bad_split = _cli("corpus", "build", str(tmp_path), "--split", "10:1", env=cli_env)
     assert bad_split.returncode == 2 and "--split" in bad_split.stderr
     manifest = _cli("corpus", "show", str(tmp_path / "manifest.json"), env=cli_env)
-    assert manifest.returncode == 2 and "no manifest at" in manifest.stderr
+    assert manifest.returncode == 2 and "no corpus manifest at" in manifest.stderr
 
 
 def test_settings_come_from_the_environment(cli_env: dict[str, str]) -> None:

@@ -317,7 +317,7 @@ def test_the_training_key_follows_what_changes_the_weights() -> None:
 
 
 def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:
-    from tasks.corpus.build import newest_manifest
+    from tasks.corpus.manifest import newest_manifest
     from tasks.pretrain.checkpoint import newest_checkpoint
     from tasks.store import open_store
 
@@ -334,7 +334,8 @@ def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:
         store.write_bytes(f"runs/{run}/checkpoints/step-0000001/meta.json", b"{}")
     assert newest_checkpoint(store) == "b"
     for corpus, created in (("x", "2026-05-01T00:00:00Z"), ("y", "2026-04-01T00:00:00Z")):
-        store.write_bytes(f"corpora/{corpus}/manifest.json", json.dumps({"created_at": created}).encode())
+        manifest = {"corpus_id": corpus, "created_at": created, "splits": {}, "sources": [], "totals": {}}
+        store.write_bytes(f"corpora/{corpus}/manifest.json", json.dumps(manifest).encode())
     assert newest_manifest(store) == store.url("corpora/x/manifest.json")
 
 

@@ -185,10 +185,15 @@ def test_split_object_uri(store: Store) -> None:
         assert (folder.bucket, folder.prefix) == (store.bucket, f"{S3_PREFIX}/corpora/abc")
 
 
-@pytest.mark.parametrize("uri", ["manifest.json", "s3://bucket", "s3://bucket/", "/"])
+@pytest.mark.parametrize("uri", ["s3://bucket", "s3://bucket/", "/"])
 def test_split_object_uri_needs_an_object(uri: str) -> None:
     with pytest.raises(StoreError, match="does not name an object"):
         split_object_uri(uri)
+
+
+def test_a_bare_file_name_is_an_object_in_the_working_folder() -> None:
+    store, key = split_object_uri("manifest.json")
+    assert isinstance(store, LocalStore) and store.url(key) == str(Path("manifest.json").resolve())
 
 
 # ---------------------------------------------------------------------------------------------

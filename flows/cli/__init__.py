@@ -6,11 +6,13 @@ A thin entry: each stage's commands live in a sub-app of their own module, mount
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated
 
 import typer
 
 from flows.cli import corpus, neuron, operate, pipeline, predict, pretrain, probe, sweep, transfer
+from flows.cli.common import fail, user_errors
 
 app = typer.Typer(
     name="mlstm-sentiment",
@@ -32,6 +34,7 @@ def _global_options(
     ] = False,
 ) -> None:
     """Quiet consoles by default: flow logs still reach the Prefect API (and its UI) in full."""
+    os.environ["MLSTM_CLI_VERBOSE"] = "1" if verbose else ""
     level = "INFO" if verbose else "WARNING"
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", level)
@@ -47,4 +50,11 @@ def main() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # MLflow prints a link to each run it ends on stdout, which --json keeps for the result alone.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    app()
+    try:
+        app()
+    except user_errors(OSError) as error:
+        # A bad input or an unreachable service that a command did not catch itself is still one line
+        # (an OSError names its file); --verbose shows the traceback.
+        if os.environ.get("MLSTM_CLI_VERBOSE"):
+            raise
+        sys.exit(fail(error).exit_code)

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from tasks.settings import get_settings
 
@@ -19,8 +21,16 @@ if TYPE_CHECKING:
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
+# Markup off by default: paths, reviews and messages are the user's text, and `[/]` or `[bold]` in them must
+# print as typed. Styled words are Rich Text objects (``styled``).
+err = Console(stderr=True, soft_wrap=True, markup=False)
+out = Console(soft_wrap=True, markup=False)
+
+
+def styled(text: str, style: str) -> Text:
+    """``text`` in ``style`` (``"bold green"``), to print or put in a table cell beside plain text."""
+    return Text(text, style=style)
+
 
 StoreOption = Annotated[
     str | None,
@@ -75,7 +85,8 @@ class RichSink:
     def stage(self, description: str, total: float) -> None:
         if self.task_id is not None:
             self.progress.update(self.task_id, completed=self.progress.tasks[self.task_id].total)
-        self.task_id = self.progress.add_task(description, total=total or 1)
+        # A bar's description is markup to Rich; a dataset's or file's name in it is the user's text.
+        self.task_id = self.progress.add_task(escape(description), total=total or 1)
 
     def advance(self, amount: float = 1) -> None:
         if self.task_id is not None:
@@ -85,12 +96,16 @@ class RichSink:
 def fail(problem: str | BaseException) -> typer.Exit:
     """Print one error line and return the exit to raise: ``raise fail(error) from None``."""
     message = problem if isinstance(problem, str) else _message(problem)
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(Text.assemble(("error:", "bold red"), f" {message}"), highlight=False)
     return typer.Exit(code=2)
 
 
 def _message(error: BaseException) -> str:
     """The one line a user sees for an expected failure; S3's own words get the setting to look at."""
+    if type(error).__name__ == "NoCredentialsError":  # botocore's: no retry would find them
+        return (
+            f"{error}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, for the object store"
+        )
     if isinstance(error, _loaded(_S3_ERRORS)):
         settings = get_settings()
         where = settings.s3_endpoint_url or "AWS S3"
@@ -98,7 +113,19 @@ def _message(error: BaseException) -> str:
             f"the object store ({where}) failed after {settings.s3_max_attempts} attempts per call: "
             f"{error} [MLSTM_S3_ENDPOINT_URL, MLSTM_S3_MAX_ATTEMPTS]"
         )
+    pydantic = sys.modules.get("pydantic_core")
+    if pydantic and isinstance(error, pydantic.ValidationError):
+        return invalid_settings(error)
     return str(error)
+
+
+def invalid_settings(error: Any) -> str:
+    """A pydantic ``ValidationError`` as one line naming each setting: ``split: …; max_workers: …``,
+    without pydantic's model name and web link."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in item['loc']) or 'settings'}: {item['msg'].removeprefix('Value error, ')}"
+        for item in error.errors()
+    )
 
 
 # What S3 says once botocore's and the task's retries are spent: an outage, a denied key.

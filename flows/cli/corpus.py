@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import RichSink, StoreOption, fail, out, progress_bar, user_errors
+from flows.cli.common import RichSink, StoreOption, fail, out, progress_bar, styled, user_errors
 from tasks.settings import TaskRunnerName, get_settings
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ def run_corpus_build(
     from flows.corpus import build_corpus
     from flows.runtime import prefect_api
     from flows.runtime import task_runner as make_task_runner
-    from tasks.corpus.build import plan_corpus, read_manifest, summary_of
+    from tasks.corpus.build import plan_corpus, summary_of
+    from tasks.corpus.manifest import read_manifest
     from tasks.corpus.sources import expand_sources
     from tasks.store import store_of
 
@@ -67,7 +68,7 @@ def corpus_build(
     piece_mb: Annotated[
         int, typer.Option(min=1, help="Plain files are parsed in pieces of this many MiB.")
     ] = 64,
-    workers: Annotated[int | None, typer.Option(help="Parallel workers. [default: CPU count]")] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="Parallel workers. [default: CPU count]")] = None,
     task_runner: Annotated[
         str | None, typer.Option(help="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]")
     ] = None,
@@ -97,24 +98,31 @@ def corpus_build(
         print(json.dumps(summary))
         return
     out.print(
-        f"[bold green]corpus {summary['corpus_id']}[/]: {summary['rows']:,} rows, "
-        f"{summary['duplicates']:,} duplicates removed, {summary['rejected']:,} rejected"
+        styled(f"corpus {summary['corpus_id']}", "bold green"),
+        f": {summary['rows']:,} rows, {summary['duplicates']:,} duplicates removed, "
+        f"{summary['rejected']:,} rejected",
+        sep="",
     )
     out.print(f"manifest: {summary['manifest_uri']}", highlight=False)
 
 
 def _load_manifest(uri: str) -> dict[str, Any]:
-    from tasks.store import split_object_uri
+    """The manifest at ``uri`` (or in the corpus folder ``uri``), or one line saying what is wrong."""
+    from tasks.corpus.manifest import load_manifest
 
-    settings = get_settings()
-    store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
-    if not store.exists(key):
-        raise fail(f"no manifest at {uri}")
-    return json.loads(store.read_bytes(key))
+    try:
+        return load_manifest(uri, endpoint_url=get_settings().s3_endpoint_url)[2]
+    except user_errors(OSError) as error:
+        raise fail(error) from None
+
+
+ManifestArgument = Annotated[
+    str, typer.Argument(help="URI of a corpus manifest.json (or the corpus folder holding it).")
+]
 
 
 @app.command("show")
-def corpus_show(manifest_uri: Annotated[str, typer.Argument(help="URI of a corpus manifest.json.")]) -> None:
+def corpus_show(manifest_uri: ManifestArgument) -> None:
     """Print a corpus's splits and per-source counts."""
     manifest = _load_manifest(manifest_uri)
     splits = Table(title=f"corpus {manifest['corpus_id']} · cleaning {manifest['cleaning']['name']}")
@@ -136,8 +144,8 @@ def corpus_show(manifest_uri: Annotated[str, typer.Argument(help="URI of a corpu
 
 @app.command("rejected")
 def corpus_rejected(
-    manifest_uri: Annotated[str, typer.Argument(help="URI of a corpus manifest.json.")],
-    limit: Annotated[int, typer.Option(help="Show at most this many.")] = 20,
+    manifest_uri: ManifestArgument,
+    limit: Annotated[int, typer.Option(min=0, help="Show at most this many.")] = 20,
 ) -> None:
     """List rejected records: source, line, reason and the start of the raw line."""
     import pyarrow as pa
@@ -164,11 +172,13 @@ def corpus_rejected(
 @app.command("sample")
 def corpus_sample(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the sample files into.")],
-    reviews: Annotated[int, typer.Option(help="About how many reviews.")] = 3000,
+    reviews: Annotated[int, typer.Option(min=30, max=10_000_000, help="About how many reviews.")] = 3000,
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same bytes).")] = 0,
 ) -> None:
     """Generate a small review sample in the real Amazon 2014, 2018 and 2023 formats."""
     from tasks.corpus.sample import write_sample
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise fail(f"{out_dir} is a file: give a folder to write the sample into")
     for path in write_sample(out_dir, num_reviews=reviews, seed=seed):
         out.print(str(path), highlight=False)

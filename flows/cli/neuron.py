@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from flows.cli.common import err, fail, load_registered, out, user_errors
+from flows.cli.common import err, fail, load_registered, out, styled, user_errors
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
@@ -204,5 +204,5 @@ def generate(
     err.print(f"{held if chosen is not None else 'no unit held'} · seed {seed}")
     for text, p in zip(texts, probabilities, strict=True):
         if p is not None:  # a checkpoint has no probe to score what it wrote
-            out.print(f"[{'green' if p >= 0.5 else 'red'}]P(positive) = {p:.3f}[/]")
+            out.print(styled(f"P(positive) = {p:.3f}", "green" if p >= 0.5 else "red"))
         out.print(text, markup=False, highlight=False)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.common import err, fail, out, user_errors
+from flows.cli.common import err, fail, out, styled, user_errors
 from flows.cli.pipeline import print_pipeline, run_pipeline
 from tasks.settings import Settings, get_settings
 
@@ -36,7 +36,7 @@ def demo(
     from tasks.transfer.serve import invoke, serve_command, served
 
     settings = get_settings()
-    err.print(f"[bold]mlstm-sentiment demo[/] · home {settings.home.resolve()}")
+    err.print(styled("mlstm-sentiment demo", "bold"), f"· home {settings.home.resolve()}")
     sample = write_sample(settings.home / "sample", num_reviews=reviews)
     labelled = write_labelled_sample(settings.home / "sample-labelled")
     err.print(
@@ -70,7 +70,7 @@ def demo(
         raise fail(error) from None
     for text, prediction in zip((DEMO_POSITIVE, DEMO_NEGATIVE), predictions, strict=True):
         color = "green" if prediction["label"] == "positive" else "red"
-        out.print(f"  [{color}]{prediction['label']:>8}[/] {prediction['probability']:.3f}  {text}")
+        out.print(" ", styled(f"{prediction['label']:>8}", color), f"{prediction['probability']:.3f}  {text}")
     out.print("\nLook at it:")
     out.print("  mlstm-sentiment status            # pipeline runs, their stages and models", highlight=False)
     for line in _where_to_look(settings, result["run_id"]):

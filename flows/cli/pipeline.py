@@ -8,7 +8,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import JsonOption, SetOption, check_datasets, err, fail, out, run_flow, user_errors
+from flows.cli.common import (
+    JsonOption,
+    SetOption,
+    check_datasets,
+    err,
+    fail,
+    out,
+    run_flow,
+    styled,
+    user_errors,
+)
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
@@ -81,6 +91,16 @@ def pipeline_command(
     print_pipeline(result, as_json=as_json)
 
 
+def _trained(result: dict[str, Any]) -> str:
+    """The pretrain stage's line: a val split shorter than one batch row leaves no val bpc."""
+    val = (
+        "no val bpc (val split too short)"
+        if result["val_bpc"] is None
+        else f"val {result['val_bpc']:.2f} bits/byte"
+    )
+    return f"step {result['steps']:,}, {val}"
+
+
 def print_pipeline(result: dict[str, Any], *, as_json: bool) -> None:
     """A pipeline run's stages and outputs: a table, or one JSON object on stdout."""
     if as_json:
@@ -95,7 +115,7 @@ def print_pipeline(result: dict[str, Any], *, as_json: bool) -> None:
         table.add_column(column, no_wrap=column != "result")
     outputs = {
         "corpus": lambda r: f"{r['rows']:,} rows",
-        "pretrain": lambda r: f"step {r['steps']:,}, val {r['val_bpc']:.2f} bits/byte",
+        "pretrain": _trained,
         "transfer": lambda r: ", ".join(
             f"{n} test {v['test_accuracy']:.2%}" for n, v in r["datasets"].items()
         ),
@@ -103,7 +123,9 @@ def print_pipeline(result: dict[str, Any], *, as_json: bool) -> None:
     for stage, info in result["stages"].items():
         color = {"ran": "green", "skipped": "cyan"}.get(info.get("state", ""), "red")
         output = outputs[stage](result[stage]) if stage in result else "-"
-        table.add_row(stage, f"[{color}]{info.get('state')}[/]", output, str(info.get("run_id") or "-")[:12])
+        table.add_row(
+            stage, styled(str(info.get("state")), color), output, str(info.get("run_id") or "-")[:12]
+        )
     out.print(table)
     if "corpus" in result:
         out.print(f"manifest: {result['corpus']['manifest_uri']}", highlight=False)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import fail, load_registered, out, user_errors
+from flows.cli.common import fail, load_registered, out, styled, user_errors
 
 if TYPE_CHECKING:
     from tasks.transfer.explain import Reading
@@ -88,7 +88,7 @@ def predict(
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for text, label, probability in rows:
         color = "green" if label == "positive" else "red"
-        table.add_row(f"[{color}]{label}[/]", f"{probability:.3f}", text[:200])
+        table.add_row(styled(label, color), f"{probability:.3f}", text[:200])
     out.print(table)
     if readings:
         from flows.cli.neuron import print_reading

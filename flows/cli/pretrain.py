@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, run_flow, user_errors
+from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, run_flow, styled, user_errors
 from models.config import Recurrence
 from tasks.pretrain.config import PretrainParams, Sharding, flag_errors
 from tasks.settings import get_settings
@@ -54,8 +54,10 @@ def pretrain(store: StoreOption = None, as_json: JsonOption = False, **settings:
         )
         return
     out.print(
-        f"[bold green]run {result['run']}[/]: step {result['steps']:,} of {result['total_steps']:,}, "
-        f"loss {result['final_loss']:.4f}, val bpc {result['val_bpc']}"
+        styled(f"run {result['run']}", "bold green"),
+        f": step {result['steps']:,} of {result['total_steps']:,}, "
+        f"loss {result['final_loss']:.4f}, val bpc {result['val_bpc']}",
+        sep="",
     )
     out.print(f"checkpoint: {result['checkpoint_uri']}", highlight=False)
     out.print(f"MLflow run: {result['run_id']}", highlight=False)

@@ -564,20 +564,6 @@ def build_in_process(plan: CorpusPlan, store: Store) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(store: Store, key: str) -> dict[str, Any]:
-    return json.loads(store.read_bytes(key))
-
-
-def newest_manifest(store: Store) -> str | None:
-    """The URI of the corpus published last in the store."""
-    newest: tuple[str, str] | None = None
-    for key in store.list("corpora"):
-        if key.endswith("/manifest.json") and key.count("/") == 2:
-            candidate = (json.loads(store.read_bytes(key))["created_at"], store.url(key))
-            newest = max(newest, candidate) if newest else candidate
-    return newest[1] if newest else None
-
-
 def summary_of(manifest: dict[str, Any], manifest_uri: str) -> dict[str, Any]:
     """What ``corpus build --json`` prints."""
     totals = manifest["totals"]

@@ -8,7 +8,6 @@ any process starts, with a message that says what to change.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -20,12 +19,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from models.config import PRESETS
+from tasks.corpus.manifest import ManifestError, NoManifest, check_shards, load_manifest
 from tasks.pretrain import joblog
 from tasks.pretrain.config import LauncherName, PretrainParams, TrainConfig, TrainSettings, flag_errors
 from tasks.pretrain.launchers.base import JobError, JobHandle, JobSpec, JobState, Launcher, LaunchError
 from tasks.pretrain.memory import plan as plan_memory
 from tasks.settings import Settings
-from tasks.store import StoreError, open_store, split_object_uri, store_of
+from tasks.store import StoreError, open_store, store_of
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def resolve_corpus(uri: str, settings: Settings) -> str:
     """``newest`` is the corpus published last in the store; any other URI is itself."""
     if uri != "newest":
         return uri
-    from tasks.corpus.build import newest_manifest
+    from tasks.corpus.manifest import newest_manifest
 
     found = newest_manifest(store_of(settings))
     if found is None:
@@ -116,18 +116,20 @@ def resolve_corpus(uri: str, settings: Settings) -> str:
 
 
 def read_corpus_manifest(uri: str, **store_options: Any) -> dict[str, Any]:
+    """The corpus's manifest, with every train and val shard it names in the store: a job that would
+    fail on a missing file is refused here, once, not launched and retried."""
     try:
-        store, key = split_object_uri(uri, **store_options)
-        if not store.exists(key):
-            raise StoreError("missing")
-        manifest = json.loads(store.read_bytes(key))
-    except (StoreError, json.JSONDecodeError, OSError):
+        store, key, manifest = load_manifest(uri, **store_options)
+        if "train" not in manifest["splits"]:
+            raise ManifestError("the manifest has no train split")
+        check_shards(store, key, manifest, ("train", "val"))
+    except (NoManifest, StoreError, OSError):
         raise ValueError(
             f"--corpus {uri}: no corpus manifest there; pass the manifest_uri that "
             "`mlstm-sentiment corpus build` printed (…/corpora/<id>/manifest.json)"
         ) from None
-    if "train" not in manifest.get("splits", {}):
-        raise ValueError(f"--corpus {uri}: the manifest has no train split")
+    except ManifestError as error:
+        raise ValueError(f"--corpus {uri}: {error}") from None
     return manifest
 
 

@@ -1,0 +1,140 @@
+"""Bad input, as a user types it: one line naming what to fix, exit 2, no traceback, nothing half-made.
+
+Each case runs the installed CLI in a fresh home and working folder, as a user would. A case is the
+arguments (``{dir}`` is the working folder, which ``setup`` fills), and a phrase the answer must hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from corpus_helpers import build
+
+from tasks.corpus.sample import write_sample
+
+
+def _files(folder: Path) -> None:
+    (folder / "corpus").mkdir()
+    (folder / "words.json").write_text("not json at all\n")
+    (folder / "other.json").write_text(json.dumps({"name": "a JSON file, not a manifest"}))
+    (folder / "binary.json").write_bytes(bytes(range(256)))
+    (folder / "a-file").write_text("")
+
+
+def _copied_manifest(folder: Path) -> None:
+    """A corpus's manifest copied out of its store (MLflow keeps such a copy as an artifact)."""
+    manifest = build(write_sample(folder / "raw", num_reviews=60), folder / "store")
+    source = folder / "store" / "corpora" / manifest["corpus_id"] / "manifest.json"
+    (folder / "elsewhere").mkdir()
+    shutil.copy(source, folder / "elsewhere" / "manifest.json")
+
+
+def _lost_shard(folder: Path) -> None:
+    """A corpus in its store with one train shard gone (a half-finished copy, a cleanup gone wrong)."""
+    manifest = build(write_sample(folder / "raw", num_reviews=60), folder / "store")
+    corpus = (folder / "store" / "corpora" / manifest["corpus_id"]).rename(
+        folder / "store" / "corpora" / "lost"
+    )
+    (corpus / manifest["splits"]["train"]["shards"][0]["path"]).unlink()
+
+
+Setup = Callable[[Path], None]
+# name: (arguments, phrase the answer holds, setup)
+CASES: dict[str, tuple[list[str], str, Setup | None]] = {
+    "show a folder": (["corpus", "show", "{dir}/corpus"], "is a folder without a manifest.json", _files),
+    "show a non-JSON file": (
+        ["corpus", "show", "{dir}/words.json"],
+        "words.json is not a corpus manifest",
+        _files,
+    ),
+    "show another JSON file": (["corpus", "show", "{dir}/other.json"], "it has no corpus_id", _files),
+    "show a binary file": (
+        ["corpus", "show", "{dir}/binary.json"],
+        "binary.json is not a corpus manifest",
+        _files,
+    ),
+    "show from S3 without credentials": (
+        ["corpus", "show", "s3://no-such-bucket/corpora/x/manifest.json"],
+        "set AWS_ACCESS_KEY_ID",
+        None,
+    ),
+    "rejected with a negative limit": (
+        ["corpus", "rejected", "--limit", "-5", "{dir}/m.json"],
+        "'--limit'",
+        None,
+    ),
+    "sample a negative count": (["corpus", "sample", "--reviews", "-1", "{dir}/out"], "'--reviews'", None),
+    "sample into a file": (["corpus", "sample", "{dir}/a-file"], "a-file is a file", _files),
+    "build with an empty split": (["corpus", "build", "{dir}/corpus", "--split", "0:0:0"], "split: ", _files),
+    "build with no workers": (["corpus", "build", "{dir}/corpus", "--workers", "0"], "'--workers'", _files),
+    "build from a path with markup": (["corpus", "build", "{dir}/no[/]such"], "no[/]such", None),
+    "pretrain on a manifest out of its store": (
+        ["pretrain", "--corpus", "{dir}/elsewhere/manifest.json"],
+        "names train shard",
+        _copied_manifest,
+    ),
+    "pretrain on a corpus missing a shard": (
+        ["pretrain", "--corpus", "{dir}/store/corpora/lost"],  # its folder stands for its manifest
+        "names train shard",
+        _lost_shard,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_refused_in_one_line(case: str, tmp_path: Path) -> None:
+    arguments, phrase, setup = CASES[case]
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    if setup:
+        setup(work)
+    before = sorted(p.relative_to(work) for p in work.rglob("*"))
+    env = {**os.environ, "MLSTM_HOME": str(home), "COLUMNS": "400"}
+    # No credentials anywhere, and no instance metadata service to wait for.
+    env |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
+    env |= {"AWS_EC2_METADATA_DISABLED": "true", "MLSTM_S3_MAX_ATTEMPTS": "1"}
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "MLSTM_STORE_URI"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-c", "from flows.cli import main; main()"]
+        + [a.replace("{dir}", str(work)) for a in arguments],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert phrase in said, said
+    assert "Traceback" not in said and "pydantic.dev" not in said, said
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    if lines[0].startswith("error:"):  # ours; the flag parser's own refusals are its framed message
+        assert len(lines) == 1, said
+    assert sorted(p.relative_to(work) for p in work.rglob("*")) == before  # nothing made or left
+
+
+def test_a_pipeline_that_trained_without_validation_prints_its_result(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A val split shorter than one batch row leaves val_bpc None; the run's result still prints, and a
+    path's brackets print as typed."""
+    from flows.cli.pipeline import print_pipeline
+
+    result = {
+        "run_id": "r1",
+        "stages": {"corpus": {"state": "ran", "run_id": "c"}, "pretrain": {"state": "ran", "run_id": "p"}},
+        "corpus": {"rows": 10, "manifest_uri": "/data/[bold]x[/bold]/manifest.json"},
+        "pretrain": {"steps": 20, "val_bpc": None, "checkpoint_uri": "/store/ckpt"},
+    }
+    print_pipeline(result, as_json=False)
+    shown = capsys.readouterr().out
+    assert "step 20, no val bpc (val split too short)" in shown
+    assert "/data/[bold]x[/bold]/manifest.json" in shown
