@@ -16,6 +16,7 @@ from flows.runtime import check_cluster
 from tasks.corpus.build import (
     BucketResult,
     CorpusConfig,
+    CorpusPlan,
     build_manifest,
     parse_piece,
     plan_corpus,
@@ -23,10 +24,11 @@ from tasks.corpus.build import (
     reduce_bucket,
     summary_of,
 )
+from tasks.corpus.lock import BuildLock, building
 from tasks.corpus.manifest import read_manifest
 from tasks.corpus.sources import SourceError
-from tasks.settings import get_settings
-from tasks.store import store_of
+from tasks.settings import Settings, get_settings
+from tasks.store import Store, store_of
 from tasks.tracking import experiment_id, log_corpus, run_link
 
 # Prefect tasks: the plain work of tasks.corpus.build, with retries for what is worth retrying
@@ -91,9 +93,24 @@ def build_corpus(
         s3_endpoint_url=settings.s3_endpoint_url,
         cache_path=settings.home / "cache" / "fingerprints.json",
     )
-    if target.exists(plan.manifest_key) and not force:
-        logger.info("corpus %s is already built: %s", plan.corpus_id, target.url(plan.manifest_key))
-        return summary_of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+    with building(target, plan.prefix, plan.corpus_id) as lock:  # one build of a corpus at a time
+        if target.exists(plan.manifest_key) and not force:
+            target.delete_prefix(plan.work_key())  # what a build killed as it published left
+            logger.info("corpus %s is already built: %s", plan.corpus_id, target.url(plan.manifest_key))
+            return summary_of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+        return _build(plan, target, settings, lock, started, parent_run_id)
+
+
+def _build(
+    plan: CorpusPlan,
+    target: Store,
+    settings: Settings,
+    lock: BuildLock,
+    started: float,
+    parent_run_id: str | None,
+) -> dict[str, Any]:
+    """Parse every piece, reduce every bucket, publish: the build itself, under its lock."""
+    logger = get_run_logger()
     logger.info(
         "corpus %s: %d sources, %d pieces, %d buckets",
         plan.corpus_id,
@@ -111,6 +128,7 @@ def build_corpus(
         result = future.result()
         pieces.append(result)
         sink.advance(sizes[result.piece_id])
+        lock.refresh()
 
     sink.stage("dedupe + write shards", total=plan.num_buckets)
     buckets: list[BucketResult] = []
@@ -118,6 +136,7 @@ def build_corpus(
     for reduced_future in as_completed(reduced):
         buckets.append(reduced_future.result())
         sink.advance(1)
+        lock.refresh()
 
     manifest = build_manifest(plan, target, pieces, buckets)
     manifest_uri = publish_manifest(plan, target, manifest)

@@ -55,6 +55,11 @@ class Store(ABC):
     def delete_prefix(self, prefix: str) -> None: ...
 
     @abstractmethod
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``data`` at ``key`` only if nothing is there, atomically against other writers: whether
+        this call wrote it (a lock's claim)."""
+
+    @abstractmethod
     def _publish(self, local: Path, key: str) -> None:
         """Make a finished local file visible at ``key``; the local file is consumed."""
 
@@ -140,6 +145,17 @@ class LocalStore(Store):
             if p.is_file() and not p.name.startswith(".tmp-")
         )
 
+    def create(self, key: str, data: bytes) -> bool:
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            return False
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        return True
+
     def delete_prefix(self, prefix: str) -> None:
         target = self.path(prefix)
         if target.is_dir():
@@ -223,6 +239,20 @@ class S3Store(Store):
 
     def open_read(self, key: str) -> IO[bytes]:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+
+    def create(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:  # S3's conditional write: refused when the key exists, or while another such write runs
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in (
+                "PreconditionFailed",
+                "ConditionalRequestConflict",
+            ):
+                return False
+            raise
+        return True
 
     def list(self, prefix: str) -> list[str]:
         full = self._key(prefix)

@@ -17,6 +17,7 @@ from corpus_helpers import build, corpus_dir, read_split, rejected, saved_manife
 from models.text import clean_text
 from tasks.corpus.build import SPLITS, CorpusConfig, plan_corpus, split_of, text_keys
 from tasks.corpus.reviews import CORPUS_SCHEMA
+from tasks.corpus.sample import write_sample
 from tasks.corpus.sources import SourceError
 
 SMALL_SPLIT = CorpusConfig(split=(98, 1, 1))
@@ -386,3 +387,32 @@ def test_invalid_utf8_inside_a_review_is_rejected_and_every_shard_validates(tmp_
             pa.ipc.open_file(corpus_dir(tmp_path / "store", manifest) / shard["path"]).read_all().validate(
                 full=True
             )
+
+
+def test_one_build_of_a_corpus_at_a_time_and_a_dead_builds_lock_is_taken_over(tmp_path: Path) -> None:
+    """Guards: a second build of the same corpus into one store, while the first runs, is refused naming
+    the first (and touches nothing); a lock left by a killed build is taken over and the build finishes."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tasks.corpus.lock import BuildInProgress
+
+    sources = write_sample(tmp_path / "raw", num_reviews=60)
+    plan = plan_corpus([str(s) for s in sources], SMALL_SPLIT)
+    lock = tmp_path / "store" / plan.prefix / "_lock.json"
+    lock.parent.mkdir(parents=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"host": socket.gethostname(), "pid": alive.pid, "started_at": time.time()}
+        lock.write_text(json.dumps({**record, "refreshed_at": time.time()}))
+        with pytest.raises(BuildInProgress, match=f"being built by process {alive.pid} on "):
+            build(sources, tmp_path / "store", SMALL_SPLIT)
+        assert sorted(p.name for p in lock.parent.iterdir()) == ["_lock.json"]  # nothing of its own
+    finally:
+        alive.kill()
+        alive.wait()
+    manifest = build(sources, tmp_path / "store", SMALL_SPLIT)  # the holder is gone: taken over
+    assert manifest["corpus_id"] == plan.corpus_id and not lock.exists()
+    assert not (lock.parent / "_work").exists()

@@ -335,3 +335,10 @@ def test_s3_store_gives_up_after_max_attempts(s3_bucket: str, fault_proxy: Calla
         store.read_bytes("object.bin")
     assert len(proxy.seen) == 3
     assert all(status == 500 for _, _, status in proxy.seen)
+
+
+def test_create_writes_only_where_nothing_is(store: Store) -> None:
+    """A lock's claim: the first create wins, the second is refused and leaves the first's bytes."""
+    assert store.create("corpora/abc/_lock.json", b"first")
+    assert not store.create("corpora/abc/_lock.json", b"second")
+    assert store.read_bytes("corpora/abc/_lock.json") == b"first"

@@ -33,6 +33,7 @@ import xxhash
 
 from models.text import CLEANING, CLEANING_DESCRIPTION, END_PAD, FRONT_PAD
 from tasks.corpus.config import CorpusConfig
+from tasks.corpus.lock import building
 from tasks.corpus.reviews import (
     CORPUS_SCHEMA,
     Rejects,
@@ -557,10 +558,11 @@ def publish_manifest(plan: CorpusPlan, store: Store, manifest: dict[str, Any]) -
 def build_in_process(plan: CorpusPlan, store: Store) -> dict[str, Any]:
     """The corpus of a plan built and published in this process, piece after piece, without Prefect (a
     machine with no Prefect, a test); its manifest. The flow runs the same steps on a task runner."""
-    pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
-    buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
-    manifest = build_manifest(plan, store, pieces, buckets)
-    publish_manifest(plan, store, manifest)
+    with building(store, plan.prefix, plan.corpus_id):
+        pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
+        buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
+        manifest = build_manifest(plan, store, pieces, buckets)
+        publish_manifest(plan, store, manifest)
     return manifest
 
 
