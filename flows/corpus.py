@@ -27,6 +27,7 @@ from tasks.corpus.build import (
 from tasks.corpus.lock import BuildLock, building
 from tasks.corpus.manifest import read_manifest
 from tasks.corpus.sources import SourceError
+from tasks.secrets import hide
 from tasks.settings import Settings, get_settings
 from tasks.store import Store, store_of
 from tasks.tracking import experiment_id, log_corpus, run_link
@@ -82,6 +83,7 @@ def build_corpus(
     """
     settings = get_settings(store_uri=store)
     config = config or CorpusConfig()
+    sources = [hide(source) for source in sources]  # a deployment's parameters may hold credentials
     logger = get_run_logger()
     started = time.perf_counter()
     target = store_of(settings)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 from prefect.runtime import flow_run
 
@@ -19,8 +20,12 @@ def _get(value: Any, key: str, default: Any = None) -> Any:
 
 
 def _leaf(uri: str) -> str:
-    """The last meaningful part of a path or URI: ``…/reviews/*.json.gz`` → ``reviews``."""
-    parts = [p for p in PurePosixPath(uri.split("://", 1)[-1]).parts if p not in ("/", "") and "*" not in p]
+    """The last meaningful part of a path or URI: ``…/reviews/*.json.gz`` → ``reviews``; a URL's host and
+    path only (its user-info and query may hold credentials)."""
+    if "://" in uri:
+        split = urlsplit(uri)
+        uri = split.netloc.rpartition("@")[2] + split.path
+    parts = [p for p in PurePosixPath(uri).parts if p not in ("/", "") and "*" not in p]
     return parts[-1] if parts else uri
 
 

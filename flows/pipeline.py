@@ -88,7 +88,7 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
     metrics: dict[str, float] = {}
     get_run_logger().info(
         "stages %s (forced: %s); MLflow parent run %s at %s",
-        ", ".join(params.stages), ", ".join(params.force) or "none", run_id, settings.resolved_mlflow_tracking_uri,
+        ", ".join(params.stages), ", ".join(params.force) or "none", run_id, settings.shown_mlflow_tracking_uri,
     )  # fmt: skip
     try:
         # A run reads each checkpoint from the store once: the transfer's key, features and registry share it.

@@ -35,7 +35,8 @@ def prefect_api(settings: Settings) -> Iterator[str]:
 
     One temporary server is shared by this process and every worker process it starts (through
     PREFECT_API_URL), and it is drained and stopped cleanly at the end. Its runs are kept in
-    Prefect's local database, so ``prefect server start`` shows them afterwards.
+    Prefect's local database (``$MLSTM_HOME/prefect`` unless the user has a PREFECT_HOME), so
+    ``prefect server start`` with that PREFECT_HOME shows them afterwards.
     """
     import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings

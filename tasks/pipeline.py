@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.corpus.config import CorpusConfig
 from tasks.pretrain.config import PretrainParams, weight_settings
+from tasks.secrets import hide
 from tasks.settings import Settings
 from tasks.store import Store
 from tasks.transfer.config import TransferParams
@@ -74,6 +75,12 @@ class PipelineParams(BaseModel):
         description="A sweep id: its best trial's checkpoint is the one probed and registered "
         "(the pretraining stage does not run).",
     )
+
+    @field_validator("sources")
+    @classmethod
+    def _hide_credentials(cls, sources: list[str]) -> list[str]:
+        """A source URL's credentials never reach the run's parameters, records or names."""
+        return [hide(source) for source in sources]
 
     @model_validator(mode="after")
     def _inputs_are_known(self) -> PipelineParams:
@@ -326,7 +333,7 @@ def pipeline_params_of(run_id: str, settings: Settings) -> tuple[dict[str, Any],
         run = client.get_run(run_id)
     except MlflowException as error:
         raise ValueError(
-            f"--from {run_id}: no such MLflow run at {settings.resolved_mlflow_tracking_uri}"
+            f"--from {run_id}: no such MLflow run at {settings.shown_mlflow_tracking_uri}"
         ) from error
     if run.data.tags.get("stage") != "pipeline":
         raise ValueError(

@@ -130,6 +130,14 @@ class Settings(BaseSettings):
     def resolved_mlflow_registry_uri(self) -> str:
         return self.mlflow_registry_uri_source[0]
 
+    @cached_property
+    def shown_mlflow_tracking_uri(self) -> str:
+        """The tracking URI as printed, logged and linked: a password in it (Postgres, a server behind
+        basic auth) stays in the environment."""
+        from tasks.secrets import redact
+
+        return redact(self.resolved_mlflow_tracking_uri)
+
 
 def get_settings(**overrides: object) -> Settings:
     """Read the settings from the environment, with explicit overrides (CLI flags) on top."""

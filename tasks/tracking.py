@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from tasks.secrets import redact, redact_text
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ def check_server(uri: str, setting: str = "MLSTM_MLFLOW_TRACKING_URI") -> None:
         httpx.get(f"{uri.rstrip('/')}/health", timeout=10).raise_for_status()
     except httpx.HTTPError as error:
         raise TrackingUnavailable(
-            f"the MLflow tracking server at {uri} does not answer ({error}); start it, or fix {setting}"
+            f"the MLflow tracking server at {redact(uri)} does not answer ({redact_text(str(error))}); "
+            f"start it, or fix {setting}"
         ) from error
 
 
@@ -99,7 +101,7 @@ def find_run(settings: Settings, tags: dict[str, str]) -> Any | None:
 
 def ui_base(settings: Settings) -> str | None:
     """Where the MLflow UI is: the tracking server itself, or None for a local database."""
-    uri = settings.resolved_mlflow_tracking_uri
+    uri = settings.shown_mlflow_tracking_uri
     return uri.rstrip("/") if uri.startswith(("http://", "https://")) else None
 
 
@@ -107,7 +109,7 @@ def run_link(settings: Settings, experiment_id: str, run_id: str) -> str:
     """A markdown link to a run in the MLflow UI, or how to open it when MLflow is a local file."""
     base = ui_base(settings)
     if base is None:
-        return f"`{run_id}` (`mlflow ui --backend-store-uri {settings.resolved_mlflow_tracking_uri}`)"
+        return f"`{run_id}` (`mlflow ui --backend-store-uri {settings.shown_mlflow_tracking_uri}`)"
     return f"[{run_id}]({base}/#/experiments/{experiment_id}/runs/{run_id})"
 
 
@@ -160,7 +162,7 @@ def start_tracking(settings: Settings, *, run_id: str | None, run_name: str, tag
         log.warning(
             "MLflow run %s is not at %s: logging into a new run tagged resumed_from_run_id",
             run_id,
-            settings.resolved_mlflow_tracking_uri,
+            settings.shown_mlflow_tracking_uri,
         )
         tags = {**tags, "resumed_from_run_id": run_id}
         run_id = None

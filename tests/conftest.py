@@ -295,7 +295,14 @@ def http_root() -> Iterator[tuple[str, Path]]:
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real MLflow tracking server and model registry on loopback (SQLite, local artifacts)."""
-    root = tmp_path_factory.mktemp("mlflow-server")
+    with mlflow_server_in(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def mlflow_server_in(root: Path) -> Iterator[str]:
+    """An MLflow server whose database, artifacts and log are in ``root``; its URL."""
+    root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job workers on 2 cores
     command = [

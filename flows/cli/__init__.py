@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from flows.cli import corpus, neuron, operate, pipeline, predict, pretrain, probe, sweep, transfer
 from flows.cli.common import fail, user_errors
+from tasks.settings import get_settings
 
 app = typer.Typer(
     name="mlstm-sentiment",
@@ -44,6 +46,16 @@ def _global_options(
         )
 
 
+def _prefect_home_in_ours() -> None:
+    """The temporary Prefect API keeps its database (flow-run parameters, names, logs) in MLSTM_HOME, as
+    MLflow's is, not in one ~/.prefect shared by every home; a user's own PREFECT_HOME or API is kept, and
+    so is their profile (a `prefect config set` there still applies)."""
+    if os.environ.get("PREFECT_HOME") or os.environ.get("PREFECT_API_URL"):
+        return
+    os.environ.setdefault("PREFECT_PROFILES_PATH", str(Path.home() / ".prefect" / "profiles.toml"))
+    os.environ["PREFECT_HOME"] = str(get_settings().home / "prefect")
+
+
 def main() -> None:
     # This machine's own tools need no phoning home; users can still turn either back on.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -51,6 +63,7 @@ def main() -> None:
     # MLflow prints a link to each run it ends on stdout, which --json keeps for the result alone.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:
+        _prefect_home_in_ours()
         app()
     except user_errors(OSError) as error:
         # A bad input or an unreachable service that a command did not catch itself is still one line

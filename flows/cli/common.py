@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from tasks.secrets import redact_text
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ class RichSink:
 
 def fail(problem: str | BaseException) -> typer.Exit:
     """Print one error line and return the exit to raise: ``raise fail(error) from None``."""
-    message = problem if isinstance(problem, str) else _message(problem)
+    # A library's message may quote a URI with its password (a database, a signed URL): never printed.
+    message = redact_text(problem if isinstance(problem, str) else _message(problem))
     err.print(Text.assemble(("error:", "bold red"), f" {message}"), highlight=False)
     return typer.Exit(code=2)
 
@@ -202,6 +204,4 @@ def load_registered(model: str | None) -> tuple[Any, str]:
     try:
         return mlflow.pyfunc.load_model(uri), uri
     except MlflowException as error:
-        raise fail(
-            f"cannot load {uri} from {settings.resolved_mlflow_tracking_uri}: {error.message}"
-        ) from None
+        raise fail(f"cannot load {uri} from {settings.shown_mlflow_tracking_uri}: {error.message}") from None

@@ -36,9 +36,11 @@ def run_corpus_build(
     from tasks.corpus.build import plan_corpus, summary_of
     from tasks.corpus.manifest import read_manifest
     from tasks.corpus.sources import expand_sources
+    from tasks.secrets import hide
     from tasks.store import store_of
 
     settings = get_settings(store_uri=store, task_runner=task_runner, max_workers=workers)
+    sources = [hide(source) for source in sources]  # credentials reach the fetch, not the flow run's records
     target = store_of(settings)
     # A store that cannot be written fails now, not after every source is parsed.
     target.check_writable(create_bucket=create_bucket)

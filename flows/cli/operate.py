@@ -10,6 +10,7 @@ import typer
 
 from flows.cli.common import err, fail, out, styled, user_errors
 from flows.cli.pipeline import print_pipeline, run_pipeline
+from tasks.secrets import redact
 from tasks.settings import Settings, get_settings
 
 app = typer.Typer()
@@ -80,7 +81,7 @@ def demo(
         "  "
         + serve_command(
             model_uri,
-            settings.resolved_mlflow_tracking_uri,
+            settings.shown_mlflow_tracking_uri,
             registry_uri=settings.resolved_mlflow_registry_uri,
         ),
         highlight=False,
@@ -103,7 +104,7 @@ def _where_to_look(settings: Settings, run_id: str) -> list[str]:
     lines = [
         f"MLflow run: {mlflow_base}/#/experiments/{experiment}/runs/{run_id}"
         if mlflow_base
-        else f"mlflow ui --backend-store-uri {settings.resolved_mlflow_tracking_uri}   # run {run_id}"
+        else f"mlflow ui --backend-store-uri {settings.shown_mlflow_tracking_uri}   # run {run_id}"
     ]
     prefect_api = configured_api_url(settings)
     if prefect_api:
@@ -112,7 +113,8 @@ def _where_to_look(settings: Settings, run_id: str) -> list[str]:
         )
     else:
         lines.append(
-            f"prefect server start    # then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}: "
+            f"PREFECT_HOME={settings.home.resolve() / 'prefect'} prefect server start"
+            f"    # then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}: "
             "the flow run, its subflows and artifacts"
         )
     return lines
@@ -169,4 +171,5 @@ def show_settings() -> None:
     values["mlflow_tracking_uri_from"] = settings.mlflow_tracking_uri_source[1]
     values["resolved_mlflow_registry_uri"] = settings.resolved_mlflow_registry_uri
     values["mlflow_registry_uri_from"] = settings.mlflow_registry_uri_source[1]
-    print(json.dumps(values, indent=2))
+    # A URI's password is the user's to keep: shown redacted, like everywhere else.
+    print(json.dumps({k: redact(v) if isinstance(v, str) else v for k, v in values.items()}, indent=2))

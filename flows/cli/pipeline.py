@@ -238,7 +238,7 @@ def status(
     if nothing_tracked(settings):  # a fresh home: no need to load MLflow to say so
         if not as_json:
             err.print(
-                f"no pipeline runs yet ({settings.resolved_mlflow_tracking_uri}): `mlstm-sentiment demo` runs one"
+                f"no pipeline runs yet ({settings.shown_mlflow_tracking_uri}): `mlstm-sentiment demo` runs one"
             )
         return
     from tasks.pipeline import recent_pipelines
@@ -251,7 +251,7 @@ def status(
         for run in runs:
             print(json.dumps(run))
         return
-    table = Table(title=f"pipeline runs ({settings.resolved_mlflow_tracking_uri})")
+    table = Table(title=f"pipeline runs ({settings.shown_mlflow_tracking_uri})")
     for column in (
         "started (UTC)",
         "status",

@@ -212,7 +212,7 @@ def _print_transfer(result: dict[str, Any]) -> None:
         settings = get_settings()
         command = serve_command(
             registered["champion_uri"],
-            settings.resolved_mlflow_tracking_uri,
+            settings.shown_mlflow_tracking_uri,
             registry_uri=settings.resolved_mlflow_registry_uri,
         )
         out.print(f"serve it:  {command}", highlight=False, soft_wrap=True, markup=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
+from tasks.secrets import hide, reveal, scrub
 from tasks.store import MiB, S3Store
 
 REVIEW_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".ndjson", ".ndjson.gz")
@@ -82,8 +83,9 @@ def expand_sources(args: list[str], *, s3_endpoint_url: str | None = None) -> li
     for arg in args:
         scheme = urlparse(arg).scheme
         if scheme in ("http", "https"):
-            _check_http(arg)
-            found.append(arg)
+            shown = hide(arg)  # from here on, the URL without its credentials
+            _check_http(shown)
+            found.append(shown)
         elif scheme == "s3":
             found.extend(_expand_s3(arg, s3_endpoint_url))
         elif any(ch in arg for ch in "*?["):
@@ -124,12 +126,27 @@ def _http() -> Any:
     return urllib3.PoolManager(retries=retries, timeout=urllib3.Timeout(connect=10, read=120))
 
 
+def _get(url: str, headers: dict[str, str] | None = None, **options: Any) -> Any:
+    """GET a (possibly hidden) source URL with its real credentials: user-info as basic auth, which
+    urllib3 does not take from the URL itself."""
+    import urllib3
+
+    parts = urllib3.util.parse_url(reveal(url))
+    headers = dict(headers or {})
+    if parts.auth:
+        user, _, password = parts.auth.partition(":")
+        headers |= urllib3.make_headers(basic_auth=f"{unquote(user)}:{unquote(password)}")
+    return _http().request(
+        "GET", parts._replace(auth=None).url, headers=headers, preload_content=False, **options
+    )
+
+
 def _check_http(url: str) -> None:
     try:
-        response = _http().request("GET", url, headers={"Range": "bytes=0-0"}, preload_content=False)
+        response = _get(url, headers={"Range": "bytes=0-0"})
         response.close()
     except Exception as error:  # urllib3 wraps every network failure differently
-        raise SourceError(f"SOURCE {url!r}: cannot be fetched ({error})") from error
+        raise SourceError(f"SOURCE {url!r}: cannot be fetched ({scrub(str(error), url)})") from None
     if response.status >= 400:
         raise SourceError(f"SOURCE {url!r}: HTTP {response.status}")
 
@@ -164,7 +181,7 @@ def open_raw(uri: str, *, s3_endpoint_url: str | None = None) -> IO[bytes]:
     scheme = urlparse(uri).scheme
     if scheme in ("http", "https"):
         # The file's own bytes, even when the server labels a .gz "Content-Encoding: gzip".
-        response = _http().request("GET", uri, preload_content=False, decode_content=False)
+        response = _get(uri, decode_content=False)
         if response.status >= 400:
             raise SourceError(f"SOURCE {uri!r}: HTTP {response.status}")
         return response

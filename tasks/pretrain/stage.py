@@ -189,7 +189,7 @@ def open_mlflow_run(
             "run %s: MLflow run %s is not at %s; resuming %s into a new MLflow run tagged with both",
             job.config.run_name,
             old_run_id,
-            settings.resolved_mlflow_tracking_uri,
+            settings.shown_mlflow_tracking_uri,
             latest["checkpoint_uri"],
         )
     if parent_run_id:
