@@ -8,6 +8,7 @@ process group, the Slurm job or the Kubernetes training job): no process outlive
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 from collections.abc import Iterator
@@ -25,9 +26,10 @@ from prefect.context import get_run_context
 from prefect.exceptions import TerminationSignal
 
 from flows import names, progress
+from tasks.pretrain import joblog
 from tasks.pretrain.config import PretrainParams
 from tasks.pretrain.launchers import launcher_for
-from tasks.pretrain.launchers.base import JobError, JobHandle, Launcher
+from tasks.pretrain.launchers.base import JobError, JobFailed, JobHandle, Launcher
 from tasks.pretrain.stage import Job, job_result, open_mlflow_run, plan_job, watch
 from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
@@ -85,6 +87,15 @@ def _worth_relaunching(task: Any, task_run: Any, state: Any) -> bool:
     return True
 
 
+def _log_line(logger: Any, line: str) -> None:
+    """A line of the job's log into the flow run's: its warnings as warnings, so that the terminal shows
+    them too (a damaged checkpoint skipped, fp16 steps skipped)."""
+    if line.startswith(joblog.WARNING_PREFIX):
+        logger.warning("%s", line.removeprefix(joblog.WARNING_PREFIX))
+    else:
+        logger.info("%s", line)
+
+
 @task(name="train", cache_policy=NO_CACHE, retry_condition_fn=_worth_relaunching)
 def train(job: Job, launcher: Launcher) -> dict[str, Any]:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
@@ -109,7 +120,11 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
         with terminate_raises():
             handle = launcher.submit(job.spec)
             logger.info("submitted %s job %s (log: %s)", launcher.name, handle.job_id, handle.log_path or "-")
-            watch(launcher, handle, on_line=logger.info, on_progress=on_progress)
+            try:
+                watch(launcher, handle, on_line=functools.partial(_log_line, logger), on_progress=on_progress)
+            except JobFailed:  # it has ended: there is nothing to stop
+                finished = True
+                raise
             finished = True
     finally:
         if handle is not None and not finished:

@@ -59,6 +59,11 @@ class Store(ABC):
         """Write ``data`` at ``key`` only if nothing is there, atomically against other writers: whether
         this call wrote it (a lock's claim)."""
 
+    def remove_partial(self, prefix: str) -> tuple[str, ...]:
+        """Delete the half-written files a killed writer left under ``prefix``; their keys. An object
+        store has none: an upload is published whole or not at all."""
+        return ()
+
     @abstractmethod
     def _publish(self, local: Path, key: str) -> None:
         """Make a finished local file visible at ``key``; the local file is consumed."""
@@ -155,6 +160,14 @@ class LocalStore(Store):
         with os.fdopen(descriptor, "wb") as file:
             file.write(data)
         return True
+
+    def remove_partial(self, prefix: str) -> tuple[str, ...]:
+        """``writer``'s ``.tmp-*`` files under ``prefix``, deleted: only while nothing writes there."""
+        base = self.path(prefix)
+        partial = sorted(base.rglob(".tmp-*")) if base.is_dir() else []
+        for path in partial:
+            path.unlink(missing_ok=True)
+        return tuple(p.relative_to(self.root).as_posix() for p in partial)
 
     def delete_prefix(self, prefix: str) -> None:
         target = self.path(prefix)

@@ -53,6 +53,22 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     assert load_checkpoint(str(tmp_path / "runs" / "r")).step == 20
 
 
+def test_a_deleted_newest_state_and_a_corrupt_latest_fall_back_by_name(tmp_path: Path) -> None:
+    """A newest ``state.pt`` gone (a cleanup, a half-copied folder) is damage like a cut one; a
+    ``latest.json`` that is not JSON is named, and the steps' own folders say where to resume."""
+    store = LocalStore(tmp_path)
+    _save_steps(store, "r", [10, 20, 30])
+    (tmp_path / step_prefix("r", 30) / "state.pt").unlink()
+    found = load_intact(store, "r")
+    assert found is not None and found[0].step == 20
+    assert len(found[1]) == 1 and f"{step_prefix('r', 30)}" in found[1][0]
+
+    (tmp_path / "runs" / "r" / "latest.json").write_text('{"step": 3\x00')
+    found = load_intact(store, "r")
+    assert found is not None and found[0].step == 20
+    assert "runs/r/latest.json is damaged: not a JSON object" in found[1][0]
+
+
 def test_a_flipped_byte_is_damage_too_and_the_step_uri_names_it(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     _save_steps(store, "r", [10])

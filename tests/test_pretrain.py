@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,8 +203,11 @@ def test_resuming_reproduces_the_uninterrupted_run(sample_manifest: str, home: P
     straight = run_job([*common, "--run-name", "straight", "--max-steps", "16"], home, nproc=2)
     half = run_job([*common, "--run-name", "halves", "--max-steps", "8"], home, nproc=2)
     assert half["steps"] == 8
+    # What a launch killed while writing a checkpoint leaves: its next launch removes it.
+    (partial := Path(half["checkpoint_uri"]) / ".tmp-0a1b-state.pt").write_bytes(b"")
     resumed = run_job([*common, "--run-name", "halves", "--max-steps", "16"], home, nproc=2)
     assert resumed["steps"] == 16 and resumed["run_id"] == half["run_id"]
+    assert not partial.exists()
     assert abs(resumed["final_loss"] - straight["final_loss"]) <= 1e-6
     a = load_checkpoint(straight["checkpoint_uri"]).state
     b = load_checkpoint(resumed["checkpoint_uri"]).state
@@ -303,6 +307,115 @@ def test_bad_settings_fail_before_any_process_starts(
     assert message in " ".join(done.stderr.split()), done.stderr
     assert "Traceback" not in done.stderr
     assert not (home / "jobs").exists()  # no job was started, and no Prefect API was needed to say so
+
+
+@pytest.mark.slow
+def test_a_diverged_run_stops_in_one_line_naming_the_step_and_is_not_relaunched(
+    cli_env: dict[str, str], sample_manifest: str, home: Path
+) -> None:
+    """A learning rate that blows the weights up: the job stops at the first logged loss that is not finite
+    or far above a uniform guess's, with one line naming the step and the job log; it writes no checkpoint
+    of the broken weights, and the flow does not relaunch it."""
+    args = ["pretrain", "--corpus", sample_manifest, *FAST[:-4], "--lr", "1e30", "--log-every", "1"]
+    args += ["--run", "diverged", "--max-steps", "30", "--retries", "2", "--json"]
+    done = subprocess.run([CLI, *args], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.splitlines()[-1]  # the command's own answer, after Prefect's log of the failed run
+    assert line.startswith("error: job ") and "Traceback" not in done.stderr, done.stderr
+    assert "stopping local job" not in done.stderr  # it had ended: nothing to stop
+    assert re.search(r"the loss is \S+ nats at step \d+: training diverged", line), line
+    assert "lower --lr (now 1e+30)" in line, line
+    assert f"log: {home / 'jobs' / 'diverged.log'}" in line, line
+    assert done.stdout == ""
+    log = (home / "jobs" / "diverged.log").read_text()
+    assert log.count("run diverged: tiny") == 1  # one launch: the flow did not retry it
+    assert "checkpoint step=" not in log
+
+
+@pytest.mark.parametrize(
+    ("raised", "said", "code"),
+    [
+        (
+            FileNotFoundError(2, "No such file or directory", "/store/shard.arrow"),
+            "error: rank 0: FileNotFoundError",
+            2,
+        ),
+        (
+            ConnectionError("peer reset\nby the network"),
+            "failed: rank 0: ConnectionError: peer reset by the network",
+            None,
+        ),
+    ],
+)
+def test_a_rank_says_its_last_exception_in_one_line_and_whether_a_relaunch_may_mend_it(
+    raised: Exception,
+    said: str,
+    code: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A file that is missing stays missing: an ``error:`` line, exit 2, which the watcher fails unretried.
+    Anything else may be transient: a ``failed:`` line the watcher's error quotes, and the exception goes on."""
+    import tasks.pretrain.train as train
+    from tasks.pretrain import joblog
+
+    def fit(*args: object) -> None:
+        raise raised
+
+    monkeypatch.setattr(train, "fit", fit)
+    argv = ["--corpus", "c/manifest.json", "--run-name", "r"]
+    if code is None:
+        with pytest.raises(type(raised)):
+            train.main(argv)
+    else:
+        assert train.main(argv) == code
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith(said), lines
+    assert (joblog.errors_in(lines) != []) == (code == 2) and (joblog.failures_in(lines) != []) == (
+        code is None
+    )
+
+
+def test_the_watchers_error_quotes_the_ranks_last_words_and_names_the_log() -> None:
+    from tasks.pretrain.launchers.base import (
+        JobError,
+        JobFailed,
+        JobHandle,
+        JobSpec,
+        JobState,
+        JobStatus,
+        Launcher,
+    )
+    from tasks.pretrain.stage import watch
+
+    class Ended(Launcher):
+        """A job that has ended, failed, with this log."""
+
+        name = "ended"
+
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def submit(self, spec: JobSpec) -> JobHandle:
+            raise NotImplementedError
+
+        def status(self, handle: JobHandle) -> JobStatus:
+            return JobStatus(JobState.FAILED, 1, "torchrun exited with 1")
+
+        def logs(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+            return self.text[offset:], len(self.text)
+
+        def cancel(self, handle: JobHandle) -> None:
+            pass
+
+    handle = JobHandle("ended", "7", "/home/jobs/r.log")
+    log = "progress step=1 of=10 loss=5\nfailed: rank 1: ConnectionError: peer reset\n"
+    with pytest.raises(JobFailed) as raised:
+        watch(Ended(log), handle, on_line=lambda _: None, on_progress=lambda _: None, poll_seconds=0)
+    assert str(raised.value) == (
+        "job 7 failed: torchrun exited with 1; rank 1: ConnectionError: peer reset (log: /home/jobs/r.log)"
+    )
+    assert not isinstance(raised.value, JobError)  # may be transient: relaunched
 
 
 def _pretrain_cli(run: str, manifest: str, env: dict[str, str]) -> subprocess.Popen[str]:

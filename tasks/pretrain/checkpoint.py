@@ -154,7 +154,12 @@ def _publish(store: Store, run: str, step: int, meta: dict[str, Any]) -> str:
 def read_latest(store: Store, run: str) -> dict[str, Any] | None:
     """The run's ``latest.json``, or None for a run that has no checkpoint yet."""
     key = f"{run_prefix(run)}/{LATEST}"
-    return json.loads(store.read_bytes(key)) if store.exists(key) else None
+    if not store.exists(key):
+        return None
+    try:
+        return dict(json.loads(store.read_bytes(key)))
+    except (ValueError, TypeError) as error:  # cut short or overwritten: name the file, not just the parser
+        raise DamagedCheckpoint(f"{store.url(key)} is damaged: not a JSON object ({error})") from None
 
 
 def newest_checkpoint(store: Store) -> str | None:
@@ -283,16 +288,20 @@ def load_intact(
     """The run's newest intact checkpoint (from ``latest.json``'s step down) and the damaged files
     skipped on the way; None for a run without ``latest.json``. No intact one: ``DamagedCheckpoint``
     naming every damaged file. ``shards_to``: as in ``load_from`` (a sharded step stays sharded)."""
-    latest = read_latest(store, run)
+    damaged: list[str] = []
+    try:
+        latest = read_latest(store, run)
+    except DamagedCheckpoint as error:  # the steps' own folders still say what was saved
+        damaged.append(str(error))
+        latest = {"step": max(run_steps(store, run), default=-1)}
     if latest is None:
         return None
     newest = int(latest["step"])
-    damaged: list[str] = []
-    for step in [newest, *(s for s in run_steps(store, run) if s < newest)]:
+    for step in [s for s in [newest, *(s for s in run_steps(store, run) if s < newest)] if s >= 0]:
         try:
             found = load_from(store, step_prefix(run, step), map_location=map_location, shards_to=shards_to)
             return found, damaged
-        except DamagedCheckpoint as error:
+        except (DamagedCheckpoint, StoreError) as error:  # a file gone counts as damage here
             damaged.append(str(error))
     raise DamagedCheckpoint(
         f"run {run} has no intact checkpoint to resume from: "

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from models.mlstm import State
-from tasks.pretrain import checkpoint
+from tasks.pretrain import checkpoint, joblog
 from tasks.pretrain import sharding as shard
 from tasks.pretrain.world import World, log
 from tasks.store import Store
@@ -124,12 +124,18 @@ class Checkpointer:
         # One folder a rank: a node's ranks do not wait on each other to download.
         shards_to = self.scratch / f"{self.run}-rank{self.world.rank}"
         started = time.perf_counter()
+        if self.world.is_main:  # before any save of this launch: a killed one's half-written files go
+            for key in self.store.remove_partial(checkpoint.run_prefix(self.run)):
+                log(self.world, f"removed {key}, a checkpoint file a killed launch left half-written")
         found = checkpoint.load_intact(self.store, self.run, shards_to=shards_to)
         if found is None:
             return None
         saved, damaged = found
         if damaged:
-            log(self.world, f"warning: {'; '.join(damaged)}; resuming from step {saved.step} ({saved.uri})")
+            log(
+                self.world,
+                f"{joblog.WARNING_PREFIX}{'; '.join(damaged)}; resuming from step {saved.step} ({saved.uri})",
+            )
         self._check_same_run(saved, run_settings, total_steps)
         state = saved.state
         # Learning rates as numbers: a checkpoint written before they were saved so held device tensors.

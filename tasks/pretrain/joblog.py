@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-ERROR_PREFIX = "error: "  # a line that says why the job gave up: the watcher fails the job with it
+ERROR_PREFIX = "error: "  # why the job gave up for good: the watcher fails the job with it, unretried
+FAILURE_PREFIX = "failed: "  # an exception a relaunch may not meet again (a lost rank, the network)
+WARNING_PREFIX = "warning: "  # something the user should see: the watcher logs it as a warning
 PROGRESS_PREFIX = "progress "
 
 
@@ -27,3 +29,14 @@ def iter_progress(lines: Iterable[str]) -> Iterator[dict[str, float]]:
 def errors_in(lines: Iterable[str]) -> list[str]:
     """What the job said when it gave up, from its error lines."""
     return [line.removeprefix(ERROR_PREFIX) for line in lines if line.startswith(ERROR_PREFIX)]
+
+
+def failure_line(rank: int, error: BaseException) -> str:
+    """``failed: rank 1: ConnectionError: …``: a rank's last exception, in one line."""
+    message = " ".join(str(error).split())
+    return f"{FAILURE_PREFIX}rank {rank}: {type(error).__name__}: {message}"
+
+
+def failures_in(lines: Iterable[str]) -> list[str]:
+    """The ranks' last exceptions, from their failure lines."""
+    return [line.removeprefix(FAILURE_PREFIX) for line in lines if line.startswith(FAILURE_PREFIX)]

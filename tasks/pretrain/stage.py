@@ -22,7 +22,15 @@ from models.config import PRESETS
 from tasks.corpus.manifest import ManifestError, NoManifest, check_shards, load_manifest
 from tasks.pretrain import joblog
 from tasks.pretrain.config import LauncherName, PretrainParams, TrainConfig, TrainSettings, flag_errors
-from tasks.pretrain.launchers.base import JobError, JobHandle, JobSpec, JobState, Launcher, LaunchError
+from tasks.pretrain.launchers.base import (
+    JobError,
+    JobFailed,
+    JobHandle,
+    JobSpec,
+    JobState,
+    Launcher,
+    LaunchError,
+)
 from tasks.pretrain.memory import plan as plan_memory
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, store_of
@@ -230,9 +238,12 @@ def watch(
     on_progress: Callable[[dict[str, float]], None],
     poll_seconds: float = 1.0,
 ) -> JobState:
-    """Follow a job to its end, passing on each line of rank 0's log and each progress line."""
+    """Follow a job to its end, passing on each line of rank 0's log and each progress line. A failed
+    job's error names what the ranks said last and where the whole log is."""
     offset = 0
     errors: list[str] = []  # what the job said when it gave up (tasks/pretrain/joblog.py)
+    failures: list[str] = []
+    where = f" (log: {handle.log_path})" if handle.log_path else ""
 
     def drain() -> None:
         nonlocal offset
@@ -241,6 +252,7 @@ def watch(
         for line in lines:
             on_line(line)
         errors.extend(joblog.errors_in(lines))
+        failures.extend(joblog.failures_in(lines))
         for progress in joblog.iter_progress(lines):
             on_progress(progress)
 
@@ -250,9 +262,10 @@ def watch(
         if status.state.finished:
             drain()
             if status.state is JobState.FAILED and errors:
-                raise JobError(f"job {handle.job_id} failed: {errors[-1]}")
+                raise JobError(f"job {handle.job_id} failed: {errors[-1]}{where}")
             if status.state is JobState.FAILED:
-                raise LaunchError(f"job {handle.job_id} failed: {status.message}")
+                said = f"; {failures[-1]}" if failures else ""
+                raise JobFailed(f"job {handle.job_id} failed: {status.message}{said}{where}")
             if status.state is JobState.CANCELLED:
                 raise LaunchError(f"job {handle.job_id} was cancelled")
             return status.state

@@ -238,6 +238,15 @@ def start_tracker(trainer: Trainer) -> Tracker:
     return tracker
 
 
+# A model that guesses uniformly over the 256 bytes scores ln 256 ≈ 5.5 nats; a hundred times that is no
+# longer learning, whatever the data.
+DIVERGED_NATS = 100 * math.log(256)
+
+
+def diverged(loss: float) -> bool:
+    return not math.isfinite(loss) or loss > DIVERGED_NATS
+
+
 def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]:
     trainer = Trainer(config, world, settings)
     resumed = trainer.resume()
@@ -266,6 +275,13 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
         stopping = preempted.stops_after(step, stop)
         if step % config.log_every == 0 or step == stop or stopping:
             trainer.last_loss = world.sum([loss.item()])[0] / world.size
+            if diverged(trainer.last_loss) and not trainer.scaler.is_enabled():
+                # Every later step, checkpoint and metric would be as bad (fp16's scaler skips an
+                # overflowing step instead, and says so).
+                raise ValueError(
+                    f"the loss is {trainer.last_loss:.4g} nats at step {step}: training diverged; lower --lr "
+                    f"(now {config.lr:g}) or raise --warmup-steps, and start again from an earlier checkpoint"
+                )
             chars_per_s = speed.chars_per_s()
             metrics: dict[str, float] = {
                 "loss": trainer.last_loss,
@@ -320,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     except (StreamError, ValueError) as error:
         log(world, f"{joblog.ERROR_PREFIX}{error}")  # the launcher's watcher fails the job with it, unretried
         return 2
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as error:
+        # A file that is missing or can't be read stays so: a relaunch would meet it again.
+        print(f"{joblog.ERROR_PREFIX}rank {world.rank}: {type(error).__name__}: {error}", flush=True)
+        return 2
+    except Exception as error:
+        print(joblog.failure_line(world.rank, error), flush=True)  # the watcher's error names it
+        raise
     finally:
         world.close()
     # A preempted launch exits non-zero, so launchers and the flow see an unfinished job.

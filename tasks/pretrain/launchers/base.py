@@ -22,7 +22,11 @@ class LaunchError(RuntimeError):
     """A job could not be submitted, watched or cancelled; the message names the command that failed."""
 
 
-class JobError(LaunchError):
+class JobFailed(LaunchError):
+    """The job has ended, failed: nothing is left to stop. Relaunched, as a crash may not happen again."""
+
+
+class JobError(JobFailed):
     """The job stopped on an error it reported itself (an ``error: …`` line of rank 0's log: bad settings,
     a damaged checkpoint, a shard that fails its checksum). A relaunch would meet it again: not retried."""
 
