@@ -1,8 +1,9 @@
 """The classifier as an MLflow pyfunc: a DataFrame with a ``text`` column in, ``label`` and
 ``probability`` (of positive) out.
 
-MLflow builds it from code (``models/mlflow_model.py``), so the logged model holds no pickle: the
-weights are the classifier's ``.npz``, the code is this package (``code_paths``).
+MLflow loads it through ``models/mlflow_loader.py`` (``loader_module``): the logged model holds no pickle
+and no code, only the classifier's ``.npz`` of weights and its ``classifier.json``; the code is the
+installed package.
 
 Every text is checked before any is scored: a text that is not a string, is empty (or whitespace), or is
 longer than the model's ``max_text_chars`` (stored in ``classifier.json`` when the model was logged,
@@ -14,42 +15,48 @@ one error line.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
-from mlflow.pyfunc.model import PythonModel
 
 from models.classifier import SentimentClassifier
 
-ARTIFACT = "classifier"  # the key of the classifier's folder among the logged model's artifacts
 # Above the longest IMDB review (13,704 characters) and SST sentence: no benchmark text is refused, and
 # the 4096-unit model reads it in seconds on a CPU.
 DEFAULT_MAX_TEXT_CHARS = 20_000
 MAX_TEXT_CHARS_KEY = "max_text_chars"  # its key in classifier.json
 
 
+# Rows scored at once: memory grows with it, the answer does not.
+MAX_BATCH_SIZE = 4096
+
+
 class TextRejected(MlflowException):
-    """A text the model will not score; the scoring server answers it with HTTP 400."""
+    """A request the model will not score (a text, a parameter); the scoring server answers it with HTTP
+    400 and this one message. Any other exception would be a 400 carrying the server's stack trace and
+    its paths."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
 
 
-class SentimentModel(PythonModel):
-    def load_context(self, context: Any) -> None:
-        self.classifier = SentimentClassifier.load(Path(context.artifacts[ARTIFACT]))
-        self.max_text_chars = int(self.classifier.info.get(MAX_TEXT_CHARS_KEY, DEFAULT_MAX_TEXT_CHARS))
+class SentimentModel:
+    """What the loader module gives MLflow: ``predict(model_input, params)`` on a loaded classifier."""
 
-    # pd.DataFrame is the one input hint MLflow takes as is: the logged signature is the schema.
-    def predict(
-        self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
-    ) -> pd.DataFrame:
+    def __init__(self, classifier: SentimentClassifier) -> None:
+        self.classifier = classifier
+        self.max_text_chars = int(classifier.info.get(MAX_TEXT_CHARS_KEY, DEFAULT_MAX_TEXT_CHARS))
+
+    def get_raw_model(self) -> SentimentModel:
+        """What ``PyFuncModel.get_raw_model`` answers: this, for its ``classifier``."""
+        return self
+
+    def predict(self, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         texts = _texts(model_input)
-        check_texts(texts, max_text_chars=getattr(self, "max_text_chars", DEFAULT_MAX_TEXT_CHARS))
-        batch_size = int((params or {}).get("batch_size", 64))
+        check_texts(texts, max_text_chars=self.max_text_chars)
+        batch_size = _batch_size(params)
         labels, p_N = self.classifier.predict(texts, batch_size=batch_size)
         return pd.DataFrame({"label": labels, "probability": p_N})
 
@@ -62,11 +69,20 @@ def _texts(model_input: Any) -> list[Any]:
         elif len(model_input.columns) == 1:
             column = model_input.iloc[:, 0]
         else:
-            raise ValueError(f"expected a 'text' column, got columns {list(model_input.columns)}")
+            raise TextRejected(f"expected a 'text' column, got columns {list(model_input.columns)!r:.200}")
         return list(column)
     if isinstance(model_input, str):
         return [model_input]
     return list(model_input)
+
+
+def _batch_size(params: dict[str, Any] | None) -> int:
+    value = (params or {}).get("batch_size", 64)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH_SIZE:
+        raise TextRejected(
+            f"params: 'batch_size' must be a whole number from 1 to {MAX_BATCH_SIZE}, got {value!r:.40}"
+        )
+    return value
 
 
 def check_texts(texts: list[Any], *, max_text_chars: int) -> None:

@@ -131,6 +131,31 @@ def test_a_model_logged_from_another_folder_keeps_its_files_under_mlstm_home(
     assert list(artifacts.rglob("classifier.npz")), sorted(registered["home"].rglob("*"))
     saved = json.loads(next(artifacts.rglob("classifier.json")).read_text())
     assert saved["max_text_chars"] == LIMIT
+    # No code travels with the model: whoever writes the artifact store changes data, not what runs.
+    assert not [p for p in artifacts.rglob("*") if p.suffix in (".py", ".pyc", ".pkl")]
+    mlmodel = next(artifacts.rglob("MLmodel")).read_text()
+    assert "loader_module: models.mlflow_loader" in mlmodel and "code: null" in mlmodel, mlmodel
+
+
+def test_a_model_logged_by_a_newer_package_is_refused_by_name(tmp_path: Path) -> None:
+    import numpy as np
+
+    from models.classifier import SentimentClassifier
+    from models.mlflow_loader import VERSION_KEY, _load_pyfunc, installed_version
+    from models.mlstm import MLSTM, tiny
+
+    model = MLSTM(tiny())
+    probe = SentimentClassifier(
+        model, np.zeros(model.config.hidden_size, np.float32), 0.0, {VERSION_KEY: "99.0"}
+    )
+    folder = probe.save(tmp_path / "classifier")
+    with pytest.raises(
+        RuntimeError, match=f"logged by mlstm-sentiment 99.0, newer than the installed {installed_version()}"
+    ):
+        _load_pyfunc(str(folder))
+    json_file = folder / "classifier.json"
+    json_file.write_text(json_file.read_text().replace('"99.0"', f'"{installed_version()}"'))
+    assert _load_pyfunc(str(folder)).classifier.info[VERSION_KEY] == installed_version()
 
 
 @pytest.mark.slow
@@ -157,6 +182,14 @@ def test_the_printed_command_serves_and_refuses_bad_texts_by_row(server: str) ->
         assert refused.status_code == 400, (body, refused.text)
         assert message in refused.text, (body, refused.text)
 
+    # Bad parameters: one line, and nothing of the server's code or paths.
+    for batch_size in (0, -5, 10**9):
+        refused = _post(server, {**_records("fine"), "params": {"batch_size": batch_size}})
+        assert refused.status_code == 400, (batch_size, refused.text)
+        answer = refused.json()
+        assert "'batch_size' must be a whole number from 1 to" in answer["message"], answer
+        assert "stack_trace" not in answer and "/" not in answer["message"], answer
+
     # A missing text column, no rows, a body that is not JSON: each a 400 as well.
     for body, raw in [
         ({"dataframe_records": [{"review": "fine"}]}, None),
@@ -165,6 +198,8 @@ def test_the_printed_command_serves_and_refuses_bad_texts_by_row(server: str) ->
     ]:
         refused = _post(server, body, raw=raw)
         assert refused.status_code == 400, (body, raw, refused.text)
+        if body and body["dataframe_records"]:  # the signature's refusal: a message, no stack trace
+            assert "text" in refused.json()["message"] and "stack_trace" not in refused.json()
 
 
 @pytest.mark.slow

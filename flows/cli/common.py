@@ -191,6 +191,15 @@ def run_flow(
         return flow(**parameters)
 
 
+def classifier_of(loaded: Any) -> Any:
+    """The ``SentimentClassifier`` inside a loaded pyfunc: the loader module's model, or (logged before
+    it) the python model's."""
+    try:
+        return loaded.get_raw_model().classifier
+    except (AttributeError, NotImplementedError):
+        return loaded.unwrap_python_model().classifier
+
+
 def load_registered(model: str | None) -> tuple[Any, str]:
     """The MLflow pyfunc model at ``model`` (default: the champion) and its URI, or one clear line."""
     from tasks.tracking import connect

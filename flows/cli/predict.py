@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import fail, load_registered, out, styled, user_errors
+from flows.cli.common import classifier_of, fail, load_registered, out, styled, user_errors
 
 if TYPE_CHECKING:
     from tasks.transfer.explain import Reading
@@ -23,7 +23,7 @@ def _explained(loaded: Any, texts: list[str], unit: int | None) -> list[Reading]
     from flows.cli.neuron import top_unit
     from tasks.transfer.explain import explain
 
-    classifier = loaded.unwrap_python_model().classifier
+    classifier = classifier_of(loaded)
     chosen = top_unit(classifier) if unit is None else unit
     return [explain(classifier, text, unit=chosen) for text in texts]
 

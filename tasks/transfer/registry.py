@@ -1,7 +1,8 @@
 """MLflow for the transfer stage: the run, what it records, the served model, and who is champion.
 
-The classifier is logged as an MLflow pyfunc built from code (``models/mlflow_model.py``) with the
-``models`` package as its code and an ``.npz`` of weights as its artifact: nothing is pickled. A new
+The classifier is logged as an MLflow pyfunc whose loader is the installed package's
+``models/mlflow_loader.py`` and whose data is the classifier's ``.npz`` of weights and its settings:
+nothing is pickled, and no code is stored with the model. A new
 version becomes ``@champion`` only when its test accuracy beats the champion's on the same test set:
 read from the champion's tags when it was scored on the same data, else measured by running it.
 """
@@ -17,16 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import models
+from models import mlflow_loader
 from models.classifier import LABELS, SentimentClassifier
-from models.serving import ARTIFACT, MAX_TEXT_CHARS_KEY
+from models.mlflow_loader import VERSION_KEY, installed_version
+from models.serving import MAX_TEXT_CHARS_KEY
 from tasks.settings import Settings, get_settings
 from tasks.store import split_object_uri
 from tasks.tracking import connect
 from tasks.transfer.stage import REFERENCE_SOURCE, accuracy_beside_baseline, baseline_accuracy
 
 CHAMPION = "champion"
-MODEL_CODE = Path(models.__file__).parent / "mlflow_model.py"
 EXAMPLE_TEXTS = ["A warm, funny and beautifully acted film.", "Dull, predictable and far too long."]
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -155,13 +156,16 @@ def log_classifier(
     signature = infer_signature(example, output, params={"batch_size": 64})
     with tempfile.TemporaryDirectory(prefix="mlstm-classifier-") as scratch, mlflow.start_run(run_id=run_id):
         limit = max_text_chars or get_settings().max_text_chars
-        limited = dataclasses.replace(classifier, info={**classifier.info, MAX_TEXT_CHARS_KEY: limit})
+        logged_by = installed_version()
+        limited = dataclasses.replace(
+            classifier, info={**classifier.info, MAX_TEXT_CHARS_KEY: limit, VERSION_KEY: logged_by}
+        )
         folder = limited.save(Path(scratch) / "classifier")
         info = mlflow.pyfunc.log_model(
             name=name,
-            python_model=str(MODEL_CODE),
-            artifacts={ARTIFACT: str(folder)},
-            code_paths=[str(MODEL_CODE.parent)],
+            loader_module=mlflow_loader.__name__,
+            data_path=str(folder),
+            metadata={VERSION_KEY: logged_by},
             signature=signature,
             input_example=example,
             pip_requirements=pip_requirements(),
@@ -287,7 +291,7 @@ def promote(version: int, settings: Settings, *, reason: str) -> dict[str, Any]:
         client.get_model_version(name, str(version))
     except MlflowException as error:
         raise ValueError(
-            f"{name} has no version {version} at {settings.resolved_mlflow_tracking_uri}"
+            f"{name} has no version {version} at {settings.shown_mlflow_tracking_uri}"
         ) from error
     try:
         previous: int | None = int(client.get_model_version_by_alias(name, CHAMPION).version)

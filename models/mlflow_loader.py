@@ -1,0 +1,46 @@
+"""MLflow's loader for the served classifier (``loader_module``): the code that scores is this installed
+package, never code stored with the model. The logged model's artifact holds data only: the classifier's
+``.npz`` of weights and its ``classifier.json``. Anyone who can write the artifact store can change what a
+model answers, not run code on the machines that load it.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from models.classifier import SentimentClassifier
+from models.serving import SentimentModel
+
+PACKAGE = "mlstm-sentiment"
+VERSION_KEY = "package_version"  # in classifier.json and the MLmodel metadata: the package that logged it
+
+
+def installed_version() -> str:
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "0"
+
+
+def _load_pyfunc(data_path: str) -> SentimentModel:
+    """What ``mlflow.pyfunc.load_model`` calls with the model's data folder."""
+    served = SentimentModel(SentimentClassifier.load(Path(data_path)))
+    logged = str(served.classifier.info.get(VERSION_KEY, "0"))
+    if _release(logged) > _release(installed_version()):
+        raise RuntimeError(
+            f"this model was logged by {PACKAGE} {logged}, newer than the installed {installed_version()}: "
+            f"install {PACKAGE} {logged} or later to load it"
+        )
+    return served
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """``0.1.0`` → (0, 1, 0); a suffix (``.dev3``, ``+local``) does not count."""
+    parts = []
+    for part in text.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
