@@ -75,6 +75,21 @@ CASES: dict[str, tuple[list[str], str, Setup | None]] = {
     "build with an empty split": (["corpus", "build", "{dir}/corpus", "--split", "0:0:0"], "split: ", _files),
     "build with no workers": (["corpus", "build", "{dir}/corpus", "--workers", "0"], "'--workers'", _files),
     "build from a path with markup": (["corpus", "build", "{dir}/no[/]such"], "no[/]such", None),
+    "plan an infinite GPU": (
+        ["plan", "--preset", "tiny", "--batch-size", "8", "--gpu-memory", "inf"],
+        "--gpu-memory inf",
+        None,
+    ),
+    "plan a batch the ranks can't share": (
+        ["plan", "--preset", "tiny", "--batch-size", "7", "--gpus-per-node", "16"],
+        "--batch-size 7 is not divisible by 16 ranks",
+        None,
+    ),
+    "plan a billion nodes": (
+        ["plan", "--preset", "tiny", "--batch-size", "1000000000000000000", "--nodes", "1000000000"],
+        "the planner takes 1 to 4096 nodes",
+        None,
+    ),
     "pretrain on a manifest out of its store": (
         ["pretrain", "--corpus", "{dir}/elsewhere/manifest.json"],
         "names train shard",

@@ -110,7 +110,7 @@ def explain(
         raise fail(f"--out {out_file}: the folder {out_file.parent} does not exist")
     try:
         for i, text in enumerate(texts):
-            check_text(text, where=f"text {i + 1}")
+            check_text(text, where=f"text {i + 1}", max_chars=get_settings().max_text_chars)
         source = load_source(model, checkpoint)
         chosen = top_unit(source) if unit is None and isinstance(source, SentimentClassifier) else unit
         assert chosen is not None  # checked above: a checkpoint comes with --unit
@@ -130,6 +130,10 @@ def explain(
         err.print(f"wrote {out_file}")
 
 
+# A cell value the unit is held at: tanh saturates long before, and beyond it the recurrence overflows.
+MAX_HELD_VALUE = 1e3
+
+
 @app.command(rich_help_panel=PANEL)
 def generate(
     prompt: Annotated[str, typer.Option(help="Text the samples continue.")] = "",
@@ -141,9 +145,9 @@ def generate(
         ),
     ] = None,
     unit: UnitOption = None,
-    length: Annotated[int, typer.Option(help="Bytes per sample.")] = 200,
+    length: Annotated[int, typer.Option(min=1, max=100_000, help="Bytes per sample.")] = 200,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.4,
-    samples: Annotated[int, typer.Option(help="How many samples.")] = 4,
+    samples: Annotated[int, typer.Option(min=1, max=1000, help="How many samples.")] = 4,
     seed: Annotated[int, typer.Option(help="Same seed, same samples.")] = 0,
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
@@ -157,19 +161,17 @@ def generate(
 
     check_source(model, checkpoint)
 
-    if length < 1:
-        raise fail(f"--length must be at least 1, got {length}")
     if not math.isfinite(temperature) or temperature < 0:
         raise fail(f"--temperature must be positive (or 0 for greedy sampling), got {temperature}")
-    if samples < 1:
-        raise fail(f"--samples must be at least 1, got {samples}")
     if sentiment is not None and sentiment not in ("positive", "negative"):
         try:
-            finite = math.isfinite(float(sentiment))
+            within = abs(float(sentiment)) <= MAX_HELD_VALUE
         except ValueError:
-            finite = False
-        if not finite:
-            raise fail(f"--sentiment {sentiment!r}: give positive, negative or a finite number") from None
+            within = False
+        if not within:
+            raise fail(
+                f"--sentiment {sentiment!r}: give positive, negative or a cell value within ±{MAX_HELD_VALUE:g}"
+            ) from None
     if checkpoint is not None and sentiment in ("positive", "negative"):
         raise fail(
             f"--sentiment {sentiment} needs a probe (a registered --model), and a checkpoint has none: "

@@ -90,7 +90,7 @@ def plan(
             compute_bytes=4 if precision == "fp32" else 2, recurrence=recurrence,
         )  # fmt: skip
     except ValueError as error:
-        raise fail(f"--preset: {error}") from None
+        raise fail(error) from None
     if as_json:
         print(json.dumps(result.to_json()))
     else:

@@ -88,6 +88,8 @@ from tasks.pretrain.config import SHARDINGS, Sharding
 GiB = 1024**3
 CUDA_RESERVE = 1 * GiB
 MAX_NODES = 4096
+MAX_GPUS_PER_NODE = 64
+MAX_GPU_MEMORY_GIB = 100_000  # far above any GPU's; an infinite one would make every plan fit
 
 
 @dataclass(frozen=True)
@@ -229,9 +231,19 @@ def plan(
 ) -> MemoryPlan:
     """Whether a launch fits its GPUs and, if not, the smallest change of sharding or nodes that would.
     ``cuda_graph``: the job's --cuda-graph auto, which captures the step of one GPU (not under full)."""
-    if nodes < 1 or gpus_per_node < 1:
+    if not (1 <= nodes <= MAX_NODES and 1 <= gpus_per_node <= MAX_GPUS_PER_NODE):
         raise ValueError(
-            f"--nodes {nodes} --gpus-per-node {gpus_per_node}: the planner needs at least one GPU"
+            f"--nodes {nodes} --gpus-per-node {gpus_per_node}: the planner takes 1 to {MAX_NODES} nodes "
+            f"of 1 to {MAX_GPUS_PER_NODE} GPUs"
+        )
+    world = nodes * gpus_per_node
+    if batch_size % world:  # as the job refuses it: every rank takes the same number of rows
+        raise ValueError(
+            f"--batch-size {batch_size} is not divisible by {world} ranks: each rank takes batch/ranks rows"
+        )
+    if not 0 < gpu_memory_gib <= MAX_GPU_MEMORY_GIB:
+        raise ValueError(
+            f"--gpu-memory {gpu_memory_gib}: give the GiB of one GPU, up to {MAX_GPU_MEMORY_GIB:,}"
         )
     config = preset(preset_name)
     device_bytes = int(gpu_memory_gib * GiB)
@@ -251,7 +263,6 @@ def plan(
         )
         return held if held.total <= device_bytes else None
 
-    world = nodes * gpus_per_node
     held = per_gpu_bytes(
         config,
         sharding=sharding,

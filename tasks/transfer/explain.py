@@ -59,9 +59,15 @@ class Reading:
         }
 
 
-def check_text(text: str, *, where: str = "text") -> None:
+def check_text(text: str, *, where: str = "text", max_chars: int | None = None) -> None:
+    """A review worth reading: not blank, and within ``max_chars`` (the page holds a cell per character)."""
     if not text.strip():
         raise ValueError(f"{where} is empty or only whitespace: give a review to read")
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(
+            f"{where} has {len(text):,} characters, more than {max_chars:,} (MLSTM_MAX_TEXT_CHARS): "
+            "explain a review, not a book"
+        )
 
 
 def char_ends(data: bytes) -> list[tuple[str, int]]:
