@@ -193,7 +193,9 @@ def _coerce(record: dict[str, object]) -> dict[str, object]:
             elif pa.types.is_floating(kind):
                 out[field.name] = float(value)  # type: ignore[arg-type]
             elif pa.types.is_integer(kind):
-                out[field.name] = int(float(str(value).replace(",", "")))
+                number = int(float(str(value).replace(",", "")))
+                if -(2**63) <= number < 2**63:  # an int64 column: a bigger one is unreadable, not a crash
+                    out[field.name] = number
             elif pa.types.is_boolean(kind):
                 out[field.name] = value if isinstance(value, bool) else str(value).lower() == "true"
             elif pa.types.is_list(kind) and isinstance(value, (list, tuple)):
