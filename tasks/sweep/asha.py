@@ -81,7 +81,7 @@ def next_move(trials: Sequence[Standing], *, num_rungs: int, eta: int, budget: i
     if not reached:
         return Done()  # every trial failed before its first rung
     highest = max(reached)
-    best = [t for t in ranked(trials, highest) if not t.out]
+    best = [t for t in ranked(trials, highest) if not t.out and not t.busy]
     if highest < num_rungs - 1 and best:
         # The budget's trials are spent and the rule promotes none: the best of the highest rung goes
         # on, one rung at a time, so the sweep's best trial is trained to the full budget.

@@ -266,18 +266,18 @@ class Sweep:
     def _work(self) -> None:
         while True:
             claimed = self.claim()
-            if claimed is None:
-                if not self._others_running():
-                    return
+            if isinstance(claimed, Done):
+                return
+            if isinstance(claimed, Wait):
                 time.sleep(self.poll_seconds)  # a running trial's rung may make a promotion possible
                 continue
             self.train(claimed)
 
-    def claim(self) -> Claim | None:
+    def claim(self) -> Claim | Wait | Done:
         """What this worker trains next: a trial whose worker is gone, to the rung it was going to;
-        else ASHA's move: a promotion or a new trial. None when there is nothing to do now (others
-        are running) or ever (the sweep is over: its suspended trials are then marked pruned)."""
-        from optuna.exceptions import UpdateFinishedTrialError
+        else ASHA's move: a promotion or a new trial. ``Wait`` when there is nothing to do until
+        another worker's trial reaches its rung; ``Done`` when the sweep is over (its suspended
+        trials then marked pruned, every trial finished)."""
         from optuna.trial import TrialState
 
         with self._lock:
@@ -293,20 +293,17 @@ class Sweep:
                     budget=self.spec.budget.trials,
                 )
                 if isinstance(move, Start):
-                    return self._start()
+                    return self._start() or Wait()
                 if isinstance(move, Wait):
-                    return None
+                    return move
                 if isinstance(move, Done):
                     self._end(trials)
-                    return None
+                    # Over once every trial is finished; another worker may still be ending one.
+                    finished = all(t.state.is_finished() for t in sweep_trials(self.study))
+                    return move if finished else Wait()
                 assert isinstance(move, Promote)
                 (frozen,) = [t for t in trials if t.number == move.number]
-                try:
-                    # WAITING → RUNNING: one transaction, which exactly one worker wins.
-                    won = self.study._storage.set_trial_state_values(frozen._trial_id, TrialState.RUNNING)
-                except UpdateFinishedTrialError:
-                    won = False
-                if not won:
+                if not take_waiting(self.study, frozen._trial_id):
                     continue  # another worker (process) promoted or ended it first: look again
                 target = self.rungs[move.rung]
                 self._set(frozen._trial_id, lease=self.worker.lease(), target=target)
@@ -361,17 +358,11 @@ class Sweep:
 
     def _end(self, trials: list[FrozenTrial]) -> None:
         """The sweep is over: each trial still suspended stays at its rung, told pruned."""
-        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
         for frozen in trials:
-            if frozen.state is not TrialState.WAITING:
-                continue
-            try:
-                if not self.study._storage.set_trial_state_values(frozen._trial_id, TrialState.RUNNING):
-                    continue  # another worker holds it now
-            except UpdateFinishedTrialError:
-                continue  # another worker ended it
+            if frozen.state is not TrialState.WAITING or not take_waiting(self.study, frozen._trial_id):
+                continue  # not suspended, or another worker took it first
             self.study.tell(frozen.number, state=TrialState.PRUNED)  # its value: the last rung's
             self.on_state(frozen.number, frozen.user_attrs.get("mlflow_run_id"), "pruned")
 
@@ -383,11 +374,6 @@ class Sweep:
             started = frozen.datetime_start
             return started is None or time.time() - started.timestamp() > self.worker.lease_seconds
         return lease_expired(lease)
-
-    def _others_running(self) -> bool:
-        from optuna.trial import TrialState
-
-        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
     def _set(self, trial_id: int, **attrs: Any) -> None:
         for key, value in attrs.items():
@@ -437,6 +423,32 @@ class Sweep:
     def _tell(self, number: int, state: Any, value: float | None = None) -> None:
         with self._lock:
             self.study.tell(number, value, state=state)
+
+
+def take_waiting(study: optuna.Study, trial_id: int) -> bool:
+    """Move a suspended trial from WAITING to RUNNING; True for exactly one of the workers that try.
+
+    One conditional UPDATE, atomic on SQLite as on Postgres. (Optuna's own ``set_trial_state_values``
+    reads, then writes: SQLite ignores its ``SELECT … FOR UPDATE``, and two workers that read WAITING
+    at once both won.)"""
+    import datetime
+
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+    from optuna.trial import TrialState
+
+    storage = getattr(study._storage, "_backend", study._storage)  # under Optuna's cache, the RDB
+    now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)  # the storage keeps naive UTC
+    with _create_scoped_session(storage.scoped_session) as session:
+        updated = (
+            session.query(models.TrialModel)
+            .filter(models.TrialModel.trial_id == trial_id, models.TrialModel.state == TrialState.WAITING)
+            .update(
+                {models.TrialModel.state: TrialState.RUNNING, models.TrialModel._datetime_start_utc: now},
+                synchronize_session=False,
+            )
+        )
+    return bool(updated == 1)
 
 
 def standing(frozen: FrozenTrial, rungs: list[int]) -> Standing:
