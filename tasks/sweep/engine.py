@@ -433,11 +433,13 @@ def take_waiting(study: optuna.Study, trial_id: int) -> bool:
     at once both won.)"""
     import datetime
 
+    from optuna.storages import RDBStorage
     from optuna.storages._rdb import models
     from optuna.storages._rdb.storage import _create_scoped_session
     from optuna.trial import TrialState
 
     storage = getattr(study._storage, "_backend", study._storage)  # under Optuna's cache, the RDB
+    assert isinstance(storage, RDBStorage), "a sweep's study lives in an RDB storage (open_study)"
     now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)  # the storage keeps naive UTC
     with _create_scoped_session(storage.scoped_session) as session:
         updated = (

@@ -151,8 +151,8 @@ def objective_by_step(history: dict[int, dict[int, float]], rungs: list[int]) ->
     """Each trial's objective at the rungs it reached; a dotted line at every rung."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 4))
-    for steps in rungs:
-        axes.axvline(steps, color="grey", linestyle=":", linewidth=1)
+    for rung in rungs:
+        axes.axvline(rung, color="grey", linestyle=":", linewidth=1)
     for number, values in sorted(history.items()):
         steps = sorted(values)
         axes.plot(steps, [values[s] for s in steps], marker="o", label=f"trial {number}")
