@@ -261,37 +261,46 @@ def pipeline_tables(results: dict[str, Any]) -> str:
 
 
 def sweep_tables(results: dict[str, Any]) -> str:
+    arms = {"asha": "ASHA", "random": "random search", "pruner": "Optuna pruner"}
+    header = ["seed", "workers", "arm", "steps", "× random's steps", "seconds", "best val_bpc"]
+    header += ["vs random's best", "best trial"]
     rows = []
     for r in results["rows"]:
-        asha, random = r["asha_steps_to_target"], r["random_steps_to_target"]
-        rows.append(
-            [
-                str(r["seed"]),
-                f"{r['pruned']}/{r['trials']}",
-                str(r["asha_steps"]),
-                str(r["random_steps"]),
-                f"{r['asha_best']:.4f}",
-                f"{r['random_best']:.4f}",
-                f"{r['target_val_bpc']:.4f}",
-                str(asha),
-                str(random),
-                ratio(random / asha) if asha and random else "",
-            ]
+        for key, name in arms.items():
+            arm = r[key]
+            rows.append(
+                [
+                    str(r["seed"]),
+                    str(r["workers"]),
+                    name,
+                    str(arm["steps"]),
+                    f"{arm['steps_vs_random']:.2f}",
+                    num(arm["seconds"]),
+                    f"{arm['best']:.4f}",
+                    f"{arm['best_vs_random']:+.2%}",
+                    str(arm["best_trial"]),
+                ]
+            )
+    lines = [
+        f"Rungs {results['rows'][0]['rungs']}, η {results['settings']['eta']}, "
+        f"{results['settings']['trials']} trials.",
+        "",
+        table(header, rows),
+        "",
+    ]
+    for count in sorted({r["workers"] for r in results["rows"]}):
+        runs = [r for r in results["rows"] if r["workers"] == count]
+        steps = {key: sum(r[key]["steps"] for r in runs) for key in arms}
+        seconds = {key: sum(r[key]["seconds"] for r in runs) for key in arms}
+        within = sum(abs(r["asha"]["best_vs_random"]) <= 0.01 for r in runs)
+        lines.append(
+            f"- {count} worker{'s' if count > 1 else ''}, all seeds: ASHA {steps['asha'] / steps['random']:.2f} of "
+            f"random search's steps ({steps['asha']} / {steps['random']}) and "
+            f"{seconds['asha'] / seconds['random']:.2f} of its time; Optuna's pruner "
+            f"{steps['pruner'] / steps['random']:.2f} of the steps, {seconds['pruner'] / seconds['random']:.2f} "
+            f"of the time. ASHA's best within 1% of random search's in {within} of {len(runs)} seeds."
         )
-    header = ["seed", "pruned", "ASHA steps", "random steps", "ASHA best", "random best", "same val_bpc"]
-    header += ["ASHA steps to it", "random steps to it", "random / ASHA"]
-    total_asha = sum(r["asha_steps"] for r in results["rows"])
-    total_random = sum(r["random_steps"] for r in results["rows"])
-    return "\n".join(
-        [
-            f"Rungs {results['rows'][0]['rungs']}, η {results['settings']['eta']}.",
-            "",
-            table(header, rows),
-            "",
-            f"All seeds: ASHA trained {total_asha} steps, random search {total_random} "
-            f"({total_random / total_asha:.2f}× as many).",
-        ]
-    )
+    return "\n".join(lines)
 
 
 def probe_tables(results: dict[str, Any]) -> str:

@@ -1,17 +1,22 @@
-"""ASHA against random search over the same trials: best val_bpc reached against training steps spent.
+"""ASHA against random search and against Optuna's pruner, over the same trials: training steps
+spent, wall time and the best val_bpc each reaches, with one worker and with two.
 
-For each seed, one sweep of the pretraining job (tiny preset, the shared Amazon corpus) runs with ASHA:
-trials are compared at each rung and the top 1/eta go on, resuming their runs. Random search trains
-the *same* trials (the same sampler, seed and trial numbers draw the same settings) each to the full
-budget. Because a promoted trial resumes exactly where it stopped (tests/test_sweep.py holds its final
-loss equal to a straight run's), random search's runs are ASHA's runs continued to the end: the
-benchmark trains the pruned trials on to ``max_steps`` after the sweep instead of training all again.
+For each seed and each number of workers, three arms search the pretraining job (tiny preset, the
+shared Amazon corpus) over the same trials (the same sampler, seed and trial numbers draw the same
+settings):
 
-Reported per seed: steps each arm trained, the best val_bpc each reached, and the steps each needed to
-reach the same val_bpc (the worse of the two bests), in the order the trials ran; and the ratio.
+- **ASHA**: ``tasks.sweep.engine.Sweep``, the stage's own engine: trials suspend at each rung and a
+  free worker promotes by Li et al.'s rule, resuming the trial's run.
+- **random search**: every trial trained straight to ``max_steps``.
+- **Optuna pruner**: the stage before ASHA: each trial runs rung after rung, asking Optuna's
+  ``SuccessiveHalvingPruner`` at each rung whether to stop (a copy of that engine's loop, here).
 
-    .venv/bin/python benchmarks/sweep.py                       # 3 seeds × 6 trials, rungs 3, 9, 27
-    .venv/bin/python benchmarks/sweep.py --seeds 1 --max-steps 9 --min-steps 1    # a quick look
+Each launch runs the job's own ``fit`` (one rank) in a pool of worker processes, one per sweep worker,
+started before the clock: the same training as under torchrun, without a torchrun start per launch,
+which on two cores costs more than the tiny model's steps.
+
+    .venv/bin/python benchmarks/sweep.py                       # 3 seeds × 6 trials, rungs 3, 9, 27; 1 and 2 workers
+    .venv/bin/python benchmarks/sweep.py --seeds 1 --workers 1 --max-steps 9 --min-steps 1    # a quick look
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import multiprocessing
+import os
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,49 +51,62 @@ def build_corpus(root: Path, data: Path) -> str:
     return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
 
 
-def launch_in_process(settings: Any) -> Any:
-    """The job's own ``fit`` in this process (one rank): the same training as under torchrun, without
-    a torchrun start per launch, which on two cores costs more than the tiny model's steps."""
-    from tasks.pretrain.config import PretrainParams
+def _threads(count: int) -> None:
+    """A pool process's torch threads: the machine's cores shared among the sweep's workers."""
+    import torch
+
+    torch.set_num_threads(count)
+
+
+def _fit(params: Any, settings: Any) -> dict[str, Any]:
+    """One launch, in a pool process: the job's ``fit`` on one rank, its log kept off the terminal."""
     from tasks.pretrain.stage import plan_job
     from tasks.pretrain.train import fit
     from tasks.pretrain.world import World
 
-    def launch(params: PretrainParams) -> dict[str, Any]:
-        config = plan_job(params, settings).config
-        with contextlib.redirect_stdout(io.StringIO()):
-            return fit(config, World(), settings)
-
-    return launch
+    # MLflow left out: the arms' training is what is measured, and SQLite is one writer at a time.
+    config = plan_job(params, settings).config.model_copy(update={"tracking": "off"})
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fit(config, World(), settings)
 
 
-class Ledger:
-    """Each launch in order: (trial run, steps trained, the sweep's best finished val_bpc so far)."""
+class Launcher:
+    """Launches on a pool of ``workers`` processes, counting the steps each run really trains."""
 
-    def __init__(self, launch: Any) -> None:
-        self.launch, self.rows, self.steps = launch, [], 0
+    def __init__(self, workers: int) -> None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        context = multiprocessing.get_context("spawn")
+        threads = max(1, cores // workers)
+        self.pool = ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_threads, initargs=(threads,)
+        )
+        for future in [self.pool.submit(_threads, threads) for _ in range(workers)]:
+            future.result()  # the processes started (torch imported) before any clock
+        self.settings: Any = None
+        self.steps = 0
         self.trained: dict[str, int] = {}
+        self.lock = threading.Lock()
 
     def __call__(self, params: Any) -> dict[str, Any]:
-        result: dict[str, Any] = self.launch(params)
-        self.steps += result["steps"] - self.trained.get(params.run, 0)
-        self.trained[params.run] = result["steps"]
-        self.rows.append((params.run, self.steps, result["steps"], result["val_bpc"]))
+        result: dict[str, Any] = self.pool.submit(_fit, params, self.settings).result()
+        with self.lock:
+            self.steps += result["steps"] - self.trained.get(params.run, 0)
+            self.trained[params.run] = result["steps"]
         return result
 
+    def arm(self, settings: Any) -> Launcher:
+        """Start counting afresh for an arm that keeps its runs under ``settings``' store."""
+        self.settings, self.steps, self.trained = settings, 0, {}
+        return self
 
-def steps_to_reach(points: list[tuple[int, float]], target: float) -> int | None:
-    """The first cumulative step count at which the best value so far is at or below ``target``."""
-    return next((steps for steps, best in points if best <= target + 1e-12), None)
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
-def one_seed(seed: int, args: Any, corpus: str, home: Path) -> dict[str, Any]:
-    from tasks.settings import Settings
-    from tasks.sweep.engine import Sweep
+def spec_for(seed: int, args: Any, corpus: str) -> Any:
     from tasks.sweep.spec import parse_spec
 
-    settings = Settings(home=home / f"seed-{seed}", store_uri=str(home / f"seed-{seed}" / "store"))
-    spec = parse_spec(
+    return parse_spec(
         {
             "corpus": corpus, "preset": "tiny", "seq_len": args.seq_len, "log_every": 1000,
             "budget": {"trials": args.trials, "max_steps": args.max_steps},
@@ -93,62 +115,149 @@ def one_seed(seed: int, args: Any, corpus: str, home: Path) -> dict[str, Any]:
             "space": {"lr": {"log_uniform": [1e-4, 3e-2]}, "batch_size": {"choice": [16, 32]}},
         }
     )  # fmt: skip
-    ledger = Ledger(launch_in_process(settings))
+
+
+def settings_for(home: Path) -> Any:
+    from tasks.settings import Settings
+
+    return Settings(home=home, store_uri=str(home / "store"))
+
+
+def asha(spec: Any, launch: Launcher, workers: int, home: Path) -> dict[str, Any]:
+    from tasks.sweep.engine import Sweep
+
+    settings = settings_for(home)
+    sweep = Sweep(spec, settings, launch.arm(settings), poll_seconds=0.2)
     started = time.perf_counter()
-    result = Sweep(spec, settings, ledger).run()
-    asha_seconds = time.perf_counter() - started
-    top = max(spec.rungs())
-    # ASHA: the best *finished* trial so far, after each launch.
-    asha_points, best = [], float("inf")
-    for _, steps, at, value in ledger.rows:
-        if at == top:
-            best = min(best, value)
-        asha_points.append((steps, best))
-    asha_steps = result["steps_trained"]
-    # Random search: the same trials, each to the end, in trial order; pruned ones resumed to the end.
-    finals = {}
-    for row in result["trials"]:
-        if row["steps"] < top:
-            params = spec.trial_params(_values(result, row["trial"], settings), row["run"], top)
-            finals[row["trial"]] = ledger(params)["val_bpc"]
-        else:
-            finals[row["trial"]] = row["value"]
-    random_points, best = [], float("inf")
-    for number in sorted(finals):
-        best = min(best, finals[number])
-        random_points.append(((number + 1) * top, best))
-    asha_best, random_best = asha_points[-1][1], random_points[-1][1]
-    target = max(asha_best, random_best)
-    asha_to = steps_to_reach(asha_points, target)
-    random_to = steps_to_reach(random_points, target)
+    result = sweep.run(parallel=workers)
+    seconds = time.perf_counter() - started
+    assert result["steps_trained"] == launch.steps == sum(r["steps"] for r in result["trials"])
+    drawn = {t.number: t.user_attrs["values"] for t in sweep.study.get_trials(deepcopy=False)}
     return {
-        "seed": seed,
-        "trials": args.trials,
-        "rungs": spec.rungs(),
-        "asha_steps": asha_steps,
-        "asha_best": asha_best,
-        "asha_seconds": round(asha_seconds, 1),
-        "random_steps": args.trials * top,
-        "random_best": random_best,
-        "target_val_bpc": target,
-        "asha_steps_to_target": asha_to,
-        "random_steps_to_target": random_to,
-        "pruned": sum(r["state"] == "pruned" for r in result["trials"]),
+        "steps": result["steps_trained"],
+        "seconds": round(seconds, 1),
+        "best": result["best"]["value"],
+        "best_trial": result["best"]["trial"],
+        "final_rungs": [r["steps"] for r in result["trials"]],
+        "values": drawn,
     }
 
 
-def _values(result: dict[str, Any], number: int, settings: Any) -> dict[str, Any]:
-    from tasks.sweep.engine import load_study
+def random_search(
+    spec: Any, launch: Launcher, workers: int, home: Path, values: dict[int, Any]
+) -> dict[str, Any]:
+    """Every trial (the settings ASHA's trial of the same number drew) trained to the full budget."""
+    top = spec.budget.max_steps
+    launch.arm(settings_for(home))
+    started = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        finals = list(
+            pool.map(
+                lambda n: launch(spec.trial_params(values[n], f"random-t{n:03d}", top))["val_bpc"],
+                sorted(values),
+            )
+        )
+    seconds = time.perf_counter() - started
+    best = min(range(len(finals)), key=lambda n: finals[n])
+    return {"steps": launch.steps, "seconds": round(seconds, 1), "best": finals[best], "best_trial": best}
 
-    study = load_study(result["sweep_id"], settings)
-    values: dict[str, Any] = study.trials[number].user_attrs["values"]
-    return values
+
+def optuna_pruner(spec: Any, launch: Launcher, workers: int, home: Path) -> dict[str, Any]:
+    """The stage before ASHA: trials one after another on each worker, each rung by rung, stopped where
+    Optuna's ``SuccessiveHalvingPruner`` says so (its promotion rule for trials it cannot suspend)."""
+    import optuna
+
+    from tasks.sweep.engine import run_name, sampler_for, suggest
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        direction="minimize",
+        pruner=optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=spec.asha.min_steps, reduction_factor=spec.asha.eta, min_early_stopping_rate=0
+        ),
+    )
+    rungs, lock = spec.rungs(), threading.Lock()
+    launch.arm(settings_for(home))
+    finished: list[tuple[int, int, float]] = []  # (trial, steps, value)
+
+    def work() -> None:
+        while True:
+            with lock:
+                number = len(study.trials)
+                if number >= spec.budget.trials:
+                    return
+                study.sampler = sampler_for(spec, number)
+                trial = study.ask()
+                values = suggest(trial, spec)
+            for rung in rungs:
+                value = float(
+                    launch(spec.trial_params(values, run_name("pruner", trial.number), rung))["val_bpc"]
+                )
+                with lock:
+                    trial.report(value, rung)
+                    stop = rung != rungs[-1] and trial.should_prune()
+                if stop or rung == rungs[-1]:
+                    with lock:
+                        study.tell(
+                            trial,
+                            None if stop else value,
+                            state=optuna.trial.TrialState.PRUNED if stop else None,
+                        )
+                        finished.append((trial.number, rung, value))
+                    break
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        for future in [pool.submit(work) for _ in range(workers)]:
+            future.result()
+    seconds = time.perf_counter() - started
+    complete = [(value, number) for number, steps, value in finished if steps == rungs[-1]]
+    best_value, best_trial = min(complete)
+    return {
+        "steps": launch.steps,
+        "seconds": round(seconds, 1),
+        "best": best_value,
+        "best_trial": best_trial,
+        "final_rungs": [steps for _, steps, _ in sorted(finished)],
+    }
+
+
+def one_run(seed: int, workers: int, args: Any, corpus: str, home: Path) -> dict[str, Any]:
+    spec = spec_for(seed, args, corpus)
+    launch = Launcher(workers)
+    try:
+        here = home / f"seed-{seed}-workers-{workers}"
+        # A step of each batch size on each process before any clock: a process's first fit of a
+        # shape compiles the gates for it.
+        launch.arm(settings_for(here / "warm-up"))
+        shapes = [{"lr": 1e-3, "batch_size": b} for b in spec.batch_values() for _ in range(workers)]
+        with ThreadPoolExecutor(workers) as pool:
+            list(
+                pool.map(
+                    lambda n: launch(spec.trial_params(shapes[n], f"warm-up-{n}", 1)), range(len(shapes))
+                )
+            )
+        ran = asha(spec, launch, workers, here / "asha")
+        values = ran.pop("values")
+        arms = {
+            "asha": ran,
+            "random": random_search(spec, launch, workers, here / "random", values),
+            "pruner": optuna_pruner(spec, launch, workers, here / "pruner"),
+        }
+    finally:
+        launch.close()
+    random = arms["random"]
+    for arm in arms.values():
+        arm["steps_vs_random"] = round(arm["steps"] / random["steps"], 3)
+        arm["best_vs_random"] = round(arm["best"] / random["best"] - 1, 4)
+    return {"seed": seed, "workers": workers, "trials": args.trials, "rungs": spec.rungs(), **arms}
 
 
 def main() -> None:
     parser = new_parser(__doc__ or "", raw=True)
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data", help="the shared data")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts, each a run per seed")
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--max-steps", type=int, default=27)
     parser.add_argument("--min-steps", type=int, default=3)
@@ -157,50 +266,32 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     add_record_option(parser)
     args = parser.parse_args()
-
-    import os
+    workers = [int(w) for w in args.workers.split(",")]
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import optuna
     import torch
+    from render import sweep_tables
 
     info = machine(torch.device("cpu"), optuna=optuna.__version__)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
         home = Path(tmp)
-        os.environ["MLSTM_HOME"] = str(home)  # MLflow's database and the shard cache: thrown away after
+        os.environ["MLSTM_HOME"] = str(home)  # the shard cache: thrown away after
         corpus = build_corpus(home / "corpus", args.data)
         for seed in range(args.seeds):
-            say(f"seed {seed}: ASHA sweep of {args.trials} trials, then the pruned ones to the end")
-            rows.append(one_seed(seed, args, corpus, home))
+            for count in workers:
+                say(f"seed {seed}, {count} worker(s): ASHA, random search, Optuna's pruner")
+                rows.append(one_run(seed, count, args, corpus, home))
+                say(json.dumps({k: v for k, v in rows[-1].items() if k in ("asha", "random", "pruner")}))
     settings = {k: getattr(args, k) for k in ("seeds", "trials", "max_steps", "min_steps", "eta", "seq_len")}
-    record("sweep", args.record, {"machine": info, "settings": settings, "rows": rows})
+    results = {"machine": info, "settings": {**settings, "workers": workers}, "rows": rows}
+    record("sweep", args.record, results)
     if args.json:
-        print(json.dumps({"machine": info, "rows": rows}, indent=2))
+        print(json.dumps(results, indent=2))
         return
-    print(f"ASHA vs random search, same trials (tiny preset, rungs {rows[0]['rungs']}, eta {args.eta}) "
-          f"on {describe(info)}")  # fmt: skip
-    header = (
-        "| seed | pruned | ASHA steps | random steps | ASHA best | random best | same val_bpc | "
-        "ASHA steps to it | random steps to it | random / ASHA |"
-    )
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
-    for r in rows:
-        ratio = (
-            f"{r['random_steps_to_target'] / r['asha_steps_to_target']:.2f}×"
-            if r["asha_steps_to_target"] and r["random_steps_to_target"]
-            else "-"
-        )
-        print(
-            f"| {r['seed']} | {r['pruned']}/{r['trials']} | {r['asha_steps']} | {r['random_steps']} | "
-            f"{r['asha_best']:.4f} | {r['random_best']:.4f} | {r['target_val_bpc']:.4f} | "
-            f"{r['asha_steps_to_target']} | {r['random_steps_to_target']} | {ratio} |"
-        )
-    total_asha = sum(r["asha_steps"] for r in rows)
-    total_random = sum(r["random_steps"] for r in rows)
-    print(f"\nall seeds: ASHA trained {total_asha} steps, random search {total_random} "
-          f"({total_random / total_asha:.2f}× as many)")  # fmt: skip
+    print(f"ASHA, random search and Optuna's pruner over the same trials on {describe(info)}\n")
+    print(sweep_tables(results))
 
 
 if __name__ == "__main__":

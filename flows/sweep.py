@@ -1,4 +1,4 @@
-"""The sweep flow: ASHA over the pretraining job, each trial's rungs as ``pretrain`` subflow runs.
+"""The sweep flow: ASHA over the pretraining job, each launch of a trial to a rung a ``pretrain`` subflow run.
 
 A rung's launch is the ``pretrain`` flow on the trial's run name with a larger ``max_steps``: it holds
 a slot of the GPU concurrency limit (two trials never share GPUs), uses the configured launcher
@@ -20,13 +20,13 @@ from tasks.pretrain.config import PretrainParams
 from tasks.settings import get_settings
 from tasks.sweep.engine import Sweep, prepare
 from tasks.sweep.spec import SweepSpec
-from tasks.sweep.tracking import close_parent, open_parent, record_rung
+from tasks.sweep.tracking import close_parent, open_parent, record_rung, record_state
 from tasks.tracking import experiment_id, run_link
 
 
 @flow(name="sweep", flow_run_name=names.sweep_name)
 def sweep(spec: SweepSpec, parallel: int = 1) -> dict[str, Any]:
-    """Search pretraining settings with ASHA; promoted trials resume from their checkpoints.
+    """Search pretraining settings with ASHA; trials suspend at each rung, promoted ones resume.
 
     Args:
         spec: The search: corpus, fixed settings, space, sampler, budget and rungs.
@@ -46,16 +46,22 @@ def sweep(spec: SweepSpec, parallel: int = 1) -> dict[str, Any]:
         result: dict[str, Any] = named(params, parent_run_id=parent_run_id)
         return result
 
-    def on_rung(trial: int, run_id: str | None, rung: int, value: float, decision: str) -> None:
-        logger.info("trial %d at step %d: val_bpc %.4f, %s", trial, rung, value, decision)
-        record_rung(sweep_id, trial, run_id, rung, value, decision)
+    rungs = spec.rungs()
 
-    engine = Sweep(spec, settings, launch, on_rung=on_rung)
+    def on_rung(trial: int, run_id: str | None, rung: int, value: float, state: str) -> None:
+        logger.info("trial %d at step %d: val_bpc %.4f, %s", trial, rung, value, state)
+        record_rung(sweep_id, trial, run_id, rungs, rung, value, state)
+
+    def on_state(trial: int, run_id: str | None, state: str) -> None:
+        logger.info("trial %d %s", trial, state)
+        record_state(run_id, state)
+
+    engine = Sweep(spec, settings, launch, on_rung=on_rung, on_state=on_state)
     flow_run_id = str(get_run_context().flow_run.id)  # type: ignore[union-attr]
     parent_run_id = open_parent(spec, settings, engine.study, {"prefect_flow_run_id": flow_run_id})
     logger.info("sweep %s: rungs at %s steps, %d trials", sweep_id, spec.rungs(), spec.budget.trials)
     result = engine.run(parallel)
-    close_parent(parent_run_id, engine.study, result)
+    close_parent(parent_run_id, engine.study, result, rungs)
     result["mlflow_run_id"] = parent_run_id
     create_table_artifact(
         key="sweep-trials",

@@ -70,7 +70,7 @@ def status(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """The sweeps in Optuna's storage, or one sweep's trials: state, steps, objective, run."""
+    """The sweeps in Optuna's storage, or one sweep's trials: rung, state, steps, objective, run."""
     from tasks.sweep.engine import list_sweeps, load_study, summary
 
     settings = get_settings()
@@ -103,13 +103,16 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"sweep {result['sweep_id']}: {result['steps_trained']:,} steps trained")
-    for column in ("trial", "state", "steps", "val_bpc", "run"):
-        table.add_column(column, justify="right" if column in ("trial", "steps", "val_bpc") else "left")
+    for column in ("trial", "rung", "state", "steps", "val_bpc", "run"):
+        table.add_column(
+            column, justify="right" if column in ("trial", "rung", "steps", "val_bpc") else "left"
+        )
     best = result["best"]
     for row in result["trials"]:
         value = "-" if row["value"] is None else f"{row['value']:.4f}"
         mark = " ★" if best and row["trial"] == best["trial"] else ""
-        table.add_row(str(row["trial"]), row["state"] + mark, str(row["steps"]), value, str(row["run"]))
+        cells = [str(row["trial"]), str(row["rung"]), row["state"] + mark, str(row["steps"]), value]
+        table.add_row(*cells, str(row["run"]))
     out.print(table)
     if best:
         out.print(

@@ -1,11 +1,16 @@
-"""ASHA on Optuna, with promotion as resumption: a trial that goes on to the next rung relaunches the
-same pretraining run with a larger ``max_steps``, so it continues from its checkpoint.
+"""ASHA with promotion as resumption: a trial that reaches a rung stops there, suspended, and a trial
+promoted to the next rung relaunches the same pretraining run with a larger ``max_steps``, so it
+continues from its checkpoint. The rule that picks what a free worker does is ``tasks/sweep/asha.py``.
 
-Optuna holds the sweep (its RDB storage: SQLite beside MLflow's database, or Postgres): the trials,
-their parameters, the objective at each rung, the successive-halving decisions. Our own bookkeeping
-rides in each trial's user attributes: the run name, the steps trained, each rung's decision, and a
-lease that says which worker holds the trial. A worker that dies (a SIGKILL, a lost node) leaves its
-lease to expire; the next worker takes the trial over at the rung it had reached, so a rerun of a
+Optuna holds the sweep (its RDB storage: SQLite beside MLflow's database, or Postgres) and samples the
+settings; it takes no halving decision. A trial's Optuna state is its place in ASHA: RUNNING while a
+worker trains it, WAITING while it is suspended at a rung, COMPLETE at the last rung, PRUNED when the
+sweep ended with it suspended below. Its objective at each rung is an intermediate value. A promotion
+moves a trial from WAITING to RUNNING in one storage transaction that only one worker wins (the
+transition Optuna's own trial queue relies on), so two workers never promote the same trial. Our own
+bookkeeping rides in each trial's user attributes: the run name, the steps trained, the rung it is
+trained to, and a lease that says which worker holds it. A worker that dies (a SIGKILL, a lost node)
+leaves its lease to expire; the next worker takes the trial over to the same rung, so a rerun of a
 killed sweep redoes no finished rung, and several workers can share one sweep.
 """
 
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.pretrain.config import PretrainParams
 from tasks.pretrain.stage import absolute_uri, plan_job, resolve_corpus
 from tasks.settings import Settings
+from tasks.sweep.asha import Done, Promote, Standing, Start, Wait, next_move
 from tasks.sweep.spec import Choice, IntUniform, LogUniform, SpecError, SweepSpec, Uniform
 
 if TYPE_CHECKING:
@@ -34,16 +40,28 @@ if TYPE_CHECKING:
 
 # A launch of one trial up to a rung: the pretraining job's result (``job_result``'s dict).
 Launch = Callable[[PretrainParams], dict[str, Any]]
-# Told after each rung: (trial number, its MLflow run id, rung steps, objective, decision).
+# Told after each rung: (trial number, its MLflow run id, rung steps, objective, state: suspended or
+# complete).
 RungHook = Callable[[int, str | None, int, float, str], None]
+# Told when a trial is promoted or left at its rung as the sweep ends: (number, run id, state).
+StateHook = Callable[[int, str | None, str], None]
 
 STATES = {
     "COMPLETE": "complete",
     "PRUNED": "pruned",
     "RUNNING": "running",
     "FAIL": "failed",
-    "WAITING": "waiting",
+    "WAITING": "suspended",
 }
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A trial a worker holds, and the steps of the rung it is to be trained to."""
+
+    trial_id: int
+    number: int
+    target: int
 
 
 def storage_url(settings: Settings) -> str:
@@ -96,9 +114,7 @@ def open_study(spec: SweepSpec, settings: Settings) -> optuna.Study:
         storage=storage,
         direction="minimize",
         sampler=sampler_for(spec, 0),
-        pruner=optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=spec.asha.min_steps, reduction_factor=spec.asha.eta, min_early_stopping_rate=0
-        ),
+        pruner=optuna.pruners.NopPruner(),  # promotion is ASHA's (tasks/sweep/asha.py), not a pruner's
         load_if_exists=True,
     )
     if "spec" not in study.user_attrs:
@@ -209,7 +225,7 @@ def holding(study: optuna.Study, trial_id: int, worker: Worker) -> Iterator[None
 
 
 class Sweep:
-    """Run a spec's trials rung by rung, ``parallel`` at once, resuming what a dead worker left."""
+    """Run a spec's trials by ASHA, ``parallel`` at once, resuming what a dead worker left."""
 
     def __init__(
         self,
@@ -218,11 +234,13 @@ class Sweep:
         launch: Launch,
         *,
         on_rung: RungHook | None = None,
+        on_state: StateHook | None = None,
         lease_seconds: float | None = None,
         poll_seconds: float = 2.0,
     ) -> None:
         self.spec, self.settings, self.launch = spec, settings, launch
         self.on_rung = on_rung or (lambda *args: None)
+        self.on_state = on_state or (lambda *args: None)
         self.study = open_study(spec, settings)
         self.worker = Worker.here(lease_seconds or settings.sweep_lease_seconds)
         self.rungs = spec.rungs()
@@ -234,7 +252,7 @@ class Sweep:
         return self.spec.sweep_id()
 
     def run(self, parallel: int = 1) -> dict[str, Any]:
-        """Work until every trial of the budget is finished (by this worker or another); the summary."""
+        """Work until the sweep is over (by this worker or another); the summary."""
         if parallel == 1:
             self._work()
         else:
@@ -247,45 +265,83 @@ class Sweep:
 
     def _work(self) -> None:
         while True:
-            claimed = self._claim()
-            if claimed is None:
-                if not self._others_running():
-                    return
-                time.sleep(self.poll_seconds)  # another worker's trials may yet free a lease
+            claimed = self.claim()
+            if isinstance(claimed, Done):
+                return
+            if isinstance(claimed, Wait):
+                time.sleep(self.poll_seconds)  # a running trial's rung may make a promotion possible
                 continue
-            with holding(self.study, claimed._trial_id, self.worker):
-                self._run_trial(claimed)
+            self.train(claimed)
 
-    def _claim(self) -> optuna.Trial | None:
-        """A trial whose worker is gone, else a new trial while the budget allows, else None.
-
-        Trial numbers come from the storage, so workers in several processes that ask at once get
-        different numbers; one that gets a number past the budget marks that trial ``surplus`` (told
-        failed, never trained, left out of every table) instead of running it."""
-        import optuna
+    def claim(self) -> Claim | Wait | Done:
+        """What this worker trains next: a trial whose worker is gone, to the rung it was going to;
+        else ASHA's move: a promotion or a new trial. ``Wait`` when there is nothing to do until
+        another worker's trial reaches its rung; ``Done`` when the sweep is over (its suspended
+        trials then marked pruned, every trial finished)."""
         from optuna.trial import TrialState
 
         with self._lock:
-            for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                if self._lapsed(frozen):
-                    self.study._storage.set_trial_user_attr(frozen._trial_id, "lease", self.worker.lease())
-                    trial = optuna.Trial(self.study, frozen._trial_id)
-                    if "values" not in frozen.user_attrs:  # its worker died before it drew settings
-                        self._begin(trial)
-                    return trial
-            number = len(self.study.get_trials(deepcopy=False))
-            if number >= self.spec.budget.trials:
-                return None
-            self.study.sampler = sampler_for(self.spec, number)
-            trial = self.study.ask()
-            trial.set_user_attr("lease", self.worker.lease())
-            if trial.number >= self.spec.budget.trials:
-                # Another worker (process) asked in the same instant and took the budget's last trial.
-                trial.set_user_attr("surplus", True)
-                self.study.tell(trial, state=TrialState.FAIL)
-                return None
-            self._begin(trial)
-            return trial
+            while True:
+                trials = sweep_trials(self.study)
+                for frozen in trials:
+                    if frozen.state is TrialState.RUNNING and self._lapsed(frozen):
+                        return self._take_over(frozen)
+                move = next_move(
+                    [standing(t, self.rungs) for t in trials],
+                    num_rungs=len(self.rungs),
+                    eta=self.spec.asha.eta,
+                    budget=self.spec.budget.trials,
+                )
+                if isinstance(move, Start):
+                    return self._start() or Wait()
+                if isinstance(move, Wait):
+                    return move
+                if isinstance(move, Done):
+                    self._end(trials)
+                    # Over once every trial is finished; another worker may still be ending one.
+                    finished = all(t.state.is_finished() for t in sweep_trials(self.study))
+                    return move if finished else Wait()
+                assert isinstance(move, Promote)
+                (frozen,) = [t for t in trials if t.number == move.number]
+                if not take_waiting(self.study, frozen._trial_id):
+                    continue  # another worker (process) promoted or ended it first: look again
+                target = self.rungs[move.rung]
+                self._set(frozen._trial_id, lease=self.worker.lease(), target=target)
+                self.on_state(frozen.number, frozen.user_attrs.get("mlflow_run_id"), "promoted")
+                return Claim(frozen._trial_id, frozen.number, target)
+
+    def _take_over(self, frozen: FrozenTrial) -> Claim:
+        import optuna
+
+        self._set(frozen._trial_id, lease=self.worker.lease())
+        if "values" not in frozen.user_attrs:  # its worker died before it drew settings
+            self._begin(optuna.Trial(self.study, frozen._trial_id))
+        target = int(frozen.user_attrs.get("target", self.rungs[0]))
+        return Claim(frozen._trial_id, frozen.number, target)
+
+    def _start(self) -> Claim | None:
+        """A new trial at the bottom rung.
+
+        Trial numbers come from the storage, so workers in several processes that ask at once get
+        different numbers; one that gets a number past the budget marks that trial ``surplus`` (told
+        failed, never trained, left out of every table) instead of running it. (Not ``study.ask``:
+        it would hand out a suspended, WAITING trial as a new one.)"""
+        import optuna
+        from optuna.trial import TrialState
+
+        storage = self.study._storage
+        number = len(self.study.get_trials(deepcopy=False))
+        self.study.sampler = sampler_for(self.spec, number)
+        trial = optuna.Trial(self.study, storage.create_new_trial(self.study._study_id))
+        trial.set_user_attr("lease", self.worker.lease())
+        if trial.number >= self.spec.budget.trials:
+            # Another worker (process) asked in the same instant and took the budget's last trial.
+            trial.set_user_attr("surplus", True)
+            self.study.tell(trial, state=TrialState.FAIL)
+            return None
+        self._begin(trial)
+        trial.set_user_attr("target", self.rungs[0])
+        return Claim(trial._trial_id, trial.number, self.rungs[0])
 
     def _begin(self, trial: optuna.Trial) -> None:
         """Draw a new trial's settings, by its own number: two workers that ask at once never draw the
@@ -300,76 +356,128 @@ class Sweep:
         }.items():
             trial.set_user_attr(key, value)
 
+    def _end(self, trials: list[FrozenTrial]) -> None:
+        """The sweep is over: each trial still suspended stays at its rung, told pruned."""
+        from optuna.trial import TrialState
+
+        for frozen in trials:
+            if frozen.state is not TrialState.WAITING or not take_waiting(self.study, frozen._trial_id):
+                continue  # not suspended, or another worker took it first
+            self.study.tell(frozen.number, state=TrialState.PRUNED)  # its value: the last rung's
+            self.on_state(frozen.number, frozen.user_attrs.get("mlflow_run_id"), "pruned")
+
     def _lapsed(self, frozen: FrozenTrial) -> bool:
-        """True when a running trial's worker is gone. A trial with no lease yet was asked for an
-        instant ago by a worker about to write one: it gets a lease's length to do so."""
+        """True when a running trial's worker is gone. A trial with no lease yet was asked for (or
+        promoted) an instant ago by a worker about to write one: it gets a lease's length to do so."""
         lease = frozen.user_attrs.get("lease")
         if lease is None:
             started = frozen.datetime_start
             return started is None or time.time() - started.timestamp() > self.worker.lease_seconds
         return lease_expired(lease)
 
-    def _others_running(self) -> bool:
+    def _set(self, trial_id: int, **attrs: Any) -> None:
+        for key, value in attrs.items():
+            self.study._storage.set_trial_user_attr(trial_id, key, value)
+
+    def train(self, claim: Claim) -> None:
+        """Train a claimed trial to its rung (resuming its run), record the objective, and suspend it
+        there, or complete it at the last rung."""
         from optuna.trial import TrialState
 
-        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
-
-    def _frozen(self, trial: optuna.Trial) -> FrozenTrial:
-        return self.study._storage.get_trial(trial._trial_id)
-
-    def _run_trial(self, trial: optuna.Trial) -> None:
-        from optuna.trial import TrialState
-
-        frozen = self._frozen(trial)
+        storage = self.study._storage
+        frozen = storage.get_trial(claim.trial_id)
         values, run = frozen.user_attrs["values"], frozen.user_attrs["run"]
-        value = float("nan")
-        for rung in self.rungs:
-            decision = frozen.user_attrs.get(f"rung_{rung}")
-            if decision == "promoted":
-                continue  # a finished rung: never trained again
-            if decision == "pruned":
-                self._tell(trial, TrialState.PRUNED)
-                return
-            try:
-                result = self.launch(self.spec.trial_params(values, run, rung))
-            except Exception:
-                self._tell(trial, TrialState.FAIL)
-                raise
-            reported = result.get("val_bpc")
-            if reported is None:
-                self._tell(trial, TrialState.FAIL)
-                raise ValueError(
-                    f"trial {trial.number} (run {run}) reported no val_bpc at step {rung}: the val split "
-                    "is shorter than one batch row per rank"
-                )
-            value = float(reported)
-            trained = int(result["steps"]) - int(frozen.user_attrs["steps"])
-            for key, attr in {
-                "steps": int(result["steps"]),
-                "steps_trained": int(frozen.user_attrs["steps_trained"]) + max(trained, 0),
-                "mlflow_run_id": result.get("run_id"),
-                "checkpoint_uri": result.get("checkpoint_uri"),
-            }.items():
-                trial.set_user_attr(key, attr)
-            if rung != self.rungs[-1]:
-                # The pruner's own successive-halving rule, told the objective at this rung.
-                with self._lock:
-                    trial.report(value, rung)
-                    decision = "pruned" if trial.should_prune() else "promoted"
-            else:
-                trial.report(value, rung)
-                decision = "complete"
-            trial.set_user_attr(f"rung_{rung}", decision)
-            self.on_rung(trial.number, result.get("run_id"), rung, value, decision)
-            if decision == "pruned":
-                self._tell(trial, TrialState.PRUNED)
-                return
-            frozen = self._frozen(trial)
-        self._tell(trial, TrialState.COMPLETE, value)
+        try:
+            with holding(self.study, claim.trial_id, self.worker):
+                result = self.launch(self.spec.trial_params(values, run, claim.target))
+        except Exception:
+            self._tell(claim.number, TrialState.FAIL)
+            raise
+        reported = result.get("val_bpc")
+        if reported is None:
+            self._tell(claim.number, TrialState.FAIL)
+            raise ValueError(
+                f"trial {claim.number} (run {run}) reported no val_bpc at step {claim.target}: the val "
+                "split is shorter than one batch row per rank"
+            )
+        value = float(reported)
+        trained = int(result["steps"]) - int(frozen.user_attrs["steps"])
+        self._set(
+            claim.trial_id,
+            steps=int(result["steps"]),
+            steps_trained=int(frozen.user_attrs["steps_trained"]) + max(trained, 0),
+            mlflow_run_id=result.get("run_id"),
+            checkpoint_uri=result.get("checkpoint_uri"),
+        )
+        storage.set_trial_intermediate_value(claim.trial_id, claim.target, value)
+        if claim.target == self.rungs[-1]:
+            self._tell(claim.number, TrialState.COMPLETE, value)
+            state = "complete"
+        else:
+            # Suspended: no lease (nobody holds it), WAITING until a worker promotes it.
+            self._set(claim.trial_id, lease=None)
+            storage.set_trial_state_values(claim.trial_id, TrialState.WAITING)
+            state = "suspended"
+        self.on_rung(claim.number, result.get("run_id"), claim.target, value, state)
 
-    def _tell(self, trial: optuna.Trial, state: Any, value: float | None = None) -> None:
+    def _tell(self, number: int, state: Any, value: float | None = None) -> None:
         with self._lock:
-            self.study.tell(trial, value, state=state)
+            self.study.tell(number, value, state=state)
+
+
+def take_waiting(study: optuna.Study, trial_id: int) -> bool:
+    """Move a suspended trial from WAITING to RUNNING; True for exactly one of the workers that try.
+
+    One conditional UPDATE, atomic on SQLite as on Postgres. (Optuna's own ``set_trial_state_values``
+    reads, then writes: SQLite ignores its ``SELECT … FOR UPDATE``, and two workers that read WAITING
+    at once both won.)"""
+    import datetime
+
+    from optuna.storages import RDBStorage
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+    from optuna.trial import TrialState
+
+    storage = getattr(study._storage, "_backend", study._storage)  # under Optuna's cache, the RDB
+    assert isinstance(storage, RDBStorage), "a sweep's study lives in an RDB storage (open_study)"
+    now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)  # the storage keeps naive UTC
+    with _create_scoped_session(storage.scoped_session) as session:
+        updated = (
+            session.query(models.TrialModel)
+            .filter(models.TrialModel.trial_id == trial_id, models.TrialModel.state == TrialState.WAITING)
+            .update(
+                {models.TrialModel.state: TrialState.RUNNING, models.TrialModel._datetime_start_utc: now},
+                synchronize_session=False,
+            )
+        )
+    return bool(updated == 1)
+
+
+def standing(frozen: FrozenTrial, rungs: list[int]) -> Standing:
+    """A trial as ASHA's rule sees it: its objective at each rung reached, and whether it is in play."""
+    from optuna.trial import TrialState
+
+    reached = frozen.intermediate_values
+    values: list[float] = []
+    for rung in rungs:
+        if rung not in reached:
+            break
+        values.append(float(reached[rung]))
+    return Standing(
+        frozen.number,
+        tuple(values),
+        busy=frozen.state is TrialState.RUNNING,
+        out=frozen.state.is_finished(),
+    )
+
+
+def trial_state(frozen: FrozenTrial) -> str:
+    """The state ``sweep status`` shows: running (to its first rung), promoted (resumed to a higher
+    one), suspended (at a rung, promotable), complete, pruned (left at its rung), failed."""
+    state = STATES.get(frozen.state.name, frozen.state.name.lower())
+    if state == "running" and int(frozen.user_attrs.get("steps", 0)) > 0:
+        return "promoted"
+    return state
 
 
 def sweep_trials(study: optuna.Study) -> list[FrozenTrial]:
@@ -382,7 +490,8 @@ def trial_row(frozen: FrozenTrial) -> dict[str, Any]:
     last = values[max(values)] if values else None
     return {
         "trial": frozen.number,
-        "state": STATES.get(frozen.state.name, frozen.state.name.lower()),
+        "state": trial_state(frozen),
+        "rung": len(values),  # rungs reached: 1 is the first; 0 before it
         "steps": int(frozen.user_attrs.get("steps", 0)),
         "value": frozen.value if frozen.value is not None else last,
         "run": frozen.user_attrs.get("run"),
@@ -430,7 +539,7 @@ def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
         trials = sweep_trials(optuna.load_study(study_name=study.study_name, storage=storage))
         counts: dict[str, int] = {}
         for trial in trials:
-            state = STATES.get(trial.state.name, trial.state.name.lower())
+            state = trial_state(trial)
             counts[state] = counts.get(state, 0) + 1
         rows.append(
             {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -144,6 +145,13 @@ class SweepSpec(BaseModel):
                     raise KeyedError(
                         f"space.{name}", "the grid sampler needs a choice list for every parameter"
                     )
+            points = math.prod(len(dist.choice) for dist in self.space.values() if isinstance(dist, Choice))
+            if self.budget.trials > points:
+                # Optuna's GridSampler would draw the surplus trials again from visited points.
+                raise KeyedError(
+                    "budget.trials",
+                    f"{self.budget.trials} trials but the grid has {points} points: ask for at most {points}",
+                )
         for name in self.fixed:
             if name in SWEEP_OWNED or name not in PretrainParams.model_fields:
                 raise KeyedError(

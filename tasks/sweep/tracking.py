@@ -1,7 +1,8 @@
 """The sweep in MLflow: one parent run, each trial's pretraining run a child of it, plots at the end.
 
 The child runs are the trials' own training runs (the job logs its loss, val_bpc and params there);
-the sweep adds to each the objective at every rung and its state (promoted, pruned, complete).
+the sweep adds to each the objective at every rung, the rung reached and its state (suspended,
+promoted, complete, pruned).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def open_parent(spec: SweepSpec, settings: Settings, study: optuna.Study, tags: 
 
 
 def record_rung(
-    sweep_id: str, trial: int, run_id: str | None, rung: int, value: float, decision: str
+    sweep_id: str, trial: int, run_id: str | None, rungs: list[int], rung: int, value: float, state: str
 ) -> None:
-    """A trial's objective at a rung and the decision taken on it, on the trial's own run."""
+    """A trial's objective at a rung (``rung`` steps, one of ``rungs``) and its state there
+    (suspended, or complete at the last rung), on the trial's own run."""
     if not run_id:
         return
     from mlflow.tracking import MlflowClient
@@ -65,10 +67,20 @@ def record_rung(
     client.log_metric(run_id, "objective", value, step=rung)
     client.set_tag(run_id, "sweep_id", sweep_id)
     client.set_tag(run_id, "sweep_trial", str(trial))
-    client.set_tag(run_id, "sweep_state", decision)
+    client.set_tag(run_id, "sweep_rung", f"{rungs.index(rung) + 1} of {len(rungs)} ({rung} steps)")
+    client.set_tag(run_id, "sweep_state", state)
 
 
-def close_parent(run_id: str, study: optuna.Study, result: dict[str, Any]) -> None:
+def record_state(run_id: str | None, state: str) -> None:
+    """A trial promoted from its rung, or left there (pruned) as the sweep ends."""
+    if not run_id:
+        return
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient().set_tag(run_id, "sweep_state", state)
+
+
+def close_parent(run_id: str, study: optuna.Study, result: dict[str, Any], rungs: list[int]) -> None:
     """Plots, the trial table, the best trial tagged; the parent run ends FINISHED."""
     from mlflow.tracking import MlflowClient
 
@@ -79,8 +91,8 @@ def close_parent(run_id: str, study: optuna.Study, result: dict[str, Any]) -> No
     history = rung_history(study)
     rows = result["trials"]
     for name, figure in (
-        ("objective_by_trial.png", objective_by_trial(rows)),
-        ("objective_by_step.png", objective_by_step(history)),
+        ("objective_by_trial.png", objective_by_trial(rows, rungs)),
+        ("objective_by_step.png", objective_by_step(history, rungs)),
         ("parallel_coordinates.png", parallel_coordinates(study)),
     ):
         if figure is not None:
@@ -112,28 +124,43 @@ def _close(figure: Figure) -> None:
     _pyplot().close(figure)
 
 
-def objective_by_trial(rows: list[dict[str, Any]]) -> Figure:
+def objective_by_trial(rows: list[dict[str, Any]], rungs: list[int]) -> Figure:
+    """Each trial's objective at the last rung it reached, coloured by that rung; failed ones in red."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 4))
-    colours = {"complete": "tab:green", "pruned": "tab:grey", "running": "tab:blue", "failed": "tab:red"}
-    for state, colour in colours.items():
-        points = [(r["trial"], r["value"]) for r in rows if r["state"] == state and r["value"] is not None]
+    colours = plt.get_cmap("viridis")
+    for index, steps in enumerate(rungs):
+        points = [
+            (r["trial"], r["value"])
+            for r in rows
+            if r["rung"] == index + 1 and r["state"] != "failed" and r["value"] is not None
+        ]
         if points:
-            axes.scatter(*zip(*points, strict=True), label=state, color=colour)
+            colour = colours(index / max(len(rungs) - 1, 1))
+            axes.scatter(*zip(*points, strict=True), label=f"rung {index + 1} ({steps} steps)", color=colour)
+    failed = [(r["trial"], r["value"]) for r in rows if r["state"] == "failed" and r["value"] is not None]
+    if failed:
+        axes.scatter(*zip(*failed, strict=True), label="failed", color="tab:red", marker="x")
     axes.set(xlabel="trial", ylabel="val bits per character (last rung reached)", title="objective by trial")
     axes.legend()
     axes.grid(alpha=0.3)
     return figure
 
 
-def objective_by_step(history: dict[int, dict[int, float]]) -> Figure:
+def objective_by_step(history: dict[int, dict[int, float]], rungs: list[int]) -> Figure:
+    """Each trial's objective at the rungs it reached; a dotted line at every rung."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 4))
+    for rung in rungs:
+        axes.axvline(rung, color="grey", linestyle=":", linewidth=1)
     for number, values in sorted(history.items()):
         steps = sorted(values)
         axes.plot(steps, [values[s] for s in steps], marker="o", label=f"trial {number}")
     axes.set(xlabel="steps (rungs)", ylabel="val bits per character", title="objective by step per trial")
     axes.set_xscale("log")
+    if rungs:
+        axes.set_xticks(rungs, [str(s) for s in rungs])
+        axes.minorticks_off()
     axes.legend(fontsize="small")
     axes.grid(alpha=0.3)
     return figure
