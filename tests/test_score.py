@@ -144,11 +144,15 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
 
     assert verify(summary["output"]) == []
     manifest = json.loads((Path(summary["output"]) / "manifest.json").read_text())
-    assert manifest["inputs"][0]["sha256"] == __import__("hashlib").sha256(imdb_slice.read_bytes()).hexdigest()
+    assert (
+        manifest["inputs"][0]["sha256"] == __import__("hashlib").sha256(imdb_slice.read_bytes()).hexdigest()
+    )
     assert manifest["model"]["uri"] == "models:/mlstm-sentiment@champion"
 
     # One MLflow run, a child of the run that logged the version, with the histogram.
-    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.scoring_id != ''", output_format="list")
+    runs = mlflow.search_runs(
+        search_all_experiments=True, filter_string="tags.scoring_id != ''", output_format="list"
+    )
     (run,) = [r for r in runs if r.data.tags["output"] == summary["output"]]
     assert run.data.tags["mlflow.parentRunId"] == champion["run_id"]
     assert run.data.metrics["rows_out"] == SLICE_ROWS and run.data.metrics["rows_per_s"] > 0
@@ -157,3 +161,163 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
     # A rerun finds the published output and scores nothing.
     again = _score([str(imdb_slice)], str(tmp_path / "out"), id_columns=["id"])
     assert again["output"] == summary["output"] and again["pieces_scored"] == 0
+
+
+def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    """The first piece scored by the plain function (as a run killed after it would leave it); the
+    flow then scores the other three and publishes every row once."""
+    from tasks.score.scoring import describe_inputs, plan_scoring, score_piece
+    from tasks.score.tracking import resolve_model
+    from tasks.settings import get_settings
+
+    output = str(tmp_path / "out")
+    files = describe_inputs([str(imdb_slice)])
+    plan = plan_scoring(files, output, resolve_model(None, get_settings()), piece_rows=PIECE_ROWS)
+    first = score_piece(plan, plan.pieces[0])
+    assert first["rows_out"] == PIECE_ROWS and not (Path(plan.output) / "manifest.json").exists()
+
+    summary = _score([str(imdb_slice)], output)
+    assert (summary["pieces_scored"], summary["pieces_skipped"]) == (3, 1), summary
+    assert summary["output"] == plan.output
+    assert sorted(_parts(summary["output"]).column("input_row").to_pylist()) == list(range(SLICE_ROWS))
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_where_it_stopped(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    """`mlstm-sentiment score` killed (SIGKILL, the whole process group) once a piece is done; the
+    rerun skips what was published and scores the rest."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    output = tmp_path / "out"
+    command = [sys.executable, "-c", "from flows.cli import main; main()", "score", str(imdb_slice)]
+    command += ["--output", str(output)]
+    command += ["--piece-rows", str(PIECE_ROWS), "--workers", "1"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])),
+    }
+    process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(output.glob("*/pieces/*.json")):
+            assert process.poll() is None, process.stderr.read().decode()[-2000:] if process.stderr else ""
+            assert time.monotonic() < deadline, "no piece was published in 300 s"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    done = len(list(output.glob("*/pieces/*.json")))
+    assert 1 <= done < 4 and not list(output.glob("*/manifest.json"))
+
+    summary = _score([str(imdb_slice)], str(output))
+    assert (summary["pieces_scored"], summary["pieces_skipped"]) == (4 - done, done), summary
+    assert sorted(_parts(summary["output"]).column("input_row").to_pylist()) == list(range(SLICE_ROWS))
+
+
+def test_bad_rows_are_written_aside_with_their_reason(champion: dict[str, Any], tmp_path: Path) -> None:
+    lines = [
+        b'{"id": 1, "text": "A warm, funny film."}',
+        b'{"id": 2, "text": ""}',
+        b'{"id": 3, "text": 5}',
+        b'{"id": 4, "text": "caf\xe9 au lait"}',  # Latin-1, not UTF-8
+        b"{not json",
+        b'{"id": 6, "review": "the text is under another name"}',
+        b'{"id": 7, "text": "Dull and far too long."}',
+    ]
+    jsonl = tmp_path / "in" / "reviews.jsonl.gz"
+    jsonl.parent.mkdir()
+    jsonl.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    (tmp_path / "in" / "more.csv").write_bytes(b'id,text\n8,Loved it.\n9,\n10,"na\xefve"\n')
+    summary = _score([str(tmp_path / "in")], str(tmp_path / "out"), id_columns=["id"])
+    assert (summary["rows_in"], summary["rows_out"], summary["rejected"]) == (10, 3, 7), summary
+
+    store = open_store(summary["output"])
+    aside = pa.concat_tables(
+        pq.read_table(io.BytesIO(store.read_bytes(k)))
+        for k in store.list("rejected")
+        if k.endswith(".parquet")
+    )
+    reasons = dict(zip(aside.column("id").to_pylist(), aside.column("reason").to_pylist(), strict=True))
+    assert reasons == {
+        2: "empty",
+        3: "not text (int)",
+        4: "not UTF-8 at byte 3",
+        None: "not JSON",
+        6: "no 'text' field",
+        9: "empty",
+        10: "not UTF-8 at byte 2",
+    }, aside.to_pylist()
+    assert sorted(_parts(summary["output"]).column("id").to_pylist()) == [1, 7, 8]
+    manifest = json.loads((Path(summary["output"]) / "manifest.json").read_text())
+    assert manifest["rejected"]["rows"] == 7
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("reviews.csv", b"id,review\n1,great\n", "no column 'text' (it has 'id', 'review')"),
+        ("reviews.parquet", b"id,text\n1,great\n", "not a readable Parquet file"),
+        ("reviews.arrow", b"id,text\n1,great\n", "not a readable Arrow IPC file"),
+        ("reviews.jsonl", b'{"id": 1, "review": "great"}\n', "no record has a 'text' field"),
+        ("reviews.txt", b"great\n", "not a table this command reads"),
+    ],
+)
+def test_a_bad_file_is_one_error_naming_it(
+    name: str, content: bytes, says: str, tmp_path: Path, prefect_api_url: str
+) -> None:
+    from conftest import cli_in_process
+
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    done = cli_in_process(
+        ["score", str(bad), "--output", str(tmp_path / "out")], env={"MLSTM_HOME": str(tmp_path / "home")}
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert message.startswith(f"error: {bad}: ") and says in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_s3_input_and_output(
+    champion: dict[str, Any], imdb_slice: Path, s3_bucket: str, tmp_path: Path
+) -> None:
+    import boto3
+    import pyarrow.csv as pacsv
+
+    from tasks.score.scoring import verify
+
+    table = pacsv.read_csv(imdb_slice).slice(0, 96)
+    local = tmp_path / "slice.parquet"
+    pq.write_table(table, local)
+    boto3.client("s3").upload_file(str(local), s3_bucket, "in/reviews/slice.parquet")
+    summary = _score(
+        [f"s3://{s3_bucket}/in/reviews/"], f"s3://{s3_bucket}/scores", id_columns=["id", "rating"]
+    )
+    assert summary["output"].startswith(f"s3://{s3_bucket}/scores/mlstm-sentiment-v")
+    assert (summary["rows_out"], summary["pieces_scored"]) == (96, 2), summary
+    assert verify(summary["output"]) == []
+    scores = _parts(summary["output"])
+    assert scores.column("id").to_pylist() == table.column("id").to_pylist()
+
+
+@pytest.mark.slow
+def test_the_dask_runner_writes_the_same_bytes_as_the_process_pool(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    def digests(summary: dict[str, Any]) -> list[tuple[str, str]]:
+        manifest = json.loads((Path(summary["output"]) / "manifest.json").read_text())
+        return [(f["key"], f["sha256"]) for f in manifest["files"]]
+
+    pool = _score([str(imdb_slice)], str(tmp_path / "pool"), id_columns=["id"])
+    dask = _score([str(imdb_slice)], str(tmp_path / "dask"), id_columns=["id"], task_runner="dask", workers=2)
+    assert dask["pieces_scored"] == 4 and digests(dask) == digests(pool)

@@ -216,9 +216,8 @@ def _jsonl_batches(uri: str, columns: list[str], s3_endpoint_url: str | None) ->
 
 def _record(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
     try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        return None, f"not UTF-8 at byte {error.start}"
+        # Bad UTF-8 kept as surrogates: the row keeps its ids, its text is rejected as not UTF-8.
+        record = json.loads(line.decode("utf-8", "surrogateescape"))
     except ValueError:
         return None, "not JSON"
     if not isinstance(record, dict):
@@ -228,7 +227,11 @@ def _record(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
 
 def _as_bytes(value: Any) -> Any:
     # Texts go in as bytes like the CSV's; anything else is kept as a marker of its type.
-    return value.encode("utf-8") if isinstance(value, str) else _NotText(type(value).__name__, value)
+    return (
+        value.encode("utf-8", "surrogateescape")
+        if isinstance(value, str)
+        else _NotText(type(value).__name__, value)
+    )
 
 
 @dataclass(frozen=True)
