@@ -20,24 +20,9 @@ from urllib.parse import urlparse
 import pyarrow as pa
 
 from tasks.corpus.sources import GZIP_MAGIC, SourceError, expand_sources, fingerprint
+from tasks.score.formats import FORMATS, SUFFIXES
 from tasks.store import S3Store
 
-# Suffix → format; longest first so ``.csv.gz`` is not taken for ``.gz``.
-FORMATS = {
-    ".csv.gz": "csv",
-    ".csv": "csv",
-    ".jsonl.gz": "jsonl",
-    ".json.gz": "jsonl",
-    ".ndjson.gz": "jsonl",
-    ".jsonl": "jsonl",
-    ".json": "jsonl",
-    ".ndjson": "jsonl",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".feather": "arrow",
-    ".ipc": "arrow",
-}
-SUFFIXES = tuple(FORMATS)
 BATCH_ROWS = 4096  # rows per record batch read from a JSON-lines file
 CSV_BLOCK_BYTES = 16 * 2**20  # pyarrow infers a CSV's column types from its first block
 
