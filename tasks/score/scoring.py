@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 import time
 from collections import Counter
@@ -153,6 +154,19 @@ def _classifier(folder: str) -> Any:
     return SentimentClassifier.load(Path(folder))
 
 
+def _device() -> Any:
+    """The CPU, or a GPU: with several, each worker process takes one by its process id (a spread, not
+    a reservation: a pool of as many workers as GPUs may still put two on one)."""
+    import torch
+
+    from models.features import default_device
+
+    device = default_device()
+    if device.type == "cuda" and torch.cuda.device_count() > 1:
+        return torch.device("cuda", os.getpid() % torch.cuda.device_count())
+    return device
+
+
 def piece_done(plan: Plan, piece: Piece) -> dict[str, Any] | None:
     store = plan.store()
     key = f"pieces/{piece.name}.json"
@@ -194,7 +208,7 @@ def score_piece(
     kept = [t for t in texts if t is not None]
     classifier = _classifier(plan.model.folder)
     features_NH = featurize(
-        classifier.model, kept, batch_size=batch_size, device=torch.device("cpu"), on_batch=on_batch
+        classifier.model, kept, batch_size=batch_size, device=_device(), on_batch=on_batch
     )
     p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
     labels = [LABELS[int(p >= 0.5)] for p in p_N]
