@@ -22,6 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+# At the top, as the other tests do: imported by name inside a test, conftest would run again (a
+# module of its own) and clear the MLSTM_ variables and PREFECT_API_URL that the fixtures set.
+from conftest import cli_in_process
+
 from tasks.store import open_store
 
 SLICE_ROWS = 240  # every 100th review of IMDB test: both labels, lengths as they come
@@ -275,8 +279,6 @@ def test_bad_rows_are_written_aside_with_their_reason(champion: dict[str, Any], 
 def test_a_bad_file_is_one_error_naming_it(
     name: str, content: bytes, says: str, tmp_path: Path, prefect_api_url: str
 ) -> None:
-    from conftest import cli_in_process
-
     bad = tmp_path / name
     bad.write_bytes(content)
     done = cli_in_process(
