@@ -260,6 +260,43 @@ def pipeline_tables(results: dict[str, Any]) -> str:
     )
 
 
+def score_tables(results: dict[str, Any]) -> str:
+    settings, checks = results["settings"], results["checks"]
+    rows = [
+        [
+            run["name"],
+            num(run["seconds"]),
+            num(run.get("flow_seconds")),
+            num(run["rows_per_s"]),
+            num(run["chars_per_s"]),
+            ratio(run["ratio_vs_features"]),
+            f"{run['peak_rss'] / 2**30:.2f} GiB" if run.get("peak_rss") else "",
+        ]
+        for run in results["runs"]
+    ]
+    load = results["load_average"]
+    memory = results["memory"]
+    grown = memory[f"{settings['grow']}x"]
+    lines = [
+        f"{settings['rows']:,} IMDB test reviews ({settings['chars']:,} characters), {settings['preset']} model, "
+        f"{settings['workers']} workers, pieces of {settings['piece_rows']} rows; load average "
+        f"{load['before']:.1f} before, {load['after']:.1f} after.",
+        "",
+        table(["run", "seconds", "flow s", "rows/s", "chars/s", "÷ features", "peak RSS"], rows),
+        "",
+        f"score ÷ features path {checks['score_vs_features']:.2f} (goal ≥ 0.8); score ÷ predict "
+        f"{checks['score_vs_predict']:.2f}"
+        + (
+            f"; Dask ÷ process pool {checks['dask_vs_process_pool']:.2f} (goal within 10 %)"
+            if "dask_vs_process_pool" in checks
+            else ""
+        )
+        + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB, {settings['grow']}× "
+        f"{grown / 2**30:.2f} GiB: {checks['memory_growth']:.2f}× (goal within 1.10×).",
+    ]
+    return "\n".join(lines)
+
+
 def sweep_tables(results: dict[str, Any]) -> str:
     arms = {"asha": "ASHA", "random": "random search", "pruner": "Optuna pruner"}
     header = ["seed", "workers", "arm", "steps", "× random's steps", "seconds", "best val_bpc"]
@@ -479,6 +516,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "scaling": scaling_tables,
     "pipeline": pipeline_tables,
     "sweep": sweep_tables,
+    "score": score_tables,
     "probe": probe_tables,
     "neuron": neuron_tables,
     "job": job_tables,

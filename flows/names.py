@@ -83,3 +83,8 @@ def sweep_name() -> str:
     spec = flow_run.parameters.get("spec", {})
     budget = _get(spec, "budget", {})
     return f"sweep-{_get(spec, 'sampler', 'random')}-{_get(budget, 'trials')}x{_get(budget, 'max_steps')}"
+
+
+def score_name() -> str:
+    model = flow_run.parameters.get("model") or "champion"
+    return f"score-{_sources(flow_run.parameters.get('inputs'))}-{model.rpartition('/')[2]}"

@@ -29,6 +29,8 @@ CASES = {
     "an unknown preset": (["pretrain", "--corpus", "c", "--preset", "huge"], 2, "choose one of tiny"),
     "a missing corpus": (["pretrain", "--corpus", "/nonexistent/manifest.json"], 2, "no corpus manifest"),
     "status before anything ran": (["status"], 0, "no pipeline runs yet"),
+    "score's help": (["score", "--help"], 0, "--id-column"),
+    "a missing score input": (["score", "/nonexistent/reviews.csv", "--output", "out"], 2, "no such file"),
 }
 
 

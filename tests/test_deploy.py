@@ -133,6 +133,7 @@ def test_deploy_creates_pools_limits_and_every_deployment_idempotently(deployed:
         "sweep-paper-4096",
         "transfer-nightly",
         "pipeline-weekly",
+        "score-nightly",
     }
     crons = {name: [s.schedule.cron for s in d.schedules] for name, d in deployments.items()}  # type: ignore[union-attr]
     assert crons == {
@@ -141,6 +142,7 @@ def test_deploy_creates_pools_limits_and_every_deployment_idempotently(deployed:
         "sweep-paper-4096": [],
         "transfer-nightly": ["0 2 * * *"],
         "pipeline-weekly": ["0 6 * * 1"],
+        "score-nightly": ["30 4 * * *"],
     }
     assert deployments["pretrain"].work_pool_name == "gpu"
     assert deployments["pretrain"].global_concurrency_limit is not None

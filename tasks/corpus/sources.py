@@ -71,12 +71,16 @@ class Piece:
 # Finding sources
 
 
-def _is_review_file(name: str) -> bool:
-    return name.lower().endswith(REVIEW_SUFFIXES)
+def _is_review_file(name: str, suffixes: tuple[str, ...] = REVIEW_SUFFIXES) -> bool:
+    return name.lower().endswith(suffixes)
 
 
-def expand_sources(args: list[str], *, s3_endpoint_url: str | None = None) -> list[str]:
-    """Turn SOURCE arguments into a sorted list of file URIs, or raise SourceError."""
+def expand_sources(
+    args: list[str], *, s3_endpoint_url: str | None = None, suffixes: tuple[str, ...] = REVIEW_SUFFIXES
+) -> list[str]:
+    """Turn SOURCE arguments into a sorted list of file URIs, or raise SourceError. A folder or an
+    s3:// prefix contributes the files whose names end in one of ``suffixes`` (the scoring stage
+    reads tables too)."""
     if not args:
         raise SourceError("no SOURCE given: name a file, folder, glob, s3:// prefix or http(s):// URL")
     found: list[str] = []
@@ -87,7 +91,7 @@ def expand_sources(args: list[str], *, s3_endpoint_url: str | None = None) -> li
             _check_http(shown)
             found.append(shown)
         elif scheme == "s3":
-            found.extend(_expand_s3(arg, s3_endpoint_url))
+            found.extend(_expand_s3(arg, s3_endpoint_url, suffixes))
         elif any(ch in arg for ch in "*?["):
             matches = sorted(p for p in glob.glob(arg, recursive=True) if Path(p).is_file())
             if not matches:
@@ -96,10 +100,12 @@ def expand_sources(args: list[str], *, s3_endpoint_url: str | None = None) -> li
         else:
             path = Path(arg.removeprefix("file://"))
             if path.is_dir():
-                files = sorted(p for p in path.rglob("*") if p.is_file() and _is_review_file(p.name))
+                files = sorted(
+                    p for p in path.rglob("*") if p.is_file() and _is_review_file(p.name, suffixes)
+                )
                 if not files:
                     raise SourceError(
-                        f"SOURCE {arg!r}: the folder holds no review files ({', '.join(REVIEW_SUFFIXES)})"
+                        f"SOURCE {arg!r}: the folder holds no review files ({', '.join(suffixes)})"
                     )
                 found.extend(_check_local(p) for p in files)
             else:
@@ -151,7 +157,7 @@ def _check_http(url: str) -> None:
         raise SourceError(f"SOURCE {url!r}: HTTP {response.status}")
 
 
-def _expand_s3(uri: str, endpoint_url: str | None) -> list[str]:
+def _expand_s3(uri: str, endpoint_url: str | None, suffixes: tuple[str, ...] = REVIEW_SUFFIXES) -> list[str]:
     store = S3Store(uri, endpoint_url=endpoint_url)
     bucket = S3Store(f"s3://{store.bucket}", endpoint_url=endpoint_url)
     try:
@@ -166,7 +172,7 @@ def _expand_s3(uri: str, endpoint_url: str | None) -> list[str]:
         ]
     except Exception as error:
         raise SourceError(f"SOURCE {uri!r}: cannot be listed ({error})") from error
-    files = [f"s3://{store.bucket}/{k}" for k in keys if _is_review_file(k)]
+    files = [f"s3://{store.bucket}/{k}" for k in keys if _is_review_file(k, suffixes)]
     if not files:
         raise SourceError(f"SOURCE {uri!r}: no review files under this prefix")
     return files

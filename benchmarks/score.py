@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Batch scoring throughput: `score` against `predict --input` and against the features path alone.
+
+On a slice of the shared IMDB test set (``--rows`` reviews, every k-th so both labels and all lengths
+come), with a classifier of ``--preset`` (random mLSTM weights, seed 0, random probe: speed does not
+depend on them) logged and registered as champion in a temporary MLflow store, one run each of:
+
+- features: ``models.features.featurize`` in this process (length-bucketed batches sized by memory, all
+  of torch's threads): what the model itself reads per second, the ceiling;
+- predict: what ``mlstm-sentiment predict --input FILE`` runs: the registered pyfunc's ``predict`` in one
+  process, batches of 64 (its default), all of torch's threads;
+- score (process pool, ``--workers`` processes, one torch thread each) and score (Dask, as many
+  workers): the flow as ``mlstm-sentiment score`` runs it (planning, reading, scoring, Parquet, the
+  manifest, the MLflow run), timed from the call to its return; the temporary Prefect API is started once
+  before, outside every timing. ``flow s`` is the flow's own time (from the manifest: no task-runner or
+  Dask-cluster start-up).
+- memory: the peak resident set of this process and its children (summed, sampled every 0.1 s) while
+  scoring the slice and the slice four times over (``--grow``): flat means within 10 %.
+
+ratio = rows/s ÷ the features path's. Goal (issue 30): score ≥ 0.8 of features; Dask within 10 % of
+the process pool. A run is one run (no repeats): the machine's load average is recorded beside it.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/score.py --rows 1000 --record
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import gzip
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from common import add_record_option, machine, new_parser, record, say  # the working tree on the path
+
+IMDB = (
+    Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "data" / "imdb"
+)
+
+
+def imdb_slice(rows: int) -> list[dict[str, str]]:
+    with gzip.open(IMDB / "test.csv.gz", "rt", encoding="utf-8", newline="") as stream:
+        every = max(1, 25_000 // rows)
+        return [r for i, r in enumerate(csv.DictReader(stream)) if i % every == 0][:rows]
+
+
+def write_csv(path: Path, rows: list[dict[str, str]], copies: int = 1) -> Path:
+    with path.open("w", encoding="utf-8", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=["id", "rating", "label", "text"])
+        writer.writeheader()
+        for _ in range(copies):
+            writer.writerows(rows)
+    return path
+
+
+@contextlib.contextmanager
+def peak_rss() -> Iterator[dict[str, int]]:
+    """The largest sum of resident memory of this process and its descendants seen while the block ran."""
+    import psutil
+
+    seen = {"peak": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        me = psutil.Process()
+        while not stop.is_set():
+            total = 0
+            for process in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    total += process.memory_info().rss
+            seen["peak"] = max(seen["peak"], total)
+            stop.wait(0.1)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
+
+
+def register(preset: str) -> Any:
+    import mlflow
+    import numpy as np
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from models import config as presets
+    from models.classifier import SentimentClassifier
+    from models.mlstm import MLSTM
+    from tasks.settings import get_settings
+    from tasks.tracking import connect
+    from tasks.transfer.registry import log_classifier
+
+    settings = get_settings()
+    connect(settings)
+    torch.manual_seed(0)
+    model = MLSTM(getattr(presets, preset)())
+    coef = np.random.default_rng(0).normal(size=model.config.hidden_size)
+    classifier = SentimentClassifier(model, coef, 0.0)
+    with mlflow.start_run() as run:
+        pass
+    version = mlflow.register_model(
+        log_classifier(run.info.run_id, classifier, "classifier"), settings.model_name
+    )
+    MlflowClient().set_registered_model_alias(settings.model_name, "champion", version.version)
+    return classifier
+
+
+def main() -> None:
+    parser = new_parser(__doc__ or "", raw=True)
+    parser.add_argument("--rows", type=int, default=1000, help="IMDB test reviews in the slice.")
+    parser.add_argument("--preset", default="tiny", help="Model preset (tiny, small, …).")
+    parser.add_argument("--workers", type=int, default=2, help="Workers of the process pool and of Dask.")
+    parser.add_argument("--piece-rows", type=int, default=128, help="Rows per piece of `score`.")
+    parser.add_argument("--grow", type=int, default=4, help="The larger input, in copies of the slice.")
+    parser.add_argument("--no-dask", action="store_true", help="Skip the Dask run.")
+    parser.add_argument("--json", action="store_true", help="Print the results as JSON on stdout.")
+    add_record_option(parser)
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="mlstm-bench-score-"))
+    os.environ["MLSTM_HOME"] = str(root / "home")
+    os.environ["MLSTM_MAX_WORKERS"] = str(args.workers)
+    import pandas as pd
+    import torch
+
+    from flows.cli.common import load_registered
+    from flows.cli.score import run_score
+    from flows.runtime import prefect_api
+    from models.features import featurize
+    from tasks.settings import get_settings
+
+    load_before = os.getloadavg()
+    rows = imdb_slice(args.rows)
+    texts = [r["text"] for r in rows]
+    chars = sum(len(t) for t in texts)
+    data = write_csv(root / "imdb-slice.csv", rows)
+    say(f"{len(rows):,} IMDB test reviews, {chars:,} characters; registering a {args.preset} classifier")
+    classifier = register(args.preset)
+    results: list[dict[str, Any]] = []
+
+    def add(name: str, seconds: float, **extra: Any) -> None:
+        results.append(
+            {
+                "name": name,
+                "seconds": seconds,
+                "rows_per_s": len(rows) / seconds,
+                "chars_per_s": chars / seconds,
+            }
+            | extra
+        )
+        say(
+            f"{name:<24} {seconds:8.1f} s  {len(rows) / seconds:8.1f} rows/s  {chars / seconds:10,.0f} chars/s"
+        )
+
+    featurize(classifier.model, texts[:8], batch_size=None)  # warm-up
+    started = time.perf_counter()
+    featurize(classifier.model, texts, batch_size=None, device=torch.device("cpu"))
+    add("features path", time.perf_counter() - started, threads=torch.get_num_threads())
+
+    pyfunc, _ = load_registered(None)
+    started = time.perf_counter()
+    pyfunc.predict(pd.DataFrame({"text": texts}), params={"batch_size": 64})
+    add("predict --input", time.perf_counter() - started, threads=torch.get_num_threads())
+
+    memory: dict[str, int] = {}
+    with prefect_api(get_settings()):
+        runners = [("process", "score (process pool)")] + ([] if args.no_dask else [("dask", "score (Dask)")])
+        for runner, name in runners:
+            started = time.perf_counter()
+            with peak_rss() as peak:
+                summary = run_score(
+                    [str(data)],
+                    output=str(root / f"out-{runner}"),
+                    piece_rows=args.piece_rows,
+                    task_runner=runner,
+                    workers=args.workers,
+                    show_progress=False,
+                )
+            seconds = time.perf_counter() - started
+            manifest = json.loads(Path(summary["manifest_uri"]).read_text())
+            assert summary["rows_out"] == len(rows), summary
+            add(name, seconds, flow_seconds=manifest["seconds"], workers=args.workers, peak_rss=peak["peak"])
+            if runner == "process":
+                memory["1x"] = peak["peak"]
+        grown = write_csv(root / f"imdb-slice-x{args.grow}.csv", rows, copies=args.grow)
+        started = time.perf_counter()
+        with peak_rss() as peak:
+            summary = run_score(
+                [str(grown)],
+                output=str(root / "out-grown"),
+                piece_rows=args.piece_rows,
+                task_runner="process",
+                workers=args.workers,
+                show_progress=False,
+            )
+        memory[f"{args.grow}x"] = peak["peak"]
+        grown_seconds = time.perf_counter() - started
+    features = results[0]["rows_per_s"]
+    for row in results:
+        row["ratio_vs_features"] = row["rows_per_s"] / features
+    by_name = {r["name"]: r for r in results}
+    checks = {
+        "score_vs_features": by_name["score (process pool)"]["ratio_vs_features"],
+        "score_vs_predict": by_name["score (process pool)"]["rows_per_s"]
+        / by_name["predict --input"]["rows_per_s"],
+        "memory_growth": memory[f"{args.grow}x"] / memory["1x"],
+        "grown_rows_per_s": args.grow * len(rows) / grown_seconds,
+    }
+    if "score (Dask)" in by_name:
+        checks["dask_vs_process_pool"] = (
+            by_name["score (Dask)"]["rows_per_s"] / by_name["score (process pool)"]["rows_per_s"]
+        )
+    for name, value in checks.items():
+        say(f"{name:<24} {value:.2f}")
+    report = {
+        "machine": machine(torch.device("cpu"), pyarrow=__import__("pyarrow").__version__),
+        "settings": {
+            "rows": len(rows),
+            "chars": chars,
+            "preset": args.preset,
+            "workers": args.workers,
+            "piece_rows": args.piece_rows,
+            "grow": args.grow,
+        },
+        "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "runs": results,
+        "memory": memory,
+        "checks": checks,
+    }
+    if args.json:
+        print(json.dumps(report))
+    record("score", args.record, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``mlstm-sentiment score``: score a whole table of reviews with a registered classifier."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from flows.cli.common import RichSink, fail, out, progress_bar, styled, user_errors
+from tasks.settings import get_settings
+
+app = typer.Typer()
+PANEL = "Transfer"
+
+
+def run_score(
+    inputs: list[str],
+    *,
+    output: str,
+    model: str | None = None,
+    text_column: str = "text",
+    id_columns: list[str] | None = None,
+    piece_rows: int | None = None,
+    task_runner: str | None = None,
+    workers: int | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """The score flow run here, on the task runner the settings name (the corpus stage's)."""
+    from flows import progress
+    from flows.runtime import prefect_api
+    from flows.runtime import task_runner as make_task_runner
+    from flows.score import score
+    from tasks.score.scoring import PIECE_ROWS
+
+    settings = get_settings(task_runner=task_runner, max_workers=workers)
+    flow = score.with_options(task_runner=make_task_runner(settings))
+    bar = progress_bar("rows", show=show_progress)
+    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
+        return flow(
+            inputs=inputs,
+            output=output,
+            model=model,
+            text_column=text_column,
+            id_columns=id_columns or [],
+            piece_rows=piece_rows or PIECE_ROWS,
+        )
+
+
+@app.command(rich_help_panel=PANEL)
+def score(
+    inputs: Annotated[
+        list[str],
+        typer.Argument(
+            help="CSV, JSON-lines (.gz too), Parquet or Arrow files; folders, globs or s3:// prefixes."
+        ),
+    ],
+    output: Annotated[
+        str, typer.Option("--output", help="Folder or s3://bucket/prefix; scores go to OUTPUT/<scoring id>/.")
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="models:/NAME@ALIAS or models:/NAME/VERSION. [default: models:/<MLSTM_MODEL_NAME>@champion]"
+        ),
+    ] = None,
+    text_column: Annotated[str, typer.Option(help="The column (JSON field) holding the review.")] = "text",
+    id_column: Annotated[
+        list[str] | None, typer.Option("--id-column", help="A column to copy beside the scores; repeatable.")
+    ] = None,
+    piece_rows: Annotated[
+        int | None, typer.Option(min=1, help="Rows per piece (parallel work, resuming). [default: 1024]")
+    ] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="Parallel workers. [default: CPU count]")] = None,
+    task_runner: Annotated[
+        str | None, typer.Option(help="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+) -> None:
+    """Score every row of review tables with a registered classifier: Parquet + a manifest, resumable."""
+    from tasks.corpus.sources import SourceError, expand_sources
+    from tasks.score.formats import SUFFIXES
+
+    try:
+        if local := [i for i in inputs if "://" not in i or i.startswith("file://")]:
+            # A missing local input is refused before Prefect, MLflow and torch are imported.
+            expand_sources(local, suffixes=SUFFIXES)
+    except SourceError as error:
+        raise fail(error) from None
+    try:
+        summary = run_score(
+            inputs,
+            output=output,
+            model=model,
+            text_column=text_column,
+            id_columns=id_column,
+            piece_rows=piece_rows,
+            task_runner=task_runner,
+            workers=workers,
+        )
+    except user_errors() as error:  # InputError and ModelNotFound are ValueErrors
+        raise fail(error) from None
+    if as_json:
+        print(json.dumps(summary))
+        return
+    out.print(
+        styled("scored", "bold green"),
+        f"{summary['rows_out']:,} of {summary['rows_in']:,} rows with "
+        f"{summary['model_uri']} (v{summary['model_version']}), {summary['rejected']:,} rejected; "
+        f"pieces: {summary['pieces_scored']} scored, {summary['pieces_skipped']} skipped",
+    )
+    out.print(f"output: {summary['output']}\nmanifest: {summary['manifest_uri']}", highlight=False)

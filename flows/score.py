@@ -1,0 +1,166 @@
+"""The score flow: a table of reviews → the registered classifier's scores as Parquet, piece by piece."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+from prefect.futures import as_completed
+from prefect.task_runners import ProcessPoolTaskRunner
+
+from flows import names, progress
+from tasks.score.inputs import InputError
+from tasks.score.scoring import (
+    PIECE_ROWS,
+    Piece,
+    Plan,
+    build_manifest,
+    describe_inputs,
+    plan_scoring,
+    publish_manifest,
+    read_manifest,
+    score_piece,
+    summary_of,
+)
+from tasks.score.tracking import log_scoring, resolve_model
+from tasks.settings import get_settings
+from tasks.tracking import experiment_id, run_link
+
+
+def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """A bad input file stays bad; a store or network error may pass."""
+    try:
+        state.result()
+    except (InputError, ValueError):
+        return False
+    except Exception:
+        return True
+    return True
+
+
+describe_inputs_task = task(
+    name="describe inputs",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_worth_retrying,
+    cache_policy=NO_CACHE,
+)(describe_inputs)
+
+
+@task(
+    name="score piece",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_worth_retrying,
+    cache_policy=NO_CACHE,
+    task_run_name="score piece {piece.index}",
+)
+def score_piece_task(plan: Plan, piece: Piece, threads: int | None = None) -> dict[str, Any]:
+    """One piece, with a progress artifact of its rows on the flow run's page."""
+    rows = piece.stop - piece.start
+    artifact_id = create_progress_artifact(
+        progress=0.0,
+        key=f"score-piece-{piece.index:05d}",
+        description=f"{piece.file.name} rows {piece.start}–{piece.stop}: rows scored",
+    )
+    done = 0
+
+    def on_batch(batch_rows: int, _bytes: int) -> None:
+        nonlocal done
+        done += batch_rows
+        update_progress_artifact(artifact_id, progress=100 * done / max(rows, 1))  # type: ignore[arg-type]  # sync: a UUID
+
+    record = score_piece(plan, piece, threads=threads, on_batch=on_batch)
+    update_progress_artifact(artifact_id, progress=100.0)  # type: ignore[arg-type]
+    return record
+
+
+@flow(
+    name="score",
+    flow_run_name=names.score_name,
+    log_prints=True,
+    task_runner=ProcessPoolTaskRunner(),  # type: ignore[arg-type]  # Prefect's annotation is narrower than its runners
+)
+def score(
+    inputs: list[str],
+    output: str,
+    model: str | None = None,
+    text_column: str = "text",
+    id_columns: list[str] | None = None,
+    piece_rows: int = PIECE_ROWS,
+    threads_per_worker: int | None = None,
+) -> dict[str, Any]:
+    """Score every row of ``inputs`` with a registered classifier; returns the --json summary.
+
+    Args:
+        inputs: CSV, JSON-lines (gzip too), Parquet or Arrow IPC files, folders, globs or s3:// prefixes.
+        output: Folder or s3://bucket/prefix; the run writes under OUTPUT/<scoring id>/.
+        model: models:/NAME@ALIAS or models:/NAME/VERSION. Default: the settings' model @champion.
+        text_column: The column (JSON field) holding the review.
+        id_columns: Columns copied to the output beside each row's scores.
+        piece_rows: Rows per piece: the unit of parallel work and of resuming.
+        threads_per_worker: torch threads of each worker. Default: the cores shared by the workers.
+    """
+    settings = get_settings()
+    logger = get_run_logger()
+    started = time.perf_counter()
+    files = describe_inputs_task(
+        inputs, text_column=text_column, id_columns=id_columns, s3_endpoint_url=settings.s3_endpoint_url
+    )
+    model_ref = resolve_model(model, settings)
+    plan = plan_scoring(
+        files,
+        output,
+        model_ref,
+        text_column=text_column,
+        id_columns=id_columns,
+        piece_rows=piece_rows,
+        s3_endpoint_url=settings.s3_endpoint_url,
+    )
+    plan.store().check_writable(create_bucket=False)
+    if (manifest := read_manifest(plan)) is not None:
+        logger.info("already scored by %s v%d: %s", model_ref.name, model_ref.version, plan.output)
+        return summary_of(manifest, plan.store().url("manifest.json"), scored=0, skipped=len(plan.pieces))
+    logger.info(
+        "%d rows of %d files in %d pieces, %s v%d → %s",
+        sum(f.rows for f in plan.files),
+        len(plan.files),
+        len(plan.pieces),
+        model_ref.name,
+        model_ref.version,
+        plan.output,
+    )
+    workers = settings.max_workers or os.cpu_count() or 1
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    sink = progress.current()
+    sink.stage("score", total=sum(f.rows for f in plan.files))
+    records = []
+    for future in as_completed(score_piece_task.map(plan, list(plan.pieces), threads=threads)):
+        record = future.result()
+        records.append(record)
+        sink.advance(record["rows"][1] - record["rows"][0])
+    manifest = build_manifest(plan, records, seconds=time.perf_counter() - started)
+    scored = manifest["pieces"]["scored"]
+    manifest_uri = publish_manifest(plan, manifest)
+    tags = {"prefect_flow_run_id": str(get_run_context().flow_run.id)}  # type: ignore[union-attr]
+    run_id = log_scoring(settings, manifest, manifest_uri, tags)
+    create_markdown_artifact(
+        key="score-manifest",
+        markdown=(
+            f"### Scored with `{model_ref.uri}` (v{model_ref.version})\n\n"
+            f"- output: [{plan.output}]({plan.output}), manifest [{manifest_uri}]({manifest_uri})\n"
+            f"- {manifest['rows_in']:,} rows in, {manifest['rows_out']:,} scored, "
+            f"{manifest['rejected']['rows']:,} rejected (under `rejected/`)\n"
+            f"- labels: {', '.join(f'{k} {v:,}' for k, v in manifest['labels'].items())}\n"
+            f"- pieces: {scored} scored, {len(records) - scored} skipped (done before)\n"
+            f"- MLflow run: {run_link(settings, experiment_id(settings), run_id)}\n"
+        ),
+        description="The published scores",
+    )
+    logger.info("scored %s: %s", plan.scoring_id, manifest_uri)
+    return summary_of(manifest, manifest_uri, scored=scored, skipped=len(records) - scored)

@@ -1,0 +1,351 @@
+"""The plain work of a scoring run: plan it, score one piece, write the manifest. No Prefect here.
+
+An output is a folder ``<OUTPUT>/<scoring id>/`` of the model version, the inputs' content and the
+settings; another champion or other inputs give another folder, so versions never mix in one:
+
+    part-NNNNN.parquet            one per piece: the id columns, input_file, input_row, probability,
+                                  label, sentiment_unit, model_version
+    rejected/part-NNNNN.parquet   the piece's rows that could not be scored, with the reason
+    pieces/NNNNN.json             written after both: the piece is done (its rows, checksums, labels)
+    manifest.json                 written last: rows in and out, rejects, checksums, model, inputs
+
+Every file is published atomically (``Store.writer``) and the manifest last, so a reader that finds
+the manifest finds every file it names whole. A rerun skips the pieces whose ``pieces/`` file exists:
+a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tasks.score.inputs import PROBLEM, InputError, InputFile, describe, expand_inputs, read_rows, texts_of
+from tasks.store import Store, open_store
+
+FORMAT_VERSION = 1  # of the output's layout; part of the scoring id
+PIECE_ROWS = 1024  # rows per piece: the unit of parallel work and of resuming
+HISTOGRAM_BINS = 20  # of P(positive) over [0, 1], summed from the pieces for the run's plot
+OWN_COLUMNS = ("input_file", "input_row", "probability", "label", "sentiment_unit", "model_version", "reason")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    """The registered classifier a run scores with, resolved to one version."""
+
+    uri: str  # as the user named it: models:/NAME@champion
+    name: str
+    version: int
+    run_id: str | None  # the run that logged it
+    folder: str  # a local folder with classifier.json and classifier.npz
+    unit: int  # the sentiment unit: the probe's largest weight
+    max_text_chars: int
+    weights_sha256: str  # a registry rebuilt from scratch may give other weights the same version
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    index: int
+    file: InputFile
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.index:05d}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    scoring_id: str
+    output: str  # the output folder's URI: <OUTPUT>/<scoring id>
+    model: ModelRef
+    files: tuple[InputFile, ...]
+    pieces: tuple[Piece, ...]
+    text_column: str
+    id_columns: tuple[str, ...]
+    s3_endpoint_url: str | None = field(default=None, compare=False)
+
+    def store(self) -> Store:
+        return open_store(self.output, endpoint_url=self.s3_endpoint_url)
+
+
+def describe_inputs(
+    inputs: list[str],
+    *,
+    text_column: str = "text",
+    id_columns: list[str] | None = None,
+    s3_endpoint_url: str | None = None,
+) -> tuple[InputFile, ...]:
+    """Find, hash and count the inputs: a bad file fails here, before any model is loaded or row scored."""
+    id_columns = list(id_columns or [])
+    if clash := [c for c in id_columns if c in OWN_COLUMNS or c == text_column]:
+        raise ValueError(f"--id-column {clash[0]!r} is the text column or one the output writes itself")
+    return tuple(
+        describe(uri, text_column=text_column, id_columns=id_columns, s3_endpoint_url=s3_endpoint_url)
+        for uri in expand_inputs(inputs, s3_endpoint_url=s3_endpoint_url)
+    )
+
+
+def plan_scoring(
+    files: tuple[InputFile, ...],
+    output: str,
+    model: ModelRef,
+    *,
+    text_column: str = "text",
+    id_columns: list[str] | None = None,
+    piece_rows: int = PIECE_ROWS,
+    s3_endpoint_url: str | None = None,
+) -> Plan:
+    """Name the output by the model version, the inputs' content and the settings, and cut the inputs
+    into pieces of ``piece_rows`` rows."""
+    id_columns = list(id_columns or [])
+    if piece_rows < 1:
+        raise ValueError(f"piece_rows must be at least 1, got {piece_rows}")
+    key = {
+        "format": FORMAT_VERSION,
+        "model": [model.name, model.version, model.weights_sha256],
+        "inputs": [[f.name, f.sha256] for f in files],
+        "text_column": text_column,
+        "id_columns": id_columns,
+        "piece_rows": piece_rows,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    scoring_id = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', model.name)}-v{model.version}-{digest}"
+    pieces = [
+        (file, start, min(start + piece_rows, file.rows))
+        for file in files
+        for start in range(0, file.rows, piece_rows)
+    ]
+    if not pieces:
+        raise InputError(f"{', '.join(f.uri for f in files)}: no rows to score")
+    root = open_store(output, endpoint_url=s3_endpoint_url)
+    return Plan(
+        scoring_id=scoring_id,
+        output=root.url(scoring_id),
+        model=model,
+        files=files,
+        pieces=tuple(Piece(index=i, file=f, start=a, stop=b) for i, (f, a, b) in enumerate(pieces)),
+        text_column=text_column,
+        id_columns=tuple(id_columns),
+        s3_endpoint_url=s3_endpoint_url,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# One piece
+
+
+@functools.lru_cache(maxsize=2)
+def _classifier(folder: str) -> Any:
+    """Loaded once per worker process, whatever number of pieces it scores."""
+    from models.classifier import SentimentClassifier
+
+    return SentimentClassifier.load(Path(folder))
+
+
+def _device() -> Any:
+    """The CPU, or a GPU: with several, each worker process takes one by its process id (a spread, not
+    a reservation: a pool of as many workers as GPUs may still put two on one)."""
+    import torch
+
+    from models.features import default_device
+
+    device = default_device()
+    if device.type == "cuda" and torch.cuda.device_count() > 1:
+        return torch.device("cuda", os.getpid() % torch.cuda.device_count())
+    return device
+
+
+def piece_done(plan: Plan, piece: Piece) -> dict[str, Any] | None:
+    store = plan.store()
+    key = f"pieces/{piece.name}.json"
+    return json.loads(store.read_bytes(key)) if store.exists(key) else None
+
+
+def score_piece(
+    plan: Plan,
+    piece: Piece,
+    *,
+    threads: int | None = None,
+    batch_size: int | None = None,
+    on_batch: Any = None,
+) -> dict[str, Any]:
+    """Score one piece and publish its part, its rejects and then its ``pieces/`` record; a piece whose
+    record exists is skipped (``skipped`` True). ``batch_size`` None: rows per batch sized by memory,
+    longest texts first, as the features path batches (``models.features.featurize``)."""
+    if (done := piece_done(plan, piece)) is not None:
+        return {**done, "skipped": True}
+    import torch
+
+    from models.classifier import LABELS, probability
+    from models.features import featurize
+
+    if threads:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    table = read_rows(
+        piece.file,
+        piece.start,
+        piece.stop,
+        text_column=plan.text_column,
+        id_columns=list(plan.id_columns),
+        s3_endpoint_url=plan.s3_endpoint_url,
+    )
+    problems = table.column(PROBLEM) if PROBLEM in table.column_names else None
+    texts, reasons = texts_of(table.column(plan.text_column), problems, max_chars=plan.model.max_text_chars)
+    good = np.array([t is not None for t in texts], dtype=bool)
+    kept = [t for t in texts if t is not None]
+    classifier = _classifier(plan.model.folder)
+    features_NH = featurize(
+        classifier.model, kept, batch_size=batch_size, device=_device(), on_batch=on_batch
+    )
+    p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
+    labels = [LABELS[int(p >= 0.5)] for p in p_N]
+    rows_N = np.arange(piece.start, piece.stop, dtype=np.int64)
+    ids = {name: table.column(name).combine_chunks() for name in plan.id_columns}
+    good_mask = pa.array(good)
+    scored = pa.table(
+        {
+            **{name: column.filter(good_mask) for name, column in ids.items()},
+            "input_file": pa.array([piece.file.name] * len(kept), type=pa.string()),
+            "input_row": pa.array(rows_N[good]),
+            "probability": pa.array(p_N, type=pa.float64()),
+            "label": pa.array(labels, type=pa.string()),
+            "sentiment_unit": pa.array(features_NH[:, plan.model.unit], type=pa.float32()),
+            "model_version": pa.array([plan.model.version] * len(kept), type=pa.int64()),
+        }
+    )
+    bad_mask = pa.array(~good)
+    rejected = pa.table(
+        {
+            **{name: column.filter(bad_mask) for name, column in ids.items()},
+            "input_file": pa.array([piece.file.name] * int((~good).sum()), type=pa.string()),
+            "input_row": pa.array(rows_N[~good]),
+            "reason": pa.array([r for r in reasons if r is not None], type=pa.string()),
+        }
+    )
+    store = plan.store()
+    part = _write_parquet(store, f"part-{piece.name}.parquet", scored)
+    aside = _write_parquet(store, f"rejected/part-{piece.name}.parquet", rejected)
+    counts, _ = np.histogram(p_N, bins=HISTOGRAM_BINS, range=(0.0, 1.0))
+    record = {
+        "piece": piece.index,
+        "input": piece.file.name,
+        "rows": [piece.start, piece.stop],
+        "rows_out": len(kept),
+        "rejected": int((~good).sum()),
+        "reasons": dict(Counter(r.split(" at byte")[0] for r in reasons if r is not None)),
+        "chars": sum(len(t) for t in kept),
+        "labels": {label: labels.count(label) for label in LABELS},
+        "histogram": counts.tolist(),
+        "seconds": time.perf_counter() - started,
+        "files": [part, aside],
+    }
+    store.write_bytes(f"pieces/{piece.name}.json", json.dumps(record, indent=1).encode())
+    return {**record, "skipped": False}
+
+
+def _write_parquet(store: Store, key: str, table: pa.Table) -> dict[str, Any]:
+    """Publish a Parquet file atomically; its key, bytes and sha256 for the manifest."""
+    import pyarrow.parquet as pq
+
+    with store.writer(key) as path:
+        pq.write_table(table, str(path), compression="zstd")
+        data = path.read_bytes()
+    return {
+        "key": key,
+        "rows": table.num_rows,
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest
+
+
+def build_manifest(plan: Plan, records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """What the run wrote, from every piece's record: the manifest, without its own checksum."""
+    records = sorted(records, key=lambda r: r["piece"])
+    assert [r["piece"] for r in records] == [p.index for p in plan.pieces], "a piece has no record"
+    reasons: Counter[str] = Counter()
+    labels: Counter[str] = Counter()
+    for r in records:
+        reasons.update(r["reasons"])
+        labels.update(r["labels"])
+    rows_out = sum(r["rows_out"] for r in records)
+    return {
+        "scoring_id": plan.scoring_id,
+        "output": plan.output,
+        "model": {k: v for k, v in asdict(plan.model).items() if k != "folder"},
+        "text_column": plan.text_column,
+        "id_columns": list(plan.id_columns),
+        "inputs": [asdict(f) for f in plan.files],
+        "rows_in": sum(f.rows for f in plan.files),
+        "rows_out": rows_out,
+        "rejected": {"rows": sum(r["rejected"] for r in records), "reasons": dict(sorted(reasons.items()))},
+        "labels": dict(sorted(labels.items())),
+        "chars": sum(r["chars"] for r in records),
+        "histogram": {
+            "bins": HISTOGRAM_BINS,
+            "counts": np.sum([r["histogram"] for r in records], axis=0).astype(int).tolist(),
+        },
+        "files": [file for r in records for file in r["files"]],
+        # This run's own work (a resumed run skips what was done before): rows/s counts these.
+        "pieces": {
+            "scored": sum(not r.get("skipped") for r in records),
+            "skipped": sum(bool(r.get("skipped")) for r in records),
+            "rows_scored": sum(r["rows_out"] for r in records if not r.get("skipped")),
+            "chars_scored": sum(r["chars"] for r in records if not r.get("skipped")),
+        },
+        "seconds": seconds,
+    }
+
+
+def publish_manifest(plan: Plan, manifest: dict[str, Any]) -> str:
+    store = plan.store()
+    store.write_bytes("manifest.json", json.dumps(manifest, indent=2).encode())
+    return store.url("manifest.json")
+
+
+def read_manifest(plan: Plan) -> dict[str, Any] | None:
+    store = plan.store()
+    return json.loads(store.read_bytes("manifest.json")) if store.exists("manifest.json") else None
+
+
+def verify(output: str, *, s3_endpoint_url: str | None = None) -> list[str]:
+    """The files of a published output whose bytes differ from the manifest's sha256 (empty: all verify)."""
+    store = open_store(output, endpoint_url=s3_endpoint_url)
+    manifest = json.loads(store.read_bytes("manifest.json"))
+    return [
+        f["key"]
+        for f in manifest["files"]
+        if hashlib.sha256(store.read_bytes(f["key"])).hexdigest() != f["sha256"]
+    ]
+
+
+def summary_of(manifest: dict[str, Any], manifest_uri: str, *, scored: int, skipped: int) -> dict[str, Any]:
+    """The --json result of a run."""
+    return {
+        "output": manifest["output"],
+        "manifest_uri": manifest_uri,
+        "model_uri": manifest["model"]["uri"],
+        "model_version": manifest["model"]["version"],
+        "rows_in": manifest["rows_in"],
+        "rows_out": manifest["rows_out"],
+        "rejected": manifest["rejected"]["rows"],
+        "labels": manifest["labels"],
+        "pieces_scored": scored,
+        "pieces_skipped": skipped,
+    }

@@ -1,0 +1,151 @@
+"""MLflow for a scoring run: which registered version scores, and the run that records what it did."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from tasks.score.scoring import ModelRef
+from tasks.settings import Settings
+from tasks.tracking import connect
+
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))$")
+
+
+class ModelNotFound(ValueError):
+    """A model URI that does not name a registered version here."""
+
+
+def resolve_model(uri: str | None, settings: Settings) -> ModelRef:
+    """The registered version ``uri`` names (default: the champion), its classifier downloaded once into
+    ``<home>/cache/models/NAME-vN`` for the workers to load."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from models.serving import DEFAULT_MAX_TEXT_CHARS, MAX_TEXT_CHARS_KEY
+
+    uri = uri or f"models:/{settings.model_name}@champion"
+    match = MODEL_URI.match(uri)
+    if match is None:
+        raise ModelNotFound(
+            f"{uri!r} names no registered version: write models:/NAME@ALIAS or models:/NAME/VERSION"
+        )
+    connect(settings)
+    client = MlflowClient()
+    name = match["name"]
+    try:
+        version = (
+            client.get_model_version(name, match["version"])
+            if match["version"]
+            else client.get_model_version_by_alias(name, match["alias"])
+        )
+    except MlflowException as error:
+        raise ModelNotFound(
+            f"cannot find {uri} in {settings.resolved_mlflow_tracking_uri}: {error.message}"
+        ) from None
+    folder = (
+        settings.home / "cache" / "models" / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-v{version.version}"
+    )
+    if not list(folder.rglob("classifier.json")):
+        import mlflow.artifacts
+
+        folder.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{name}/{version.version}", dst_path=str(folder)
+        )
+    classifier_dir = next(folder.rglob("classifier.json")).parent
+    info = json.loads((classifier_dir / "classifier.json").read_text())
+    import numpy as np
+
+    with np.load(classifier_dir / "classifier.npz", allow_pickle=False) as arrays:
+        unit = int(np.argmax(np.abs(arrays["probe.coef"])))  # the top unit, as tasks.transfer.probe names it
+    return ModelRef(
+        uri=uri,
+        name=name,
+        version=int(version.version),
+        run_id=version.run_id,
+        folder=str(classifier_dir),
+        unit=unit,
+        max_text_chars=int(info.get(MAX_TEXT_CHARS_KEY, DEFAULT_MAX_TEXT_CHARS)),
+        weights_sha256=hashlib.sha256((classifier_dir / "classifier.npz").read_bytes()).hexdigest(),
+    )
+
+
+def log_scoring(
+    settings: Settings, manifest: dict[str, Any], manifest_uri: str, tags: dict[str, str] | None = None
+) -> str:
+    """One MLflow run for the scoring run, a child of the run that logged the model version: rows/s,
+    rejected rows, the label distribution, and a histogram of P(positive) as a PNG."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    experiment_id = connect(settings).experiment_id
+    model = manifest["model"]
+    tags = {
+        **(tags or {}),
+        "model_uri": model["uri"],
+        "model_name": model["name"],
+        "model_version": str(model["version"]),
+        "scoring_id": manifest["scoring_id"],
+        "output": manifest["output"],
+    }
+    if model.get("run_id"):
+        try:
+            experiment_id = MlflowClient().get_run(model["run_id"]).info.experiment_id
+            tags["mlflow.parentRunId"] = model["run_id"]
+        except MlflowException:
+            pass  # logged on another tracking server: a run of its own here
+    seconds = max(manifest["seconds"], 1e-9)
+    rows = manifest["rows_out"]
+    with mlflow.start_run(
+        experiment_id=experiment_id, run_name=f"score {manifest['scoring_id']}", tags=tags
+    ) as run:
+        mlflow.log_params(
+            {
+                "model_uri": model["uri"],
+                "model_version": model["version"],
+                "text_column": manifest["text_column"],
+                "id_columns": ",".join(manifest["id_columns"]) or "-",
+                "inputs": len(manifest["inputs"]),
+            }
+        )
+        metrics = {
+            "rows_in": manifest["rows_in"],
+            "rows_out": rows,
+            "rejected_rows": manifest["rejected"]["rows"],
+            "rows_per_s": manifest["pieces"]["rows_scored"] / seconds,
+            "chars_per_s": manifest["pieces"]["chars_scored"] / seconds,
+            "pieces_skipped": manifest["pieces"]["skipped"],
+            "seconds": seconds,
+        }
+        for label, count in manifest["labels"].items():
+            metrics[f"label_{label}"] = count
+            metrics[f"label_{label}_fraction"] = count / rows if rows else 0.0
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        mlflow.log_dict(manifest, "manifest.json")
+        mlflow.log_figure(histogram_figure(manifest), "probability_histogram.png")
+        mlflow.set_tag("manifest_uri", manifest_uri)
+    return str(run.info.run_id)
+
+
+def histogram_figure(manifest: dict[str, Any]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = manifest["histogram"]["counts"]
+    edges = [i / len(counts) for i in range(len(counts) + 1)]
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.stairs(counts, edges, fill=True)
+    axes.set_xlabel("P(positive)")
+    axes.set_ylabel("rows")
+    axes.set_title(
+        f"{manifest['model']['name']} v{manifest['model']['version']}: {manifest['rows_out']:,} rows"
+    )
+    figure.tight_layout()
+    plt.close(figure)
+    return figure

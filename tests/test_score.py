@@ -1,0 +1,325 @@
+"""Batch scoring (issue 30): `score` on a slice of the shared IMDB test set with a classifier trained
+here (a tiny mLSTM's features, a probe fitted on IMDB train reviews) and registered as champion.
+
+Guards: every input row is in the output exactly once; labels and probabilities agree with `predict`'s
+model; the manifest's checksums verify; a run stopped after its first piece scores only the rest;
+S3 (moto) input and output; the Dask runner writes the same bytes as the process pool; bad rows are
+written aside with their reason, and a bad file is one error naming it.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+# At the top, as the other tests do: imported by name inside a test, conftest would run again (a
+# module of its own) and clear the MLSTM_ variables and PREFECT_API_URL that the fixtures set.
+from conftest import cli_in_process
+
+from tasks.store import open_store
+
+SLICE_ROWS = 240  # every 100th review of IMDB test: both labels, lengths as they come
+PIECE_ROWS = 64  # four pieces, the last one short
+
+
+@pytest.fixture(scope="module")
+def scoring_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """MLSTM_HOME for the module: its MLflow database holds the champion."""
+    from multiprocessing import resource_tracker
+
+    home = tmp_path_factory.mktemp("score-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLSTM_HOME", str(home))
+        patch.setenv("MLSTM_MAX_WORKERS", "2")
+        yield home
+    # The process pool's queues started multiprocessing's resource tracker in this process; it would
+    # live as long as the session does.
+    resource_tracker._resource_tracker._stop()
+
+
+def _imdb_rows(path: Path, every: int, limit: int) -> list[dict[str, str]]:
+    with gzip.open(path, "rt", encoding="utf-8", newline="") as stream:
+        return [row for i, row in enumerate(csv.DictReader(stream)) if i % every == 0][:limit]
+
+
+@pytest.fixture(scope="module")
+def champion(scoring_home: Path, shared_data: Path, prefect_api_url: str) -> dict[str, Any]:
+    """A tiny classifier trained here: a random tiny mLSTM's features of 200 IMDB train reviews and an
+    L2 logistic probe on them, logged and registered as models:/mlstm-sentiment@champion."""
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+    from sklearn.linear_model import LogisticRegression
+
+    from models.classifier import SentimentClassifier
+    from models.features import featurize
+    from models.mlstm import MLSTM, tiny
+    from tasks.settings import get_settings
+    from tasks.tracking import connect
+    from tasks.transfer.registry import log_classifier
+
+    rows = _imdb_rows(shared_data / "imdb" / "train.csv.gz", every=125, limit=200)
+    torch.manual_seed(0)
+    model = MLSTM(tiny())
+    features_NH = featurize(model, [r["text"] for r in rows], batch_size=None)
+    probe = LogisticRegression(C=1.0, max_iter=1000).fit(features_NH, [int(r["label"]) for r in rows])
+    classifier = SentimentClassifier(model, probe.coef_[0], float(probe.intercept_[0]))
+    settings = get_settings()
+    connect(settings)
+    with mlflow.start_run() as run:
+        pass
+    uri = log_classifier(run.info.run_id, classifier, "classifier")
+    version = mlflow.register_model(uri, settings.model_name)
+    MlflowClient().set_registered_model_alias(settings.model_name, "champion", version.version)
+    return {"classifier": classifier, "version": int(version.version), "run_id": run.info.run_id}
+
+
+@pytest.fixture(scope="module")
+def imdb_slice(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SLICE_ROWS reviews of the IMDB test set, as the shared file is: gzip CSV id,rating,label,text."""
+    rows = _imdb_rows(shared_data / "imdb" / "test.csv.gz", every=100, limit=SLICE_ROWS)
+    path = tmp_path_factory.mktemp("imdb-slice") / "test-slice.csv.gz"
+    with gzip.open(path, "wt", encoding="utf-8", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=["id", "rating", "label", "text"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _score(inputs: list[str], output: str, **options: Any) -> dict[str, Any]:
+    from flows.cli.score import run_score
+
+    return run_score(inputs, output=output, piece_rows=PIECE_ROWS, show_progress=False, **options)
+
+
+def _parts(output: str, prefix: str = "part-") -> pa.Table:
+    store = open_store(output)
+    keys = [k for k in store.list("") if k.rpartition("/")[2].startswith(prefix) and "rejected/" not in k]
+    return pa.concat_tables(pq.read_table(io.BytesIO(store.read_bytes(k))) for k in keys)
+
+
+def test_every_row_once_labels_agree_with_predict_checksums_verify(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from flows.cli.common import load_registered
+    from tasks.score.scoring import verify
+
+    summary = _score([str(imdb_slice)], str(tmp_path / "out"), id_columns=["id"])
+    assert summary["rows_in"] == summary["rows_out"] == SLICE_ROWS, summary
+    assert summary["rejected"] == 0 and summary["pieces_scored"] == 4, summary
+    assert summary["model_version"] == champion["version"]
+
+    scores = _parts(summary["output"])
+    # IMDB's ids count within a label (0 is a positive and a negative review): a row is (file, row).
+    assert sorted(scores.column("input_row").to_pylist()) == list(range(SLICE_ROWS))
+    inputs = _imdb_rows(imdb_slice, every=1, limit=SLICE_ROWS)
+    by_row = {row: int(r["id"]) for row, r in enumerate(inputs)}
+    assert [by_row[r] for r in scores.column("input_row").to_pylist()] == scores.column("id").to_pylist()
+    assert set(scores.column("model_version").to_pylist()) == {champion["version"]}
+
+    # `predict`'s own model (the registered pyfunc, as `mlstm-sentiment predict` loads it) on a sample.
+    text_of = {row: r["text"] for row, r in enumerate(inputs)}
+    sample = scores.to_pylist()[::12]
+    pyfunc, _ = load_registered(None)
+    import pandas as pd
+
+    predicted = pyfunc.predict(pd.DataFrame({"text": [text_of[r["input_row"]] for r in sample]}))
+    assert [r["label"] for r in sample] == list(predicted["label"])
+    np.testing.assert_allclose([r["probability"] for r in sample], predicted["probability"], rtol=1e-5)
+    unit = int(np.argmax(np.abs(champion["classifier"].coef_H)))
+    from models.features import featurize
+
+    # The sentiment unit's value is that unit's feature: the cell state after the text's last byte.
+    features_NH = featurize(champion["classifier"].model, [text_of[r["input_row"]] for r in sample[:3]])
+    np.testing.assert_allclose([r["sentiment_unit"] for r in sample[:3]], features_NH[:, unit], rtol=1e-5)
+
+    assert verify(summary["output"]) == []
+    manifest = json.loads((Path(summary["output"]) / "manifest.json").read_text())
+    assert (
+        manifest["inputs"][0]["sha256"] == __import__("hashlib").sha256(imdb_slice.read_bytes()).hexdigest()
+    )
+    assert manifest["model"]["uri"] == "models:/mlstm-sentiment@champion"
+
+    # One MLflow run, a child of the run that logged the version, with the histogram.
+    runs = mlflow.search_runs(
+        search_all_experiments=True, filter_string="tags.scoring_id != ''", output_format="list"
+    )
+    (run,) = [r for r in runs if r.data.tags["output"] == summary["output"]]
+    assert run.data.tags["mlflow.parentRunId"] == champion["run_id"]
+    assert run.data.metrics["rows_out"] == SLICE_ROWS and run.data.metrics["rows_per_s"] > 0
+    assert "probability_histogram.png" in [a.path for a in MlflowClient().list_artifacts(run.info.run_id)]
+
+    # A rerun finds the published output and scores nothing.
+    again = _score([str(imdb_slice)], str(tmp_path / "out"), id_columns=["id"])
+    assert again["output"] == summary["output"] and again["pieces_scored"] == 0
+
+
+def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    """The first piece scored by the plain function (as a run killed after it would leave it); the
+    flow then scores the other three and publishes every row once."""
+    from tasks.score.scoring import describe_inputs, plan_scoring, score_piece
+    from tasks.score.tracking import resolve_model
+    from tasks.settings import get_settings
+
+    output = str(tmp_path / "out")
+    files = describe_inputs([str(imdb_slice)])
+    plan = plan_scoring(files, output, resolve_model(None, get_settings()), piece_rows=PIECE_ROWS)
+    first = score_piece(plan, plan.pieces[0])
+    assert first["rows_out"] == PIECE_ROWS and not (Path(plan.output) / "manifest.json").exists()
+
+    summary = _score([str(imdb_slice)], output)
+    assert (summary["pieces_scored"], summary["pieces_skipped"]) == (3, 1), summary
+    assert summary["output"] == plan.output
+    assert sorted(_parts(summary["output"]).column("input_row").to_pylist()) == list(range(SLICE_ROWS))
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_where_it_stopped(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    """`mlstm-sentiment score` killed (SIGKILL, the whole process group) once a piece is done; the
+    rerun skips what was published and scores the rest."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    output = tmp_path / "out"
+    command = [sys.executable, "-c", "from flows.cli import main; main()", "score", str(imdb_slice)]
+    command += ["--output", str(output)]
+    command += ["--piece-rows", str(PIECE_ROWS), "--workers", "1"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])),
+    }
+    process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(output.glob("*/pieces/*.json")):
+            assert process.poll() is None, process.stderr.read().decode()[-2000:] if process.stderr else ""
+            assert time.monotonic() < deadline, "no piece was published in 300 s"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    done = len(list(output.glob("*/pieces/*.json")))
+    assert 1 <= done < 4 and not list(output.glob("*/manifest.json"))
+
+    summary = _score([str(imdb_slice)], str(output))
+    assert (summary["pieces_scored"], summary["pieces_skipped"]) == (4 - done, done), summary
+    assert sorted(_parts(summary["output"]).column("input_row").to_pylist()) == list(range(SLICE_ROWS))
+
+
+def test_bad_rows_are_written_aside_with_their_reason(champion: dict[str, Any], tmp_path: Path) -> None:
+    lines = [
+        b'{"id": 1, "text": "A warm, funny film."}',
+        b'{"id": 2, "text": ""}',
+        b'{"id": 3, "text": 5}',
+        b'{"id": 4, "text": "caf\xe9 au lait"}',  # Latin-1, not UTF-8
+        b"{not json",
+        b'{"id": 6, "review": "the text is under another name"}',
+        b'{"id": 7, "text": "Dull and far too long."}',
+    ]
+    jsonl = tmp_path / "in" / "reviews.jsonl.gz"
+    jsonl.parent.mkdir()
+    jsonl.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    (tmp_path / "in" / "more.csv").write_bytes(b'id,text\n8,Loved it.\n9,\n10,"na\xefve"\n')
+    summary = _score([str(tmp_path / "in")], str(tmp_path / "out"), id_columns=["id"])
+    assert (summary["rows_in"], summary["rows_out"], summary["rejected"]) == (10, 3, 7), summary
+
+    store = open_store(summary["output"])
+    aside = pa.concat_tables(
+        pq.read_table(io.BytesIO(store.read_bytes(k)))
+        for k in store.list("rejected")
+        if k.endswith(".parquet")
+    )
+    reasons = dict(zip(aside.column("id").to_pylist(), aside.column("reason").to_pylist(), strict=True))
+    assert reasons == {
+        2: "empty",
+        3: "not text (int)",
+        4: "not UTF-8 at byte 3",
+        None: "not JSON",
+        6: "no 'text' field",
+        9: "empty",
+        10: "not UTF-8 at byte 2",
+    }, aside.to_pylist()
+    assert sorted(_parts(summary["output"]).column("id").to_pylist()) == [1, 7, 8]
+    manifest = json.loads((Path(summary["output"]) / "manifest.json").read_text())
+    assert manifest["rejected"]["rows"] == 7
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("reviews.csv", b"id,review\n1,great\n", "no column 'text' (it has 'id', 'review')"),
+        ("reviews.parquet", b"id,text\n1,great\n", "not a readable Parquet file"),
+        ("reviews.arrow", b"id,text\n1,great\n", "not a readable Arrow IPC file"),
+        ("reviews.jsonl", b'{"id": 1, "review": "great"}\n', "no record has a 'text' field"),
+        ("reviews.txt", b"great\n", "not a table this command reads"),
+    ],
+)
+def test_a_bad_file_is_one_error_naming_it(
+    name: str, content: bytes, says: str, tmp_path: Path, prefect_api_url: str
+) -> None:
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    done = cli_in_process(
+        ["score", str(bad), "--output", str(tmp_path / "out")], env={"MLSTM_HOME": str(tmp_path / "home")}
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert message.startswith(f"error: {bad}: ") and says in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_s3_input_and_output(
+    champion: dict[str, Any], imdb_slice: Path, s3_bucket: str, tmp_path: Path
+) -> None:
+    import boto3
+    import pyarrow.csv as pacsv
+
+    from tasks.score.scoring import verify
+
+    table = pacsv.read_csv(imdb_slice).slice(0, 96)
+    local = tmp_path / "slice.parquet"
+    pq.write_table(table, local)
+    boto3.client("s3").upload_file(str(local), s3_bucket, "in/reviews/slice.parquet")
+    summary = _score(
+        [f"s3://{s3_bucket}/in/reviews/"], f"s3://{s3_bucket}/scores", id_columns=["id", "rating"]
+    )
+    assert summary["output"].startswith(f"s3://{s3_bucket}/scores/mlstm-sentiment-v")
+    assert (summary["rows_out"], summary["pieces_scored"]) == (96, 2), summary
+    assert verify(summary["output"]) == []
+    scores = _parts(summary["output"])
+    assert scores.column("id").to_pylist() == table.column("id").to_pylist()
+
+
+@pytest.mark.slow
+def test_the_dask_runner_writes_the_same_bytes_as_the_process_pool(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    def digests(summary: dict[str, Any]) -> list[tuple[str, str]]:
+        manifest = json.loads((Path(summary["output"]) / "manifest.json").read_text())
+        return [(f["key"], f["sha256"]) for f in manifest["files"]]
+
+    pool = _score([str(imdb_slice)], str(tmp_path / "pool"), id_columns=["id"])
+    dask = _score([str(imdb_slice)], str(tmp_path / "dask"), id_columns=["id"], task_runner="dask", workers=2)
+    assert dask["pieces_scored"] == 4 and digests(dask) == digests(pool)
