@@ -95,6 +95,44 @@ def test_a_bad_spec_is_one_error_naming_the_key_and_line(case: str, tmp_path: Pa
         )
 
 
+# name: (a replacement in the good spec, the message's start after the file and line)
+EXPLODING_SPECS = {
+    "a range of batches with several ranks": (
+        ("batch_size: {choice: [8, 16]}", "batch_size: {int_uniform: [8, 100000000000]}\nnproc: 2"),
+        "space.batch_size: a range of batches holds some that do not split among 2 ranks",
+    ),
+    "a choice the settings refuse": (
+        ("batch_size: {choice: [8, 16]}", "batch_size: {choice: [0, -8]}"),
+        "space.batch_size: 0: Input should be greater than or equal to 1",
+    ),
+    "an infinite range": (("3.0e-2]", ".inf]"), "space.lr.log_uniform: log_uniform needs finite ends"),
+    "a trillion trials": (("trials: 6", "trials: 1000000000000"), "budget.trials: Input should be less than"),
+}
+
+
+@pytest.mark.parametrize("case", EXPLODING_SPECS)
+def test_a_spec_whose_numbers_explode_is_refused_by_key(case: str, tmp_path: Path) -> None:
+    """Ranges are checked by their ends, never enumerated; every value must be one the settings take."""
+    (old, new), message = EXPLODING_SPECS[case]
+    path = write_spec(tmp_path / "spec.yaml")
+    path.write_text(path.read_text().replace(old, new))
+    with pytest.raises(SpecError) as raised:
+        load_spec(path)
+    assert str(raised.value).split(": ", 1)[1].startswith(message), str(raised.value)
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path: Path) -> None:
+    """Nine lines of anchors make a billion keys (a 'billion laughs'), which walking the file for key lines
+    would visit one by one; the spec is refused before."""
+    level = ", ".join(f"k{j}: 1" for j in range(10))
+    bomb = f"l0: &l0 {{{level}}}\n" + "".join(
+        f"l{i}: &l{i} {{{', '.join(f'k{j}: *l{i - 1}' for j in range(10))}}}\n" for i in range(1, 9)
+    )
+    path = write_spec(tmp_path / "spec.yaml", extra=bomb)
+    with pytest.raises(SpecError, match=r"YAML aliases \(\*name\) are not taken"):
+        load_spec(path)
+
+
 def test_the_cli_refuses_a_bad_spec_before_any_trial(tmp_path: Path, home: Path) -> None:
     path = write_spec(tmp_path / "spec.yaml", extra="nproc: 3\n")
     done = subprocess.run([CLI, "sweep", str(path)], capture_output=True, text=True, timeout=120)

@@ -31,8 +31,11 @@ class SpecError(ValueError):
 class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    trials: int = Field(ge=1, description="Trials in the sweep (sampled configurations).")
-    max_steps: int = Field(ge=1, description="Steps of a trial that reaches the last rung; its schedule.")
+    # Bounds far above any sweep that finishes: a typo of a few zeros is refused, not queued for ever.
+    trials: int = Field(ge=1, le=10_000, description="Trials in the sweep (sampled configurations).")
+    max_steps: int = Field(
+        ge=1, le=10**9, description="Steps of a trial that reaches the last rung; its schedule."
+    )
 
 
 class Asha(BaseModel):
@@ -45,6 +48,8 @@ class Asha(BaseModel):
 def _check_range(kind: str, low: float, high: float, *, strict: bool = True, positive: bool = False) -> None:
     """The range rule of every distribution: low below high (or equal, for integers), and above 0 where
     the scale is logarithmic."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"{kind} needs finite ends, got [{low}, {high}]")
     if not ((low < high if strict else low <= high) and (low > 0 or not positive)):
         needs = f"{'0 < ' if positive else ''}low {'<' if strict else '<='} high"
         raise ValueError(f"{kind} needs {needs}, got [{low}, {high}]")
@@ -157,12 +162,31 @@ class SweepSpec(BaseModel):
                 raise KeyedError(
                     name, "unknown key: not a spec key nor a pretrain parameter the sweep leaves free"
                 )
+        for name, dist in self.space.items():
+            self._check_values(name, dist)
         world = self.world_size()
+        where = "space.batch_size" if "batch_size" in self.space else "batch_size"
+        batch_range = self.space.get("batch_size")
+        if world > 1 and isinstance(batch_range, IntUniform) and len(set(batch_range.int_uniform)) > 1:
+            raise KeyedError(
+                where,
+                f"a range of batches holds some that do not split among {world} ranks: give a choice list",
+            )
         for batch in self.batch_values():
             if batch % world:
-                where = "space.batch_size" if "batch_size" in self.space else "batch_size"
                 raise KeyedError(where, f"a batch of {batch} rows does not split among {world} ranks")
         return self
+
+    def _check_values(self, name: str, dist: LogUniform | Uniform | IntUniform | Choice) -> None:
+        """Every value the space can give ``name`` (a choice's, a range's ends) is one the pretraining
+        settings take: a bad one is named by its spec key, not by the model that refuses it."""
+        values = dist.choice if isinstance(dist, Choice) else next(iter(dist.model_dump().values()))
+        for value in values:
+            try:
+                PretrainParams(corpus=self.corpus, **{**self.fixed, name: value})
+            except ValidationError as invalid:
+                message = invalid.errors()[0]["msg"].removeprefix("Value error, ")
+                raise KeyedError(f"space.{name}", f"{value!r}: {message}") from None
 
     def world_size(self) -> int:
         params = PretrainParams(corpus=self.corpus, **self.fixed)
@@ -176,7 +200,7 @@ class SweepSpec(BaseModel):
         if isinstance(dist, Choice):
             return [int(v) for v in dist.choice]
         if isinstance(dist, IntUniform):
-            return list(range(dist.int_uniform[0], dist.int_uniform[1] + 1))
+            return sorted(set(dist.int_uniform))  # its ends: a wider range was refused with several ranks
         raise KeyedError("space.batch_size", "a batch size is an int_uniform range or a choice list")
 
     def rungs(self) -> list[int]:
@@ -261,6 +285,11 @@ def load_spec(path: str | Path) -> SweepSpec:
     except OSError as failure:
         raise SpecError(f"{path}: cannot read the sweep spec ({failure.strerror})") from None
     try:
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text)):
+            # Anchors and aliases can nest a few lines into billions of values (a "billion laughs").
+            raise SpecError(
+                f"{path}: YAML aliases (*name) are not taken in a sweep spec: write the values out"
+            )
         node = yaml.compose(text)
         data = yaml.safe_load(text)
     except yaml.YAMLError as failure:
