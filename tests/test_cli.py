@@ -15,6 +15,7 @@ COMMANDS = {
         "import-weights",
         "transfer",
         "predict",
+        "score",
         "probe",
         "baseline",
         "explain",
