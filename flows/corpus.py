@@ -12,7 +12,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
-from flows.runtime import check_cluster
+from flows.runtime import check_cluster, retry_unless
 from tasks.corpus.build import (
     BucketResult,
     CorpusConfig,
@@ -36,17 +36,8 @@ from tasks.tracking import experiment_id, log_corpus, run_link
 # (I/O; bad records never raise, they are rejected).
 
 
-def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    """A missing or unreadable SOURCE stays so; network and store errors may pass."""
-    try:
-        state.result()
-    except SourceError:
-        return False
-    except Exception:
-        return True
-    return True
-
-
+# A missing or unreadable SOURCE stays so; network and store errors may pass.
+_worth_retrying = retry_unless(SourceError)
 plan_corpus_task = task(
     name="plan corpus", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying
 )(plan_corpus)

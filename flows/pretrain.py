@@ -26,6 +26,7 @@ from prefect.context import get_run_context
 from prefect.exceptions import TerminationSignal
 
 from flows import names, progress
+from flows.runtime import retry_unless
 from tasks.pretrain import joblog
 from tasks.pretrain.config import PretrainParams
 from tasks.pretrain.launchers import launcher_for
@@ -76,15 +77,8 @@ def gpu_slot(limit: str) -> Iterator[None]:
         yield
 
 
-def _worth_relaunching(task: Any, task_run: Any, state: Any) -> bool:
-    """A crash (a killed rank, a lost node) is relaunched; an error the job reported itself is not."""
-    try:
-        state.result()
-    except JobError:
-        return False
-    except Exception:
-        return True
-    return True
+# A crash (a killed rank, a lost node) is relaunched; an error the job reported itself is not.
+_worth_relaunching = retry_unless(JobError)
 
 
 def _log_line(logger: Any, line: str) -> None:

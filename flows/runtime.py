@@ -308,3 +308,19 @@ def follow_flow_run(flow_run_id: str, *, on_log: Callable[[str], None], poll_sec
         except KeyboardInterrupt:
             client.set_flow_run_state(run_id, Cancelling(message="cancelled from the CLI"), force=True)
             raise
+
+
+def retry_unless(*permanent: type[BaseException]) -> Callable[[Any, Any, Any], bool]:
+    """A task's ``retry_condition_fn``: a failure may pass on a retry (a network, a store, a lost node)
+    unless it is one of ``permanent``, which the same input would raise again."""
+
+    def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+        try:
+            state.result()
+        except permanent:
+            return False
+        except Exception:
+            return True
+        return True
+
+    return worth_retrying

@@ -14,6 +14,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
+from flows.runtime import retry_unless
 from tasks.score.inputs import InputError
 from tasks.score.scoring import (
     PIECE_ROWS,
@@ -31,16 +32,8 @@ from tasks.score.tracking import log_scoring, resolve_model
 from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
 
-
-def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    """A bad input file stays bad; a store or network error may pass."""
-    try:
-        state.result()
-    except (InputError, ValueError):
-        return False
-    except Exception:
-        return True
-    return True
+# A bad input file stays bad; a store or network error may pass.
+_worth_retrying = retry_unless(InputError, ValueError)
 
 
 describe_inputs_task = task(

@@ -170,3 +170,24 @@ def test_a_training_run_whose_store_cannot_be_written_fails_before_any_process(
     # the first checkpoint is written.
     with pytest.raises(StoreError, match=rf"{bucket}.*does not exist.*MLSTM_STORE_URI"):
         plan_job(params, settings)
+
+
+def test_a_task_retries_what_may_pass_and_not_what_the_same_input_raises_again() -> None:
+    """The retry rule the corpus, pretrain and score flows share (``flows.runtime.retry_unless``)."""
+    from flows.runtime import retry_unless
+    from tasks.corpus.sources import SourceError
+    from tasks.pretrain.launchers.base import JobError, JobFailed
+
+    class Ended:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def result(self) -> None:
+            raise self.error
+
+    corpus, pretrain = retry_unless(SourceError), retry_unless(JobError)
+    assert corpus(None, None, Ended(ConnectionError("reset"))) and not corpus(
+        None, None, Ended(SourceError("gone"))
+    )
+    assert pretrain(None, None, Ended(JobFailed("torchrun exited with 1")))  # a crash: relaunched
+    assert not pretrain(None, None, Ended(JobError("the loss is nan")))  # the job's own error: not
