@@ -223,6 +223,16 @@ def _bad_files(kind: str, data: Data, folder: Path) -> str:
         X = X.copy()
         X[3, 5] = np.nan
         return _write(folder / "nan.arrow", X, y)
+    if kind == "scaled":
+        return _write(folder / "scaled.arrow", X * 1e30, y)
+    if kind == "width 0":
+        empty = pa.array([[] for _ in y], type=pa.list_(pa.float32()))
+        pa_ipc_write(folder / "empty.arrow", pa.table({"features": empty, "label": y}))
+        return str(folder / "empty.arrow")
+    if kind == "list labels":
+        listed = pa.array([[int(v)] for v in y], type=pa.list_(pa.int64()))
+        pa_ipc_write(folder / "listed.arrow", pa.table({"features": pa.array(X.tolist()), "label": listed}))
+        return str(folder / "listed.arrow")
     ragged = pa.array([row.tolist()[: 256 - (i % 2)] for i, row in enumerate(X)], type=pa.list_(pa.float32()))
     pa_ipc_write(folder / "ragged.arrow", pa.table({"features": ragged, "label": y}))
     return str(folder / "ragged.arrow")
@@ -235,6 +245,9 @@ def _bad_files(kind: str, data: Data, folder: Path) -> str:
         ("one class", "column 'label' holds one class only"),
         ("nan", "column 'features' holds 1 NaN or inf values (first in row 3)"),
         ("ragged", "column 'features' has rows of different widths"),
+        ("scaled", "column 'features' holds values up to"),
+        ("width 0", "column 'features' holds empty vectors"),
+        ("list labels", "column 'label' is list<item: int64>: labels are 0 or 1"),
     ],
 )
 def test_a_bad_feature_file_gets_one_error_naming_file_and_column(

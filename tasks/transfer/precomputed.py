@@ -20,6 +20,10 @@ from tasks.transfer.solvers import Solver
 SPLITS = ("train", "dev", "test")
 
 
+# Far above any cell state the mLSTM writes, far below where the probe's sweep loses every weight.
+MAX_FEATURE = 1e6
+
+
 class FeatureFileError(ValueError):
     """A feature file that cannot feed a probe; the message names the file and the column."""
 
@@ -63,6 +67,8 @@ def _features(uri: str, table: pa.Table, column: str) -> np.ndarray:
         raise FeatureFileError(f"{uri}: column {column!r} is {array.type}, not a list of numbers per row")
     if array.null_count:
         raise FeatureFileError(f"{uri}: column {column!r} has {array.null_count} empty rows")
+    if width == 0:
+        raise FeatureFileError(f"{uri}: column {column!r} holds empty vectors: no feature to fit on")
     values = array.flatten()
     if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
         raise FeatureFileError(f"{uri}: column {column!r} holds {values.type}, not numbers")
@@ -73,11 +79,23 @@ def _features(uri: str, table: pa.Table, column: str) -> np.ndarray:
         raise FeatureFileError(
             f"{uri}: column {column!r} holds {int(bad.sum())} NaN or inf values (first in row {row})"
         )
+    if (largest := float(np.abs(X).max(initial=0.0))) > MAX_FEATURE:
+        # An L1 probe on such a scale keeps no weight at any C of the sweep: it would "succeed" with none.
+        raise FeatureFileError(
+            f"{uri}: column {column!r} holds values up to {largest:.3g}, beyond {MAX_FEATURE:g}: not cell "
+            "states (a unit's saturates in the tens); was the file scaled?"
+        )
     return X
 
 
 def _labels(uri: str, table: pa.Table, column: str) -> np.ndarray:
     array = table.column(column)
+    if not (
+        pa.types.is_integer(array.type) or pa.types.is_boolean(array.type) or pa.types.is_floating(array.type)
+    ):
+        raise FeatureFileError(
+            f"{uri}: column {column!r} is {array.type}: labels are 0 or 1, one number a row"
+        )
     if array.null_count:
         raise FeatureFileError(f"{uri}: column {column!r} has {array.null_count} empty labels")
     y = array.to_numpy()
