@@ -106,12 +106,34 @@ CASES: dict[str, tuple[list[str], str, Setup | None]] = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_refused_in_one_line(case: str, tmp_path: Path) -> None:
     arguments, phrase, setup = CASES[case]
-    work, home = tmp_path / "work", tmp_path / "home"
+    work = tmp_path / "work"
     work.mkdir()
     if setup:
         setup(work)
+    _refused(arguments, phrase, work, tmp_path / "home")
+
+
+def test_a_sweep_database_that_does_not_answer_is_one_line_without_its_password(tmp_path: Path) -> None:
+    (work := tmp_path / "work").mkdir()
+    storage = {
+        "MLSTM_SWEEP_STORAGE_URI": "postgresql://optuna:s3cret@127.0.0.1:9/optuna"
+    }  # nothing on port 9
+    said = _refused(
+        ["sweep", "status"],
+        "the sweep storage at postgresql://***@127.0.0.1:9/optuna",
+        work,
+        tmp_path / "home",
+        storage,
+    )
+    assert "s3cret" not in said and "MLSTM_SWEEP_STORAGE_URI" in said
+
+
+def _refused(
+    arguments: list[str], phrase: str, work: Path, home: Path, extra: dict[str, str] | None = None
+) -> str:
+    """Run the CLI in ``work`` with a fresh ``home``; check the one-line refusal and that nothing was made."""
     before = sorted(p.relative_to(work) for p in work.rglob("*"))
-    env = {**os.environ, "MLSTM_HOME": str(home), "COLUMNS": "400"}
+    env = {**os.environ, "MLSTM_HOME": str(home), "COLUMNS": "400", **(extra or {})}
     # No credentials anywhere, and no instance metadata service to wait for.
     env |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
     env |= {"AWS_EC2_METADATA_DISABLED": "true", "MLSTM_S3_MAX_ATTEMPTS": "1"}
@@ -134,6 +156,7 @@ def test_bad_input_is_refused_in_one_line(case: str, tmp_path: Path) -> None:
     if lines[0].startswith("error:"):  # ours; the flag parser's own refusals are its framed message
         assert len(lines) == 1, said
     assert sorted(p.relative_to(work) for p in work.rglob("*")) == before  # nothing made or left
+    return said
 
 
 def test_a_pipeline_that_trained_without_validation_prints_its_result(

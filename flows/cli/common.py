@@ -138,6 +138,7 @@ _USER_ERRORS = {
     "flows.runtime": ("ClusterUnavailable", "PrefectUnavailable"),
     "tasks.corpus.sources": ("SourceError",),
     "tasks.store": ("StoreError",),
+    "tasks.sweep.engine": ("StorageUnavailable",),
     "tasks.tracking": ("TrackingUnavailable",),
 }
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.pretrain.config import PretrainParams
 from tasks.pretrain.stage import absolute_uri, plan_job, resolve_corpus
+from tasks.secrets import redact
 from tasks.settings import Settings
 from tasks.sweep.asha import Done, Promote, Standing, Start, Wait, next_move
 from tasks.sweep.spec import Choice, IntUniform, LogUniform, SpecError, SweepSpec, Uniform
@@ -100,15 +101,34 @@ def _values(spec: SweepSpec, name: str) -> list[int]:
     return []
 
 
+class StorageUnavailable(RuntimeError):
+    """The sweeps' database does not answer; the message names it (redacted) and its setting."""
+
+
+def open_storage(settings: Settings) -> optuna.storages.RDBStorage:
+    """Optuna's storage of the sweeps, connected: a database that does not answer is one clear error."""
+    import optuna
+    import sqlalchemy.exc
+
+    url = storage_url(settings)
+    # SQLite: wait for another worker's write instead of failing at once.
+    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.ArgumentError) as error:
+        reason = str(getattr(error, "orig", None) or error).splitlines()[0]
+        raise StorageUnavailable(
+            f"the sweep storage at {redact(url)} does not answer ({reason}); start it, or fix "
+            "MLSTM_SWEEP_STORAGE_URI"
+        ) from None
+
+
 def open_study(spec: SweepSpec, settings: Settings) -> optuna.Study:
     """The sweep's study, created on first use; the same spec opens the same study again."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = storage_url(settings)
-    # SQLite: wait for another worker's write instead of failing at once.
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+    storage = open_storage(settings)
     study = optuna.create_study(
         study_name=spec.sweep_id(),
         storage=storage,
@@ -127,7 +147,7 @@ def load_study(sweep_id: str, settings: Settings) -> optuna.Study:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(storage_url(settings))
+    storage = open_storage(settings)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
     if sweep_id not in names:
         known = ", ".join(names) or "none yet"
@@ -533,7 +553,7 @@ def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(storage_url(settings))
+    storage = open_storage(settings)
     rows = []
     for study in optuna.get_all_study_summaries(storage, include_best_trial=True):
         trials = sweep_trials(optuna.load_study(study_name=study.study_name, storage=storage))
