@@ -344,3 +344,16 @@ def test_on_real_features_newton_matches_liblinear_at_every_C_and_chooses_its_C(
     assert abs(fast.test_accuracy - reference.test_accuracy) <= 0.005
     # Above chance on 1,000 sentences: the features carry some sentiment.
     assert reference.test_accuracy > 0.52
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5)])
+def test_the_gram_of_an_empty_matrix_is_zeros_and_prints_nothing(
+    shape: tuple[int, int], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An empty working set (no row, or no column yet): BLAS's syrk would print its refusal on stdout,
+    where `pipeline --json` writes the result."""
+    from tasks.transfer.solvers.newton import _gram
+
+    gram = _gram(torch.zeros(shape))
+    assert gram.shape == (shape[0], shape[0]) and not gram.any()
+    assert capfd.readouterr().out == ""

@@ -202,6 +202,8 @@ def _gram(A_KN: torch.Tensor) -> np.ndarray:
     """A Aᵀ, float32 [K, K]: syrk on the CPU (one triangle, half the work of a product), mirrored."""
     if A_KN.device.type != "cpu":
         return (A_KN @ A_KN.T).cpu().numpy()
+    if 0 in A_KN.shape:  # BLAS refuses an empty matrix with a message on stdout, which --json owns
+        return np.zeros((A_KN.shape[0],) * 2, dtype=np.float32)
     # Aᵀ of a row-major [K, N] array is column-major [N, K]: what syrk reads without a copy (trans=1).
     upper = scipy.linalg.blas.ssyrk(1.0, A_KN.numpy().T, trans=1)
     upper += np.triu(upper, 1).T
