@@ -53,7 +53,7 @@ def _prefect_home_in_ours() -> None:
     if os.environ.get("PREFECT_HOME") or os.environ.get("PREFECT_API_URL"):
         return
     os.environ.setdefault("PREFECT_PROFILES_PATH", str(Path.home() / ".prefect" / "profiles.toml"))
-    os.environ["PREFECT_HOME"] = str(get_settings().home / "prefect")
+    os.environ["PREFECT_HOME"] = str((get_settings().home / "prefect").resolve())  # the same from any folder
 
 
 def main() -> None:
