@@ -64,7 +64,7 @@ class SentimentClassifier:
     def predict(self, texts: list[str], *, batch_size: int = 64) -> tuple[list[str], np.ndarray]:
         """Labels ("negative"/"positive") and P(positive) for each text."""
         p_N = self.predict_proba(texts, batch_size=batch_size)
-        return [LABELS[int(p >= 0.5)] for p in p_N], p_N
+        return labels_of(p_N), p_N
 
     def save(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
@@ -106,3 +106,13 @@ def probability(features_NH: np.ndarray, coef_H: np.ndarray, intercept: float) -
     # σ(z) written so that exp never overflows: exp(-|z|) ≤ 1 on both branches.
     e_N = np.exp(-np.abs(logits_N))
     return np.where(logits_N >= 0, 1.0 / (1.0 + e_N), e_N / (1.0 + e_N))
+
+
+def labels_of(p_N: np.ndarray) -> list[str]:
+    """ "positive" where P(positive) is at least one half, else "negative"."""
+    return [LABELS[int(p >= 0.5)] for p in p_N]
+
+
+def top_unit(coef_H: np.ndarray) -> int:
+    """The sentiment unit: the probe's largest weight in magnitude (the first of a tie)."""
+    return int(np.argmax(np.abs(coef_H)))

@@ -58,9 +58,9 @@ def load_source(model: str | None, checkpoint: str | None) -> SentimentClassifie
 
 
 def top_unit(classifier: SentimentClassifier) -> int:
-    import numpy as np
+    from models.classifier import top_unit as unit_of
 
-    return int(np.argmax(np.abs(classifier.coef_H)))  # as tasks.transfer.probe names the top unit
+    return unit_of(classifier.coef_H)
 
 
 def read_text_file(path: Path) -> str:

@@ -188,7 +188,7 @@ def score_piece(
         return {**done, "skipped": True}
     import torch
 
-    from models.classifier import LABELS, probability
+    from models.classifier import LABELS, labels_of, probability
     from models.features import featurize
 
     if threads:
@@ -211,7 +211,7 @@ def score_piece(
         classifier.model, kept, batch_size=batch_size, device=_device(), on_batch=on_batch
     )
     p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
-    labels = [LABELS[int(p >= 0.5)] for p in p_N]
+    labels = labels_of(p_N)
     rows_N = np.arange(piece.start, piece.stop, dtype=np.int64)
     ids = {name: table.column(name).combine_chunks() for name in plan.id_columns}
     good_mask = pa.array(good)

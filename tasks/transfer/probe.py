@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from sklearn.linear_model import LogisticRegression
 
 from models.classifier import probability
+from models.classifier import top_unit as unit_of
 from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, fista, liblinear, newton
 
 # 2^-8 … 2^2: from a probe with no non-zero weight to one that overfits 4096 features on 25k reviews.
@@ -130,7 +131,7 @@ def fit_probe(
     # and both solvers are deterministic), so the sweep's model is the refit probe.
     coef, intercept = probes[best]
 
-    top_unit = int(np.argmax(np.abs(coef)))
+    top_unit = unit_of(coef)
     # No L1 for one feature: the 1-d fit is a learned threshold on the unit's activation.
     alone = LogisticRegression().fit(X_tr[:, [top_unit]], y_tr)
     alone_weight = float(alone.coef_.ravel()[0])
