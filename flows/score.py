@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -15,6 +14,7 @@ from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
 from flows.runtime import retry_unless
+from tasks.corpus.build import cpu_count
 from tasks.score.inputs import InputError
 from tasks.score.scoring import (
     PIECE_ROWS,
@@ -128,8 +128,8 @@ def score(
         model_ref.version,
         plan.output,
     )
-    workers = settings.max_workers or os.cpu_count() or 1
-    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    workers = settings.max_workers or cpu_count()
+    threads = threads_per_worker or max(1, cpu_count() // workers)
     sink = progress.current()
     sink.stage("score", total=sum(f.rows for f in plan.files))
     records = []

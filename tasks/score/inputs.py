@@ -15,13 +15,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
-from urllib.parse import urlparse
 
 import pyarrow as pa
 
 from tasks.corpus.sources import GZIP_MAGIC, SourceError, expand_sources, fingerprint
 from tasks.score.formats import FORMATS, SUFFIXES
-from tasks.store import S3Store
+from tasks.store import split_object_uri
 
 BATCH_ROWS = 4096  # rows per record batch read from a JSON-lines file
 CSV_BLOCK_BYTES = 16 * 2**20  # pyarrow infers a CSV's column types from its first block
@@ -240,13 +239,11 @@ PROBLEM = "_problem"  # a JSON-lines row's reason, when the line itself could no
 
 @contextlib.contextmanager
 def _local(uri: str, s3_endpoint_url: str | None) -> Iterator[str]:
-    """A local path of the file: Parquet and Arrow files are read by random access."""
-    if urlparse(uri).scheme == "s3":
-        head, _, name = uri.rpartition("/")
-        with S3Store(head, endpoint_url=s3_endpoint_url).local_copy(name) as path:
-            yield str(path)
-    else:
-        yield uri.removeprefix("file://")
+    """A local path of the file (an s3:// one copied for the block): Parquet and Arrow are read by random
+    access."""
+    store, key = split_object_uri(uri, endpoint_url=s3_endpoint_url)
+    with store.local_copy(key) as path:
+        yield str(path)
 
 
 def _parquet_batches(uri: str, path: str, columns: list[str]) -> Iterator[pa.RecordBatch]:

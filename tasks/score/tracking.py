@@ -24,6 +24,7 @@ def resolve_model(uri: str | None, settings: Settings) -> ModelRef:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from models.classifier import top_unit
     from models.serving import DEFAULT_MAX_TEXT_CHARS, MAX_TEXT_CHARS_KEY
 
     uri = uri or f"models:/{settings.model_name}@champion"
@@ -43,7 +44,7 @@ def resolve_model(uri: str | None, settings: Settings) -> ModelRef:
         )
     except MlflowException as error:
         raise ModelNotFound(
-            f"cannot find {uri} in {settings.resolved_mlflow_tracking_uri}: {error.message}"
+            f"cannot find {uri} in {settings.shown_mlflow_tracking_uri}: {error.message}"
         ) from None
     folder = (
         settings.home / "cache" / "models" / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-v{version.version}"
@@ -60,7 +61,7 @@ def resolve_model(uri: str | None, settings: Settings) -> ModelRef:
     import numpy as np
 
     with np.load(classifier_dir / "classifier.npz", allow_pickle=False) as arrays:
-        unit = int(np.argmax(np.abs(arrays["probe.coef"])))  # the top unit, as tasks.transfer.probe names it
+        unit = top_unit(arrays["probe.coef"])
     return ModelRef(
         uri=uri,
         name=name,
