@@ -53,10 +53,10 @@ def check_shards(store: Store, key: str, manifest: dict[str, Any], splits: tuple
     """Every shard of ``splits`` is in the store beside the manifest: a manifest copied elsewhere (MLflow
     keeps one as an artifact) names shards that are not there, found before any process starts."""
     base = key.rpartition("/")[0]
+    present = set(store.list(base))  # one listing, not a request per shard
     for split in splits:
         for shard in manifest["splits"].get(split, {}).get("shards", []):
-            shard_key = f"{base}/{shard['path']}" if base else shard["path"]
-            if not store.exists(shard_key):
+            if (f"{base}/{shard['path']}" if base else shard["path"]) not in present:
                 raise ManifestError(
                     f"{store.url(key)} names {split} shard {shard['path']}, which is not in {store.url(base)}: "
                     "pass the manifest in the store its corpus was built into"

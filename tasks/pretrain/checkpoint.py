@@ -288,16 +288,17 @@ def load_intact(
     """The run's newest intact checkpoint (from ``latest.json``'s step down) and the damaged files
     skipped on the way; None for a run without ``latest.json``. No intact one: ``DamagedCheckpoint``
     naming every damaged file. ``shards_to``: as in ``load_from`` (a sharded step stays sharded)."""
-    damaged: list[str] = []
+    saved = run_steps(store, run)  # newest first
     try:
         latest = read_latest(store, run)
     except DamagedCheckpoint as error:  # the steps' own folders still say what was saved
-        damaged.append(str(error))
-        latest = {"step": max(run_steps(store, run), default=-1)}
-    if latest is None:
-        return None
-    newest = int(latest["step"])
-    for step in [s for s in [newest, *(s for s in run_steps(store, run) if s < newest)] if s >= 0]:
+        damaged, candidates = [str(error)], saved
+    else:
+        if latest is None:
+            return None
+        newest = int(latest["step"])
+        damaged, candidates = [], [newest, *(s for s in saved if s < newest)]
+    for step in candidates:
         try:
             found = load_from(store, step_prefix(run, step), map_location=map_location, shards_to=shards_to)
             return found, damaged

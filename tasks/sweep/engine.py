@@ -110,6 +110,7 @@ def open_storage(settings: Settings) -> optuna.storages.RDBStorage:
     import optuna
     import sqlalchemy.exc
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # every reader of the sweeps opens it here
     url = storage_url(settings)
     # SQLite: wait for another worker's write instead of failing at once.
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
@@ -127,7 +128,6 @@ def open_study(spec: SweepSpec, settings: Settings) -> optuna.Study:
     """The sweep's study, created on first use; the same spec opens the same study again."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(settings)
     study = optuna.create_study(
         study_name=spec.sweep_id(),
@@ -146,7 +146,6 @@ def load_study(sweep_id: str, settings: Settings) -> optuna.Study:
     """An existing sweep by id, or a ``ValueError`` listing the sweeps there are."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(settings)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
     if sweep_id not in names:
@@ -552,7 +551,6 @@ def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
     """Every sweep in the storage: id, start, trial count by state, best objective."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(settings)
     rows = []
     for study in optuna.get_all_study_summaries(storage, include_best_trial=True):
