@@ -162,7 +162,8 @@ def test_explain_and_generate_on_a_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.long
 @pytest.mark.timeout(1800)  # the reference cell steps a million bytes one at a time on shared cores
 def test_a_megabyte_review_is_read_in_chunks_and_the_png_says_what_it_cuts(tmp_path: Path) -> None:
-    """1 MB from a file: every character read, the PNG capped at its rows with a line saying so. Minutes
+    """1 MB from a file, with MLSTM_MAX_TEXT_CHARS raised to allow it (the default refuses texts past
+    20,000 characters): every character read, the PNG capped at its rows with a line saying so. Minutes
     on a CPU: the reference cell steps per byte (chunked reading equals one pass: test_neuron.py)."""
     store = LocalStore(tmp_path / "store")
     _save_model(store, 10, seed=1)
@@ -171,7 +172,7 @@ def test_a_megabyte_review_is_read_in_chunks_and_the_png_says_what_it_cuts(tmp_p
     path = tmp_path / "review.txt"
     path.write_text(text, encoding="utf-8")
     run = str(tmp_path / "store" / "runs" / "r")
-    env = {**os.environ, "MLSTM_HOME": str(tmp_path)}
+    env = {**os.environ, "MLSTM_HOME": str(tmp_path), "MLSTM_MAX_TEXT_CHARS": str(len(text))}
     png = tmp_path / "big.png"
     result = cli(
         ["explain", "--input", str(path), "--checkpoint", run, "--unit", "3", "--json", "--out", str(png)],
