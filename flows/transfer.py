@@ -58,9 +58,7 @@ def probe_task(extracted: dict[str, Any], params: TransferParams, run_id: str) -
 
     def on_fit(point: Any) -> None:
         sink.advance(1)
-        logger.info(
-            "%s C=%g: dev %.4f, %d non-zero", extracted["name"], point.C, point.dev_accuracy, point.nonzero
-        )
+        logger.info("%s %s", extracted["name"], point)
 
     report = probe(extracted, params, settings, on_fit=on_fit)
     registry.log_report(run_id, report, settings)

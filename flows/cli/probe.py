@@ -47,10 +47,7 @@ def probe(
     settings = get_settings()
 
     def on_fit(point: SweepPoint) -> None:
-        err.print(
-            f"C = {point.C:<10g} dev accuracy {point.dev_accuracy:.4f}  non-zero {point.nonzero:,}",
-            highlight=False,
-        )
+        err.print(str(point), highlight=False)
 
     try:
         _, summary = probe_files(
