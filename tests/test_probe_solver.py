@@ -176,11 +176,30 @@ def _correlated_model(k: int = 300, seed: int = 0) -> tuple[np.ndarray, ...]:
 def test_anderson_extrapolation_cuts_the_sweeps_to_the_same_minimiser() -> None:
     hessian, g, w, lam = _correlated_model()
     target = 1e-4 * np.abs(g).max()
-    plain, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, anderson=0)
-    fast, fast_sweeps = newton._model_minimiser(hessian, g, w, lam, target)
+    # Sweeps alone, with and without the extrapolation (no exact steps, which would hide it).
+    plain, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, anderson=0, exact_below=0)
+    fast, fast_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_below=0)
     assert plain_sweeps < newton.MAX_SWEEPS  # both solved it, one faster
     assert fast_sweeps * 1.5 <= plain_sweeps, (fast_sweeps, plain_sweeps)
     np.testing.assert_allclose(fast, plain, atol=1e-3 * np.abs(plain).max())
+
+
+def test_exact_steps_on_the_signs_solve_a_nearly_collinear_model_in_fewer_sweeps() -> None:
+    # 29 units that are nearly constant (0.3 plus noise of 1 % times log-normal scales) beside the
+    # intercept: cell states of a briefly trained model, on which plain sweeps crawl.
+    rng = np.random.default_rng(0)
+    X = np.hstack(
+        [0.3 + 0.01 * rng.standard_normal((2000, 29)) * rng.lognormal(0, 1, 29), np.ones((2000, 1))]
+    )
+    hessian = (X.T @ X / 4).astype(np.float32)
+    g = X.T @ (0.5 * rng.standard_normal(2000) + 0.05)
+    w, lam = np.zeros(30), np.full(30, 0.02 * np.abs(g).max())
+    target = 1e-3 * np.abs(g).max()
+    _, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_below=0)
+    d, sweeps = newton._model_minimiser(hessian, g, w, lam, target)
+    assert sweeps * 2 <= plain_sweeps, (sweeps, plain_sweeps)
+    residual = newton._residual(g + hessian.astype(np.float64) @ d, w + d, lam)
+    assert residual.max() <= target
 
 
 def test_an_extrapolation_that_would_raise_the_model_is_refused() -> None:
@@ -467,6 +486,7 @@ def test_on_real_features_newton_matches_liblinear_at_every_C_and_chooses_its_C(
     for C, (a, b) in zip(DEFAULT_CS, zip(theirs, ours, strict=True), strict=True):
         assert abs(a[0] - b[0]) <= 0.005 and abs(a[1] - b[1]) <= 0.005, (C, a, b)
     reference, fast = _fit(real, "liblinear"), _fit(real, "newton")
+    _assert_objectives_at_most_liblinears(fast, reference)
     dev_of = {p.C: p.dev_accuracy for p in reference.sweep}
     assert fast.C == reference.C or abs(dev_of[fast.C] - reference.dev_accuracy) <= 0.005
     assert abs(fast.test_accuracy - reference.test_accuracy) <= 0.005

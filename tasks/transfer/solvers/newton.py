@@ -49,6 +49,7 @@ from collections.abc import Iterator
 
 import numba
 import numpy as np
+import scipy.linalg
 import scipy.linalg.blas
 import torch
 
@@ -63,6 +64,7 @@ INNER = 0.3  # a working set is done when its residual is below this fraction of
 MODEL = 0.1  # the quadratic model is solved to this fraction of the residual it started from
 ANDERSON = 5  # coordinate-descent sweeps between Anderson extrapolations (skglm's choice)
 SLOW_STEP = 0.5  # a Newton step that leaves more than this of the residual rebuilds the Hessian
+EXACT_BELOW, EXACT_EVERY = 500, 10  # working sets this small take an exact step this many sweeps apart
 
 
 def l1_logistic_path(
@@ -243,6 +245,7 @@ def _model_minimiser(
     lam: np.ndarray,
     target: float,
     anderson: int = ANDERSON,
+    exact_below: int = EXACT_BELOW,
 ) -> tuple[np.ndarray, int]:
     """The step d minimising g·d + ½ dᵀ hessian d + Σ lam|w + d|, to a residual ≤ ``target``, and the
     sweeps it took.
@@ -251,9 +254,13 @@ def _model_minimiser(
     Every ``anderson`` sweeps of one kind, the last iterates are extrapolated (Anderson acceleration of
     coordinate descent, Bertrand & Massias 2021) and the extrapolation is kept only if it lowers the
     model: on correlated columns the sweeps creep along the model's long, flat valley, and the
-    extrapolation jumps along it. ``anderson`` 0 turns it off. (A Cholesky solve on the settled signs,
-    tried when a sweep changed none, cost more than it saved once the sweeps were compiled: most tries
-    were refused, at k³/3 each.)
+    extrapolation jumps along it. ``anderson`` 0 turns it off.
+
+    A model of at most ``exact_below`` coordinates also takes, every EXACT_EVERY sweeps, the exact
+    minimiser on its current signs (``_orthant_step``): cell states of a model trained briefly hold
+    nearly constant units, nearly collinear with each other and the intercept, on which sweeps stop at
+    their cap even on 30 coordinates, so the Newton steps stall. (On large working sets the solve, k³/3,
+    cost more than it saved once the sweeps were compiled: most tries were cut short by a sign change.)
     """
     k = g.size
     hd = np.zeros(k)  # hessian @ (u - w)
@@ -273,6 +280,8 @@ def _model_minimiser(
             if kept == anderson + 1:
                 _extrapolate(us, hds, g, w, lam, u, hd)
                 us[0], hds[0], kept = u, hd, 1
+        if sweeps % EXACT_EVERY == 0 and k <= exact_below and _orthant_step(hessian, g, w, lam, u, hd):
+            us[0], hds[0], kept = u, hd, 1  # a jump: the extrapolation starts again from here
         residual = _residual(g + hd, u, lam)
         if residual.max() <= target:
             break
@@ -283,6 +292,42 @@ def _model_minimiser(
             us[0], hds[0], kept = u, hd, 1
         order = next_order
     return u - w, sweeps
+
+
+def _orthant_step(
+    hessian: np.ndarray, g: np.ndarray, w: np.ndarray, lam: np.ndarray, u: np.ndarray, hd: np.ndarray
+) -> bool:
+    """Moves ``u`` (and ``hd``) in place toward the model's minimiser with the signs of u held, as far as
+    they hold (the first coordinate to reach zero stops there); says whether the model fell.
+
+    Within the signs' orthant the model is a smooth quadratic plus a linear term, so it falls all along
+    the segment to that minimiser: a Cholesky solve on the support, float64.
+    """
+    S = np.flatnonzero(u)
+    if S.size == 0:
+        return False
+    sign = np.sign(u[S])
+    H_SS = hessian[np.ix_(S, S)].astype(np.float64)
+    # A ridge at float32's resolution: nearly collinear columns leave H_SS numerically singular.
+    H_SS[np.diag_indices_from(H_SS)] += 1e-7 * float(np.trace(H_SS)) / S.size + 1e-300
+    try:
+        factor = scipy.linalg.cho_factor(H_SS, check_finite=False)
+    except np.linalg.LinAlgError:
+        return False
+    step = -scipy.linalg.cho_solve(factor, g[S] + hd[S] + lam[S] * sign, check_finite=False)
+    crossing = np.flatnonzero((u[S] + step) * sign < 0)
+    u_S = u[S] + step
+    if crossing.size:
+        ratios = u[S][crossing] / -step[crossing]
+        u_S = u[S] + ratios.min() * step
+        u_S[crossing[np.argmin(ratios)]] = 0.0
+    hd_new = hd + hessian[:, S].astype(np.float64) @ (u_S - u[S])
+    u_new = u.copy()
+    u_new[S] = u_S
+    if _model_value(u_new, hd_new, g, w, lam) >= _model_value(u, hd, g, w, lam):  # the ridge, or rounding
+        return False
+    u[:], hd[:] = u_new, hd_new
+    return True
 
 
 def _model_value(u: np.ndarray, hd: np.ndarray, g: np.ndarray, w: np.ndarray, lam: np.ndarray) -> float:
