@@ -16,6 +16,8 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +170,32 @@ def record(
     path.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     say(f"results written to {path}")
     return path
+
+
+@contextlib.contextmanager
+def peak_rss() -> Iterator[dict[str, int]]:
+    """The largest sum of resident memory of this process and its descendants seen while the block ran
+    (``peak``), and what it was when the block began (``start``), sampled every 0.1 s."""
+    import psutil
+
+    seen = {"peak": 0, "start": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        me = psutil.Process()
+        while not stop.is_set():
+            total = 0
+            for process in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    total += process.memory_info().rss
+            seen["peak"] = max(seen["peak"], total)
+            stop.wait(0.1)
+
+    seen["start"] = psutil.Process().memory_info().rss
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()

@@ -25,20 +25,24 @@ the process pool. A run is one run (no repeats): the machine's load average is r
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import gzip
 import json
 import os
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common import add_record_option, machine, new_parser, record, say  # the working tree on the path
+from common import (  # the working tree on the path
+    add_record_option,
+    machine,
+    new_parser,
+    peak_rss,
+    record,
+    say,
+)
 
 IMDB = (
     Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "data" / "imdb"
@@ -58,33 +62,6 @@ def write_csv(path: Path, rows: list[dict[str, str]], copies: int = 1) -> Path:
         for _ in range(copies):
             writer.writerows(rows)
     return path
-
-
-@contextlib.contextmanager
-def peak_rss() -> Iterator[dict[str, int]]:
-    """The largest sum of resident memory of this process and its descendants seen while the block ran."""
-    import psutil
-
-    seen = {"peak": 0}
-    stop = threading.Event()
-
-    def sample() -> None:
-        me = psutil.Process()
-        while not stop.is_set():
-            total = 0
-            for process in [me, *me.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    total += process.memory_info().rss
-            seen["peak"] = max(seen["peak"], total)
-            stop.wait(0.1)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield seen
-    finally:
-        stop.set()
-        thread.join()
 
 
 def register(preset: str) -> Any:

@@ -1,0 +1,143 @@
+"""Real cell states for the probe benchmark: a preset trained briefly on the shared Amazon text, then its
+final cell states on SST or IMDB (the real texts and labels), both cached by their settings.
+
+No trained model ships with the project, and the 2-core machine cannot train one for long, so the
+model is trained here for a stated budget of steps (truncated BPTT with the pretraining job's own
+step, ``tasks.pretrain.step.optimizer_step``, on the shared Amazon reviews) and its features are read
+with the features path every stage uses (``models.features.featurize``). What the probe sees is then
+what it sees in the pipeline: unstandardised cell states of a real text model, correlated and with
+heavy-tailed unit scales, not synthetic ones. Both steps are minutes on two cores (the small preset
+reads about 2,600 characters a second there and trains on about 300 bytes a second: 25 steps of
+32 × 128 bytes take about 5 minutes and leave a barely trained model, about 5 bits a byte), so both are
+cached: the model by its preset, steps, seed and training files; the features by the model and the
+dataset's checksum. The budget is in steps, not seconds, so that the model is the same on any machine.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-sst:1024 --train-steps 25
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import say
+
+from models import config as presets
+from models.features import featurize
+from models.mlstm import MLSTM
+from models.text import encode
+from tasks.corpus.reviews import Rejects, parse_block
+from tasks.pretrain.step import optimizer_step
+from tasks.transfer.datasets import load_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+# The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
+SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) / "data"
+DATASETS = {"sst": "sst2", "imdb": "imdb"}
+# The 2018 "small" 5-core files: real review text, 9 MB of it.
+AMAZON_FILES = ("All_Beauty_5.json.gz", "AMAZON_FASHION_5.json.gz", "Appliances_5.json.gz")
+BATCH, SEQ_LEN, LR = 32, 128, 2e-3
+Splits = list[tuple[np.ndarray, np.ndarray]]
+
+
+def real_cell_states(dataset: str, preset: str, *, train_steps: int, cache: Path, seed: int = 0) -> Splits:
+    """Train, dev and test features of ``dataset`` (sst or imdb) from ``preset`` trained ``train_steps`` steps."""
+    if dataset not in DATASETS:
+        raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join(DATASETS)}")
+    sources = [SHARED_DATA / "amazon" / name for name in AMAZON_FILES]
+    data = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
+    if missing := [str(p) for p in sources if not p.is_file()]:
+        raise SystemExit(f"real cell states: the shared Amazon files are missing: {', '.join(missing)}")
+    settings = {
+        "preset": preset,
+        "train_steps": train_steps,
+        "seed": seed,
+        "batch": BATCH,
+        "seq_len": SEQ_LEN,
+        "lr": LR,
+        "files": [[p.name, p.stat().st_size] for p in sources],
+    }
+    model_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    cache.mkdir(parents=True, exist_ok=True)
+    model_path = cache / f"{preset}-{model_key}.pt"
+    features_path = cache / f"{dataset}-{preset}-{model_key}-{data.checksum[:16]}.npz"
+    if features_path.exists():
+        say(f"  real cell states: {features_path} (cached)")
+        with np.load(features_path) as saved:
+            return [(saved[f"{s}_X"], saved[f"{s}_y"]) for s in ("train", "dev", "test")]
+    model = MLSTM(getattr(presets, preset)())
+    if model_path.exists():
+        say(f"  {preset}: {model_path} (cached)")
+        model.load_state_dict(torch.load(model_path, weights_only=True))
+    else:
+        train(model, amazon_bytes(sources), train_steps, seed)
+        torch.save(model.state_dict(), model_path)
+    arrays: dict[str, np.ndarray] = {}
+    for name, split in data.splits().items():
+        arrays[f"{name}_X"] = features(model, split.texts, f"{dataset} {name}")
+        arrays[f"{name}_y"] = split.labels
+    np.savez(features_path, **arrays)
+    return [(arrays[f"{s}_X"], arrays[f"{s}_y"]) for s in ("train", "dev", "test")]
+
+
+def amazon_bytes(sources: list[Path]) -> np.ndarray:
+    """The review texts of ``sources``, cleaned and encoded as the corpus stage does, one per line."""
+    texts: list[bytes] = []
+    for path in sources:
+        with gzip.open(path, "rb") as stream:
+            table, _ = parse_block(stream.read(), 1, Rejects.empty())
+        texts += [encode(t) for t in table.column("reviewText").to_pylist() if t]
+    return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
+
+
+def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> None:
+    """``steps`` of truncated BPTT: BATCH streams through ``data``, their state carried on."""
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    stride = len(data) // BATCH
+    starts = np.arange(BATCH) * stride
+    state = model.zero_state(BATCH)
+    model.train()
+    say(
+        f"  training {model.config.hidden_size} units on {len(data):,} bytes of Amazon reviews, {steps} steps"
+    )
+    started = last = time.perf_counter()
+    for step in range(1, steps + 1):
+        offset = (step * SEQ_LEN) % (stride - SEQ_LEN - 1)
+        rows = np.stack([data[s + offset : s + offset + SEQ_LEN + 1] for s in starts])
+        batch = torch.from_numpy(rows.astype(np.int64))
+        loss, state, _ = optimizer_step(
+            model, optimizer, scaler, batch[:, :-1], batch[:, 1:], state, dtype=torch.float32, clip=1.0
+        )
+        if time.perf_counter() - last > 15:
+            last = time.perf_counter()
+            rate = step * BATCH * SEQ_LEN / (last - started)
+            say(f"    step {step}: loss {float(loss) / np.log(2):.3f} bits/byte, {rate:,.0f} bytes/s")
+    model.eval()
+    say(
+        f"  trained {steps} steps ({steps * BATCH * SEQ_LEN:,} bytes) in {time.perf_counter() - started:.0f} s, "
+        f"last loss {float(loss) / np.log(2):.3f} bits/byte"
+    )
+
+
+def features(model: MLSTM, texts: list[str], name: str) -> np.ndarray:
+    """The final cell states of ``texts``, a progress line every 15 s."""
+    done, started, last = 0, time.perf_counter(), time.perf_counter()
+
+    def progress(rows: int, chars: int) -> None:
+        nonlocal done, last
+        done += rows
+        if time.perf_counter() - last > 15:
+            last = time.perf_counter()
+            say(f"    {name}: {done:,} of {len(texts):,} texts, {last - started:.0f} s")
+
+    features_NH = featurize(model, texts, batch_size=128, on_batch=progress)
+    say(f"  {name}: {len(texts):,} texts in {time.perf_counter() - started:.0f} s")
+    return features_NH
