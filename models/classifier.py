@@ -103,9 +103,14 @@ def probability(features_NH: np.ndarray, coef_H: np.ndarray, intercept: float) -
     logits_N = np.asarray(features_NH, dtype=np.float64) @ np.asarray(coef_H, dtype=np.float64) + float(
         intercept
     )
-    # σ(z) written so that exp never overflows: exp(-|z|) ≤ 1 on both branches.
+    return sigmoid(logits_N)
+
+
+def sigmoid(logits_N: np.ndarray) -> np.ndarray:
+    """σ(z) written so that exp never overflows: exp(-|z|) ≤ 1 on both branches."""
     e_N = np.exp(-np.abs(logits_N))
-    return np.where(logits_N >= 0, 1.0 / (1.0 + e_N), e_N / (1.0 + e_N))
+    p_N: np.ndarray = np.where(logits_N >= 0, 1.0 / (1.0 + e_N), e_N / (1.0 + e_N))
+    return p_N
 
 
 def labels_of(p_N: np.ndarray) -> list[str]:
