@@ -11,6 +11,7 @@ cell states can find it at the start.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 import signal
@@ -285,3 +286,40 @@ def test_a_bad_dataset_is_one_line_naming_it_before_any_work(
     lines = answer.stderr.strip().splitlines()
     assert len(lines) == 1 and str(bad) in lines[0] and said in lines[0], answer.stderr
     assert not (home / "store").exists() and not (home / "jobs").exists()  # nothing launched or written
+
+
+def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """The batch scorer gives the pyfunc's probabilities (no sentiment unit: NaN); `explain`, which reads a
+    probe's unit, says in one line why it cannot."""
+    import pyarrow.parquet as pq
+
+    from tasks.finetune.train import finetune_store, load_classifier
+    from tasks.score.scoring import describe_inputs, plan_scoring, score_piece
+    from tasks.score.tracking import resolve_model
+    from tasks.settings import get_settings
+    from tasks.transfer.datasets import load_dataset
+
+    test = load_dataset(f"early={world['data']}").test
+    reviews = tmp_path / "reviews.csv"
+    write_split(reviews, [(text, 0) for text in test.texts[:20]])
+    version = world["result"]["registered"]["version"]
+    uri = f"models:/finetune-test/{version}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
+        patch.setenv("MLSTM_MODEL_NAME", "finetune-test")
+        plan = plan_scoring(
+            describe_inputs([str(reviews)]), str(tmp_path / "out"), resolve_model(uri, get_settings())
+        )
+        scored = score_piece(plan, plan.pieces[0])
+        said = cli_in_process(["explain", "--model", uri, "a fine film"])
+        settings = get_settings()
+        expected = load_classifier(
+            finetune_store(settings.resolved_store_uri, settings), world["result"]["classifier_key"]
+        ).predict_proba(test.texts[:20])
+    assert said.returncode == 2 and len(said.stderr.strip().splitlines()) == 1, said.stderr
+    assert "fine-tuned" in said.stderr
+    table = pq.read_table(io.BytesIO(plan.store().read_bytes(scored["files"][0]["key"])))
+    np.testing.assert_allclose(table.column("probability").to_numpy(), expected, rtol=1e-6)
+    assert np.isnan(table.column("sentiment_unit").to_numpy(zero_copy_only=False)).all()
