@@ -323,3 +323,43 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
     table = pq.read_table(io.BytesIO(plan.store().read_bytes(scored["files"][0]["key"])))
     np.testing.assert_allclose(table.column("probability").to_numpy(), expected, rtol=1e-6)
     assert np.isnan(table.column("sentiment_unit").to_numpy(zero_copy_only=False)).all()
+
+
+@pytest.mark.long  # the command in a new interpreter, through the Prefect flow: about 2 minutes
+@pytest.mark.slow
+def test_the_finetune_command_runs_the_flow_and_registers_a_servable_challenger(
+    tmp_path: Path, prefect_api_url: str
+) -> None:
+    """`mlstm-sentiment finetune` end to end (the flow, the job under torchrun, the registry), then
+    `predict` on the version it registered; a second run on the same data does not take `@champion`
+    from a first that scored as well."""
+    import os
+    import subprocess
+    import sys
+
+    cli = Path(sys.executable).parent / "mlstm-sentiment"
+    rng = random.Random(1)
+    data = tmp_path / "early"
+    data.mkdir()
+    for split, count in (("train", 256), ("dev", 128), ("test", 128)):
+        write_split(data / f"{split}.csv", early_byte_rows(count, rng))
+    home = tmp_path / "home"
+    checkpoint = tiny_checkpoint(home / "store")
+    env = {**os.environ, "MLSTM_HOME": str(home), "PREFECT_API_URL": prefect_api_url}
+    args = [str(cli), "finetune", "--checkpoint", checkpoint, "--dataset", f"early={data}", "--pool", "max"]
+    args += ["--epochs", "2", "--batch-size", "16", "--lr", "0.003", "--json"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["promoted"] and result["test_accuracy"] >= result["probe"]["test_accuracy"] + MARGIN
+    said = subprocess.run(
+        [str(cli), "predict", "--json", "a cdefg hijk"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert said.returncode == 0, said.stderr
+    assert json.loads(said.stdout.splitlines()[0])["label"] == "negative"  # "a" starts the negatives
+    again = subprocess.run(
+        [*args[:-1], "--run", "again", "--json"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr
+    second = json.loads(again.stdout.strip().splitlines()[-1])
+    assert not second["promoted"]  # equal test accuracy on the same split does not beat the champion
