@@ -1,4 +1,4 @@
-"""The pipeline flow: corpus → pretrain → transfer → register, as subflows under one MLflow parent run.
+"""The pipeline flow: corpus → pretrain → transfer → register (→ finetune, when asked), as subflows under one MLflow parent run.
 
 Each stage is skipped when its inputs have not changed (see ``tasks/pipeline.py`` for the keys), so a
 scheduled run that finds nothing new costs seconds. The registered model version carries lineage
@@ -19,6 +19,7 @@ from prefect.states import State
 
 from flows import names, progress
 from flows.corpus import build_corpus
+from flows.finetune import finetune
 from flows.pretrain import pretrain
 from flows.runtime import task_runner
 from flows.transfer import transfer
@@ -29,6 +30,9 @@ from tasks.pipeline import (
     StageRecord,
     close_pipeline_run,
     ended_states,
+    finetune_key,
+    finetune_params,
+    finetune_record_key,
     finished_run,
     open_pipeline_run,
     pretrain_params,
@@ -123,6 +127,11 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
                     lineage["model_version"] = str(done["registered"]["version"])
                     lineage["model_name"] = done["registered"]["name"]
                     lineage["transfer_run_id"] = done["run_id"]
+            if "finetune" in params.stages:
+                assert checkpoint_uri is not None
+                records["finetune"] = _finetune(params, settings, checkpoint_uri, run_id)
+                done = records["finetune"].result
+                metrics[f"{done['dataset']}_finetune_test_accuracy"] = float(done["test_accuracy"])
     except BaseException:
         close_pipeline_run(run_id, ended_states(params.stages, records), lineage, metrics, failed=True)
         raise
@@ -238,6 +247,29 @@ def _transfer(
     )
 
 
+def _finetune(params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str) -> StageRecord:
+    """The fine-tuning subflow, skipped when the same weights, data and settings were fine-tuned before."""
+    stage_params = finetune_params(params, checkpoint_uri)
+    key = finetune_key(stage_params, settings)
+    record = finetune_record_key(key)
+    store = store_of(settings)
+    skip = store.exists(record) and "finetune" not in params.force
+    if skip:
+        _skipped("finetune")
+        done, flow_run_id = json.loads(store.read_bytes(record)), None
+    else:
+        ran = finetune(stage_params, parent_run_id=run_id, return_state=True)
+        done, flow_run_id = ran.result(), _flow_run_id_of(ran)
+        store.write_bytes(record, json.dumps(done, default=str).encode())  # last, as for the transfer
+    return StageRecord(
+        state="skipped" if skip else "ran",
+        key=key[:16],
+        result=done,
+        run_id=done["run_id"],
+        flow_run_id=flow_run_id,
+    )
+
+
 def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]) -> str:
     """What the run produced, as markdown with links into MLflow: the Prefect artifact ``pipeline-summary``
     and the MLflow parent run's description. Each line is logged too."""
@@ -257,6 +289,12 @@ def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]
     for name, values in result.get("transfer", {}).get("datasets", {}).items():
         versus = accuracy_beside_baseline(values["test_accuracy"], values.get("baseline_test_accuracy"))
         lines.append(f"- {name}: test accuracy {versus}")
+    if "finetune" in result:
+        f = result["finetune"]
+        lines.append(
+            f"- fine-tuned on {f['dataset']}: test accuracy {f['test_accuracy']:.2%}, registered "
+            f"v{f['registered']['version']} ({f['registered']['reason']})"
+        )
     if lineage.get("model_version"):
         lines.append(
             f"- model: {model_link(settings, lineage['model_name'], lineage['model_version'])} "
