@@ -22,9 +22,11 @@ their speed does not depend on the weights.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,7 +58,8 @@ def demo_checkpoint(home: Path) -> tuple[str, float]:
         corpus=corpus, run_name="demo-tiny", preset="tiny", batch_size=16, seq_len=64, lr=3e-3,
         max_steps=300, checkpoint_every=300, val_every=300, tracking="off",
     )  # fmt: skip
-    result = fit(config, World(), get_settings())
+    with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
+        result = fit(config, World(), get_settings())
     return str(result["checkpoint_uri"]), time.perf_counter() - started
 
 
@@ -149,7 +152,8 @@ def compare(spec: str, checkpoint: str, settings_of_tuning: dict[str, Any]) -> d
     baseline_seconds = time.perf_counter() - started
     started = time.perf_counter()
     config = job.config.model_copy(update={"tracking": "off"})
-    tuned = fit(config, World(), settings)
+    with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
+        tuned = fit(config, World(), settings)
     tune_seconds = time.perf_counter() - started
     return {
         "dataset": job.dataset_name,

@@ -88,6 +88,11 @@ class FinetuneModel(nn.Module):
             self.head = nn.Sequential(
                 nn.Linear(P, config.mlp_hidden), nn.ReLU(), nn.Linear(config.mlp_hidden, 1)
             )
+        # The last layer starts at zero: P = ½ for every text, and no gradient of a random head reaches
+        # the mLSTM in the first step (cell states are unnormalised; a random head's logits on them
+        # started SST at a loss of 1.5 nats, above chance's 0.69, and the recurrence paid for it).
+        nn.init.zeros_(self.last_layer().weight)
+        nn.init.zeros_(self.last_layer().bias)
 
     def pool(self, c_BTH: Tensor, lengths_B: Tensor) -> Tensor:
         """The pooled cell states [B, P] over each text's own bytes."""
@@ -119,10 +124,13 @@ class FinetuneModel(nn.Module):
 
     def fold_threshold(self, logit_threshold: float) -> None:
         """z - τ: ``P ≥ 0.5`` then means ``z ≥ τ``, the threshold chosen on dev."""
+        with torch.no_grad():
+            self.last_layer().bias.sub_(logit_threshold)
+
+    def last_layer(self) -> nn.Linear:
         last = self.head if isinstance(self.head, nn.Linear) else list(self.head.children())[-1]
         assert isinstance(last, nn.Linear)
-        with torch.no_grad():
-            last.bias.sub_(logit_threshold)
+        return last
 
     @torch.no_grad()
     def logits(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
