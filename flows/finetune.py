@@ -2,33 +2,30 @@
 relaunch after a crash (a resume from ``latest.json``), then register the classifier as a challenger.
 
 The work is in tasks/finetune/ (plain functions); the launch and the watching are the pretraining
-flow's (``flows.pretrain.terminate_raises``, ``tasks.pretrain.stage.watch``).
+flow's (``flows.pretrain.launch_and_watch``).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows import names, progress
-from flows.pretrain import _log_line, _worth_relaunching, terminate_raises
+from flows.pretrain import _worth_relaunching, launch_and_watch
 from tasks.finetune.config import FinetuneParams
 from tasks.finetune.stage import Job, job_result, model_card, open_mlflow_run, plan_job, register_result
 from tasks.pretrain.launchers import launcher_for
-from tasks.pretrain.launchers.base import JobFailed, JobHandle, Launcher
-from tasks.pretrain.stage import watch
+from tasks.pretrain.launchers.base import Launcher
 from tasks.settings import get_settings
 
 
 @task(name="finetune-train", cache_policy=NO_CACHE, retry_condition_fn=_worth_relaunching)
 def train(job: Job, launcher: Launcher) -> dict[str, Any]:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
-    logger = get_run_logger()
     sink = progress.current()
     done = 0.0
 
@@ -37,22 +34,7 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
         sink.advance(values["step"] - done)
         done = values["step"]
 
-    handle: JobHandle | None = None
-    finished = False
-    try:
-        with terminate_raises():
-            handle = launcher.submit(job.spec)
-            logger.info("submitted %s job %s (log: %s)", launcher.name, handle.job_id, handle.log_path or "-")
-            try:
-                watch(launcher, handle, on_line=functools.partial(_log_line, logger), on_progress=on_progress)
-            except JobFailed:
-                finished = True
-                raise
-            finished = True
-    finally:
-        if handle is not None and not finished:
-            logger.warning("stopping %s job %s", launcher.name, handle.job_id)
-            launcher.cancel(handle)
+    launch_and_watch(launcher, job.spec, on_progress)
     return job_result(job, get_settings())
 
 

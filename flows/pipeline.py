@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -27,6 +28,7 @@ from tasks.corpus.build import plan_corpus, summary_of
 from tasks.corpus.manifest import read_manifest
 from tasks.pipeline import (
     PipelineParams,
+    Stage,
     StageRecord,
     close_pipeline_run,
     ended_states,
@@ -222,28 +224,18 @@ def _transfer(
     params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str, lineage: dict[str, str]
 ) -> StageRecord:
     key = transfer_key_task(checkpoint_uri, params)
-    record = transfer_record_key(key)
-    store = store_of(settings)
-    skip = store.exists(record) and "transfer" not in params.force
-    if skip:
-        _skipped("transfer")
-        done, flow_run_id = json.loads(store.read_bytes(record)), None
-    else:
-        ran = transfer(
+    return _keyed(
+        "transfer",
+        key,
+        transfer_record_key(key),
+        params,
+        settings,
+        lambda: transfer(
             transfer_params(params.transfer, checkpoint_uri),
             parent_run_id=run_id,
             lineage=lineage,
             return_state=True,
-        )
-        done, flow_run_id = ran.result(), _flow_run_id_of(ran)
-        # Written last: a transfer that failed half-way is not found by the next run.
-        store.write_bytes(record, json.dumps(done, default=str).encode())
-    return StageRecord(
-        state="skipped" if skip else "ran",
-        key=key[:16],
-        result=done,
-        run_id=done["run_id"],
-        flow_run_id=flow_run_id,
+        ),
     )
 
 
@@ -251,16 +243,31 @@ def _finetune(params: PipelineParams, settings: Settings, checkpoint_uri: str, r
     """The fine-tuning subflow, skipped when the same weights, data and settings were fine-tuned before."""
     stage_params = finetune_params(params, checkpoint_uri)
     key = finetune_key(stage_params, settings)
-    record = finetune_record_key(key)
+    return _keyed(
+        "finetune",
+        key,
+        finetune_record_key(key),
+        params,
+        settings,
+        lambda: finetune(stage_params, parent_run_id=run_id, return_state=True),
+    )
+
+
+def _keyed(
+    stage: Stage, key: str, record: str, params: PipelineParams, settings: Settings, run: Callable[[], Any]
+) -> StageRecord:
+    """A stage found by its content key: its record read when it ran before (unless forced), else run
+    (``run`` returns the subflow's state) and recorded."""
     store = store_of(settings)
-    skip = store.exists(record) and "finetune" not in params.force
+    skip = store.exists(record) and stage not in params.force
     if skip:
-        _skipped("finetune")
+        _skipped(stage)
         done, flow_run_id = json.loads(store.read_bytes(record)), None
     else:
-        ran = finetune(stage_params, parent_run_id=run_id, return_state=True)
+        ran = run()
         done, flow_run_id = ran.result(), _flow_run_id_of(ran)
-        store.write_bytes(record, json.dumps(done, default=str).encode())  # last, as for the transfer
+        # Written last: a stage that failed half-way is not found by the next run.
+        store.write_bytes(record, json.dumps(done, default=str).encode())
     return StageRecord(
         state="skipped" if skip else "ran",
         key=key[:16],

@@ -80,12 +80,7 @@ class SentimentClassifier:
 
     @classmethod
     def load(cls, folder: Path, *, device: torch.device | str = "cpu") -> SentimentClassifier:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-        if config.get("cleaning") != CLEANING:
-            raise ValueError(
-                f"{folder / CONFIG_FILE}: the classifier was saved with cleaning {config.get('cleaning')!r}, "
-                f"this code applies {CLEANING!r}"
-            )
+        config = read_config(folder)
         with np.load(folder / WEIGHTS_FILE, allow_pickle=False) as arrays:
             state = {k: torch.from_numpy(arrays[k]) for k in arrays.files if not k.startswith(_PROBE_PREFIX)}
             coef_H = arrays[f"{_PROBE_PREFIX}coef"]
@@ -96,6 +91,18 @@ class SentimentClassifier:
         model.load_state_dict(state)
         info = {k: v for k, v in config.items() if k not in ("cleaning", "labels")}
         return cls(model.to(device), coef_H, intercept, info, class_means_2H)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """A saved classifier's ``classifier.json``, refused when its text was cleaned otherwise than this
+    code cleans it (the weights would read other bytes)."""
+    config: dict[str, Any] = json.loads((folder / CONFIG_FILE).read_text())
+    if config.get("cleaning") != CLEANING:
+        raise ValueError(
+            f"{folder / CONFIG_FILE}: the classifier was saved with cleaning {config.get('cleaning')!r}, "
+            f"this code applies {CLEANING!r}"
+        )
+    return config
 
 
 def probability(features_NH: np.ndarray, coef_H: np.ndarray, intercept: float) -> np.ndarray:

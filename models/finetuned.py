@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.classifier import CONFIG_FILE, LABELS, WEIGHTS_FILE, labels_of, sigmoid
+from models.classifier import CONFIG_FILE, LABELS, WEIGHTS_FILE, labels_of, read_config, sigmoid
 from models.features import length_batches
 from models.mlstm import MLSTM, MLSTMConfig
 from models.text import CLEANING, encode
@@ -186,12 +186,7 @@ class FinetunedClassifier:
 
     @classmethod
     def load(cls, folder: Path, *, device: torch.device | str = "cpu") -> FinetunedClassifier:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-        if config.get("cleaning") != CLEANING:
-            raise ValueError(
-                f"{folder / CONFIG_FILE}: the classifier was saved with cleaning {config.get('cleaning')!r}, "
-                f"this code applies {CLEANING!r}"
-            )
+        config = read_config(folder)
         model = FinetuneModel(MLSTM(MLSTMConfig(**config.pop("model"))), HeadConfig(**config.pop("head")))
         with np.load(folder / WEIGHTS_FILE, allow_pickle=False) as arrays:
             model.load_state_dict({k: torch.from_numpy(arrays[k]) for k in arrays.files})
