@@ -4,8 +4,8 @@
 The checkpoint is the demo's tiny mLSTM (``mlstm-sentiment demo``'s pretraining: the generated sample
 corpus, batch 16 × 64 bytes, lr 3e-3, 300 steps), trained here first unless ``--checkpoint`` names one.
 Each ``--dataset`` is read by the transfer stage's loader; ``--train-rows`` keeps a fixed random subset
-of its train split (dev and test whole) so that a CPU run takes minutes, and the probe, the baseline and
-the fine-tuning all see that same subset. Per dataset: test accuracy and seconds of
+of its train split (dev and test whole; default all of SST's 6,920) for shorter runs, and the probe,
+the baseline and the fine-tuning all see that same subset. Per dataset: test accuracy and seconds of
 
 - the frozen probe: the transfer stage's features and L1 probe (``tasks.finetune.stage.frozen_probe``),
 - the TF-IDF baseline (``tasks.transfer.baseline``),
@@ -177,13 +177,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = new_parser(__doc__ or "", raw=True)
     parser.add_argument("--checkpoint", help="A pretraining checkpoint. Default: train the demo's tiny one.")
     parser.add_argument("--dataset", action="append", metavar="NAME=PATH", help="Default: the shared SST.")
-    parser.add_argument("--train-rows", type=int, default=2000, help="Train rows kept (0: all). [2000]")
+    parser.add_argument("--train-rows", type=int, default=0, help="Train rows kept (0: all). [0]")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--pool", default="concat", choices=("last", "mean", "max", "concat"))
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--pool", default="last", choices=("last", "mean", "max", "concat"))
     parser.add_argument("--head", default="linear", choices=("linear", "mlp"))
     parser.add_argument("--aux-lm-weight", type=float, default=0.0)
+    parser.add_argument("--freeze-lm", action="store_true", help="Train the head only.")
     parser.add_argument("--max-bytes", type=int, default=512)
     parser.add_argument("--speed-presets", default="tiny,small", help="Presets whose step speeds are timed.")
     parser.add_argument("--speed-steps", type=int, default=3)
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     tuning = {
         "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "pool": args.pool,
         "head": args.head, "aux_lm_weight": args.aux_lm_weight, "max_bytes": args.max_bytes,
+        "freeze_lm": args.freeze_lm,
     }  # fmt: skip
     rows: list[dict[str, Any]] = []
     speeds: list[dict[str, Any]] = []
