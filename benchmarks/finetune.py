@@ -212,9 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         for spec in args.dataset or DEFAULT_DATASETS:
             name = spec.partition("=")[0]
             data, counts = subsample(spec, args.train_rows or None, Path(scratch) / "data" / name)
-            say(
-                f"{name}: train {counts['train']:,} (subsample), dev {counts['dev']:,}, test {counts['test']:,}"
-            )
+            kept = " (a subsample)" if args.train_rows else ""
+            say(f"{name}: train {counts['train']:,}{kept}, dev {counts['dev']:,}, test {counts['test']:,}")
             row = {**compare(data, checkpoint, tuning), "rows": counts}
             rows.append(row)
             say(
