@@ -538,7 +538,55 @@ def cli_tables(results: dict[str, Any]) -> str:
     )
 
 
+def finetune_tables(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    described = ", ".join(f"{k} {v}" for k, v in settings.items())
+    rows = [
+        [
+            r["dataset"],
+            " / ".join(f"{r['rows'][split]:,}" for split in ("train", "dev", "test")),
+            percent(r["finetune_test_accuracy"]),
+            percent(r["probe_test_accuracy"]),
+            percent(r["baseline_test_accuracy"]),
+            f"{num(r['finetune_seconds'])} / {num(r['probe_seconds'])} / {num(r['baseline_seconds'])}",
+            f"{r['finetune_best_epoch']} ({percent(r['finetune_dev_accuracy'])})",
+        ]
+        for r in results["rows"]
+    ]
+    header = [
+        "dataset",
+        "rows (train / dev / test)",
+        "fine-tuned",
+        "probe",
+        "TF-IDF",
+        "seconds (each)",
+        "best epoch (dev)",
+    ]
+    parts = [f"From {results['checkpoint']}; fine-tuning settings: {described}.", table(header, rows)]
+    for r in results["rows"]:
+        epochs = [
+            [
+                str(e["epoch"]),
+                num(e["train_loss"]),
+                num(e["aux_lm_loss"]),
+                percent(e["dev_accuracy"]),
+                num(e["lr"]),
+            ]
+            for e in r["epochs"]
+        ]
+        parts.append(f"Per epoch, {r['dataset']}:")
+        parts.append(table(["epoch", "train loss", "LM loss (nats)", "dev acc", "lr"], epochs))
+    speeds = [
+        [s["preset"], str(s["batch_size"]), num(s["finetune_chars_per_s"]), num(s["pretrain_chars_per_s"]),
+         ratio(s["finetune_vs_pretrain"])]
+        for s in results["speeds"]
+    ]  # fmt: skip
+    parts.append(table(["preset", "batch", "fine-tuning chars/s", "pretraining chars/s", "ratio"], speeds))
+    return "\n\n".join(parts)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "finetune": finetune_tables,
     "cli": cli_tables,
     "baseline": baseline_tables,
     "corpus": corpus_tables,

@@ -68,6 +68,12 @@ def pretrain_name() -> str:
     return f"pretrain-{_get(params, 'run') or _get(params, 'preset', 'tiny')}"
 
 
+def finetune_name() -> str:
+    params = flow_run.parameters.get("params", {})
+    dataset = str(_get(params, "dataset", "") or "").partition("=")[0] or "data"
+    return f"finetune-{_get(params, 'run') or _checkpoint(_get(params, 'checkpoint'))}-{dataset}"
+
+
 def transfer_name() -> str:
     params = flow_run.parameters.get("params", {})
     names = [spec.partition("=")[0] for spec in _get(params, "datasets", [])]

@@ -1,4 +1,4 @@
-"""The pipeline flow: corpus → pretrain → transfer → register, as subflows under one MLflow parent run.
+"""The pipeline flow: corpus → pretrain → transfer → register (→ finetune, when asked), as subflows under one MLflow parent run.
 
 Each stage is skipped when its inputs have not changed (see ``tasks/pipeline.py`` for the keys), so a
 scheduled run that finds nothing new costs seconds. The registered model version carries lineage
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -19,6 +20,7 @@ from prefect.states import State
 
 from flows import names, progress
 from flows.corpus import build_corpus
+from flows.finetune import finetune
 from flows.pretrain import pretrain
 from flows.runtime import task_runner
 from flows.transfer import transfer
@@ -26,9 +28,13 @@ from tasks.corpus.build import plan_corpus, summary_of
 from tasks.corpus.manifest import read_manifest
 from tasks.pipeline import (
     PipelineParams,
+    Stage,
     StageRecord,
     close_pipeline_run,
     ended_states,
+    finetune_key,
+    finetune_params,
+    finetune_record_key,
     finished_run,
     open_pipeline_run,
     pretrain_params,
@@ -123,6 +129,11 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
                     lineage["model_version"] = str(done["registered"]["version"])
                     lineage["model_name"] = done["registered"]["name"]
                     lineage["transfer_run_id"] = done["run_id"]
+            if "finetune" in params.stages:
+                assert checkpoint_uri is not None
+                records["finetune"] = _finetune(params, settings, checkpoint_uri, run_id)
+                done = records["finetune"].result
+                metrics[f"{done['dataset']}_finetune_test_accuracy"] = float(done["test_accuracy"])
     except BaseException:
         close_pipeline_run(run_id, ended_states(params.stages, records), lineage, metrics, failed=True)
         raise
@@ -213,21 +224,49 @@ def _transfer(
     params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str, lineage: dict[str, str]
 ) -> StageRecord:
     key = transfer_key_task(checkpoint_uri, params)
-    record = transfer_record_key(key)
-    store = store_of(settings)
-    skip = store.exists(record) and "transfer" not in params.force
-    if skip:
-        _skipped("transfer")
-        done, flow_run_id = json.loads(store.read_bytes(record)), None
-    else:
-        ran = transfer(
+    return _keyed(
+        "transfer",
+        key,
+        transfer_record_key(key),
+        params,
+        settings,
+        lambda: transfer(
             transfer_params(params.transfer, checkpoint_uri),
             parent_run_id=run_id,
             lineage=lineage,
             return_state=True,
-        )
+        ),
+    )
+
+
+def _finetune(params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str) -> StageRecord:
+    """The fine-tuning subflow, skipped when the same weights, data and settings were fine-tuned before."""
+    stage_params = finetune_params(params, checkpoint_uri)
+    key = finetune_key(stage_params, settings)
+    return _keyed(
+        "finetune",
+        key,
+        finetune_record_key(key),
+        params,
+        settings,
+        lambda: finetune(stage_params, parent_run_id=run_id, return_state=True),
+    )
+
+
+def _keyed(
+    stage: Stage, key: str, record: str, params: PipelineParams, settings: Settings, run: Callable[[], Any]
+) -> StageRecord:
+    """A stage found by its content key: its record read when it ran before (unless forced), else run
+    (``run`` returns the subflow's state) and recorded."""
+    store = store_of(settings)
+    skip = store.exists(record) and stage not in params.force
+    if skip:
+        _skipped(stage)
+        done, flow_run_id = json.loads(store.read_bytes(record)), None
+    else:
+        ran = run()
         done, flow_run_id = ran.result(), _flow_run_id_of(ran)
-        # Written last: a transfer that failed half-way is not found by the next run.
+        # Written last: a stage that failed half-way is not found by the next run.
         store.write_bytes(record, json.dumps(done, default=str).encode())
     return StageRecord(
         state="skipped" if skip else "ran",
@@ -257,6 +296,12 @@ def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]
     for name, values in result.get("transfer", {}).get("datasets", {}).items():
         versus = accuracy_beside_baseline(values["test_accuracy"], values.get("baseline_test_accuracy"))
         lines.append(f"- {name}: test accuracy {versus}")
+    if "finetune" in result:
+        f = result["finetune"]
+        lines.append(
+            f"- fine-tuned on {f['dataset']}: test accuracy {f['test_accuracy']:.2%}, registered "
+            f"v{f['registered']['version']} ({f['registered']['reason']})"
+        )
     if lineage.get("model_version"):
         lines.append(
             f"- model: {model_link(settings, lineage['model_name'], lineage['model_version'])} "

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -30,7 +30,7 @@ from flows.runtime import retry_unless
 from tasks.pretrain import joblog
 from tasks.pretrain.config import PretrainParams
 from tasks.pretrain.launchers import launcher_for
-from tasks.pretrain.launchers.base import JobError, JobFailed, JobHandle, Launcher
+from tasks.pretrain.launchers.base import JobError, JobFailed, JobHandle, JobSpec, Launcher
 from tasks.pretrain.stage import Job, job_result, open_mlflow_run, plan_job, watch
 from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
@@ -90,10 +90,33 @@ def _log_line(logger: Any, line: str) -> None:
         logger.info("%s", line)
 
 
+def launch_and_watch(
+    launcher: Launcher, spec: JobSpec, on_progress: Callable[[dict[str, float]], None]
+) -> None:
+    """Submit a job and follow rank 0's log into the flow run's to the job's end; a job still running
+    when this is interrupted (SIGTERM, a cancelled flow run) is cancelled: no process outlives it."""
+    logger = get_run_logger()
+    handle: JobHandle | None = None
+    finished = False
+    try:
+        with terminate_raises():
+            handle = launcher.submit(spec)
+            logger.info("submitted %s job %s (log: %s)", launcher.name, handle.job_id, handle.log_path or "-")
+            try:
+                watch(launcher, handle, on_line=functools.partial(_log_line, logger), on_progress=on_progress)
+            except JobFailed:  # it has ended: there is nothing to stop
+                finished = True
+                raise
+            finished = True
+    finally:
+        if handle is not None and not finished:
+            logger.warning("stopping %s job %s", launcher.name, handle.job_id)
+            launcher.cancel(handle)
+
+
 @task(name="train", cache_policy=NO_CACHE, retry_condition_fn=_worth_relaunching)
 def train(job: Job, launcher: Launcher) -> dict[str, Any]:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
-    logger = get_run_logger()
     sink = progress.current()
     artifact_id = create_progress_artifact(
         progress=0.0, key="training-progress", description=f"run {job.config.run_name}: steps done"
@@ -108,22 +131,7 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
         done = values["step"]
         update_progress_artifact(artifact_id, progress=100 * values["step"] / job.stop_step)  # type: ignore[arg-type]  # sync: a UUID
 
-    handle: JobHandle | None = None
-    finished = False
-    try:
-        with terminate_raises():
-            handle = launcher.submit(job.spec)
-            logger.info("submitted %s job %s (log: %s)", launcher.name, handle.job_id, handle.log_path or "-")
-            try:
-                watch(launcher, handle, on_line=functools.partial(_log_line, logger), on_progress=on_progress)
-            except JobFailed:  # it has ended: there is nothing to stop
-                finished = True
-                raise
-            finished = True
-    finally:
-        if handle is not None and not finished:
-            logger.warning("stopping %s job %s", launcher.name, handle.job_id)
-            launcher.cancel(handle)
+    launch_and_watch(launcher, job.spec, on_progress)
     if rows:
         columns = ("step", "loss", "bpc", "lr", "chars_per_s")
         create_table_artifact(

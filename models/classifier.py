@@ -80,12 +80,7 @@ class SentimentClassifier:
 
     @classmethod
     def load(cls, folder: Path, *, device: torch.device | str = "cpu") -> SentimentClassifier:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-        if config.get("cleaning") != CLEANING:
-            raise ValueError(
-                f"{folder / CONFIG_FILE}: the classifier was saved with cleaning {config.get('cleaning')!r}, "
-                f"this code applies {CLEANING!r}"
-            )
+        config = read_config(folder)
         with np.load(folder / WEIGHTS_FILE, allow_pickle=False) as arrays:
             state = {k: torch.from_numpy(arrays[k]) for k in arrays.files if not k.startswith(_PROBE_PREFIX)}
             coef_H = arrays[f"{_PROBE_PREFIX}coef"]
@@ -98,14 +93,31 @@ class SentimentClassifier:
         return cls(model.to(device), coef_H, intercept, info, class_means_2H)
 
 
+def read_config(folder: Path) -> dict[str, Any]:
+    """A saved classifier's ``classifier.json``, refused when its text was cleaned otherwise than this
+    code cleans it (the weights would read other bytes)."""
+    config: dict[str, Any] = json.loads((folder / CONFIG_FILE).read_text())
+    if config.get("cleaning") != CLEANING:
+        raise ValueError(
+            f"{folder / CONFIG_FILE}: the classifier was saved with cleaning {config.get('cleaning')!r}, "
+            f"this code applies {CLEANING!r}"
+        )
+    return config
+
+
 def probability(features_NH: np.ndarray, coef_H: np.ndarray, intercept: float) -> np.ndarray:
     """P(positive) = σ(features · w + b) [N], in float64 so it matches scikit-learn's predict_proba."""
     logits_N = np.asarray(features_NH, dtype=np.float64) @ np.asarray(coef_H, dtype=np.float64) + float(
         intercept
     )
-    # σ(z) written so that exp never overflows: exp(-|z|) ≤ 1 on both branches.
+    return sigmoid(logits_N)
+
+
+def sigmoid(logits_N: np.ndarray) -> np.ndarray:
+    """σ(z) written so that exp never overflows: exp(-|z|) ≤ 1 on both branches."""
     e_N = np.exp(-np.abs(logits_N))
-    return np.where(logits_N >= 0, 1.0 / (1.0 + e_N), e_N / (1.0 + e_N))
+    p_N: np.ndarray = np.where(logits_N >= 0, 1.0 / (1.0 + e_N), e_N / (1.0 + e_N))
+    return p_N
 
 
 def labels_of(p_N: np.ndarray) -> list[str]:

@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from models.classifier import SentimentClassifier
+from models.finetuned import FinetunedClassifier, is_finetuned
 from models.serving import SentimentModel
 
 PACKAGE = "mlstm-sentiment"
@@ -25,7 +26,12 @@ def installed_version() -> str:
 
 def _load_pyfunc(data_path: str) -> SentimentModel:
     """What ``mlflow.pyfunc.load_model`` calls with the model's data folder."""
-    served = SentimentModel(SentimentClassifier.load(Path(data_path)))
+    folder = Path(data_path)
+    # A probe on the frozen mLSTM, or the mLSTM fine-tuned with its head: the same interface.
+    classifier = (
+        FinetunedClassifier.load(folder) if is_finetuned(folder) else SentimentClassifier.load(folder)
+    )
+    served = SentimentModel(classifier)
     logged = str(served.classifier.info.get(VERSION_KEY, "0"))
     if _release(logged) > _release(installed_version()):
         raise RuntimeError(

@@ -20,14 +20,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.corpus.config import CorpusConfig
+from tasks.finetune.config import FinetuneParams
 from tasks.pretrain.config import PretrainParams, weight_settings
 from tasks.secrets import hide
 from tasks.settings import Settings
 from tasks.store import Store
 from tasks.transfer.config import TransferParams
 
-Stage = Literal["corpus", "pretrain", "transfer"]
-STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer")
+Stage = Literal["corpus", "pretrain", "transfer", "finetune"]
+STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer", "finetune")
+# Fine-tuning trains the whole model (minutes to hours beyond the probe): a run asks for it (--finetune).
+DEFAULT_STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer")
 TRANSFER_KEY_IGNORES = {"checkpoint", "datasets", "batch_size"}
 
 
@@ -47,6 +50,14 @@ class TransferStage(TransferParams):
     )
 
 
+class FinetuneStage(FinetuneParams):
+    """The fine-tuning stage inside the pipeline: the checkpoint comes from the pretraining stage, the
+    dataset from the transfer stage's first unless given."""
+
+    checkpoint: str = Field(default="", description="Filled in by the pipeline from the pretraining stage.")
+    dataset: str = Field(default="", description="NAME=PATH. [default: the transfer stage's first dataset]")
+
+
 class PipelineParams(BaseModel):
     """The pipeline's parameters: the Prefect UI's form for a run of the `pipeline` deployment."""
 
@@ -58,8 +69,12 @@ class PipelineParams(BaseModel):
     corpus: CorpusConfig = Field(default_factory=CorpusConfig, description="How the corpus is built.")
     pretrain: PretrainStage = Field(default_factory=PretrainStage, description="How the mLSTM is trained.")
     transfer: TransferStage = Field(default_factory=TransferStage, description="What the probes read.")
+    finetune: FinetuneStage = Field(
+        default_factory=FinetuneStage, description="How the classifier is fine-tuned (stage finetune)."
+    )
     stages: list[Stage] = Field(
-        default_factory=lambda: list(STAGES), description="Stages to run, in pipeline order."
+        default_factory=lambda: list(DEFAULT_STAGES),
+        description="Stages to run, in pipeline order (finetune only when named).",
     )
     force: list[Stage] = Field(
         default_factory=list, description="Stages to run even when their inputs have not changed."
@@ -85,7 +100,7 @@ class PipelineParams(BaseModel):
     @model_validator(mode="after")
     def _inputs_are_known(self) -> PipelineParams:
         if not self.stages:
-            raise ValueError("stages: name at least one of corpus, pretrain, transfer")
+            raise ValueError("stages: name at least one of corpus, pretrain, transfer, finetune")
         self.stages = [stage for stage in STAGES if stage in self.stages]  # pipeline order, no repeats
         if "corpus" in self.stages and not self.sources:
             raise ValueError("sources: the corpus stage needs raw review files or URLs")
@@ -101,6 +116,15 @@ class PipelineParams(BaseModel):
                 raise ValueError("checkpoint_uri: transfer without the pretraining stage needs a checkpoint")
             if not self.transfer.datasets:
                 raise ValueError("transfer.datasets: the transfer stage needs at least one NAME=PATH")
+        if "finetune" in self.stages:
+            if "pretrain" not in self.stages and not (self.checkpoint_uri or self.from_sweep):
+                raise ValueError(
+                    "checkpoint_uri: fine-tuning without the pretraining stage needs a checkpoint"
+                )
+            if not (self.finetune.dataset or self.transfer.datasets):
+                raise ValueError(
+                    "finetune.dataset: the finetune stage needs a NAME=PATH (or transfer.datasets)"
+                )
         return self
 
 
@@ -110,6 +134,38 @@ def digest(values: dict[str, Any]) -> str:
 
 def pretrain_params(stage: PretrainStage, manifest_uri: str) -> PretrainParams:
     return PretrainParams.model_validate({**stage.model_dump(), "corpus": manifest_uri})
+
+
+def finetune_params(params: PipelineParams, checkpoint_uri: str) -> FinetuneParams:
+    """The fine-tuning stage's parameters: the pipeline's checkpoint, the transfer's first dataset
+    unless one is named."""
+    dataset = params.finetune.dataset or params.transfer.datasets[0]
+    return FinetuneParams.model_validate(
+        {**params.finetune.model_dump(), "checkpoint": checkpoint_uri, "dataset": dataset}
+    )
+
+
+def finetune_key(params: FinetuneParams, settings: Settings) -> str:
+    """What a fine-tuning's result depends on: the weights, the dataset's content, the settings of the
+    weights (``WEIGHTS``) and its run."""
+    from tasks.finetune.config import weight_settings
+    from tasks.transfer.datasets import load_dataset
+    from tasks.transfer.features import weights_fingerprint
+    from tasks.transfer.stage import load_checkpoint_of
+
+    model = load_checkpoint_of(params.checkpoint, settings).model()
+    data = load_dataset(params.dataset, text_column=params.text_column, label_column=params.label_column)
+    return digest(
+        {
+            "weights": weights_fingerprint(model),
+            "dataset": data.checksum,
+            **params.model_dump(include=set(weight_settings()) | {"run", "baseline"}),
+        }
+    )
+
+
+def finetune_record_key(key: str) -> str:
+    return f"pipeline/finetune/{key}.json"
 
 
 def transfer_params(stage: TransferStage, checkpoint_uri: str) -> TransferParams:
@@ -250,7 +306,9 @@ def validated(values: dict[str, Any]) -> PipelineParams:
 
 
 def stages_from(stage: Stage, *, rest: bool) -> list[Stage]:
-    return list(STAGES[STAGES.index(stage) :]) if rest else [stage]
+    """A rerun's stages: ``stage`` alone, or it and the default stages after it (finetune when named)."""
+    order = STAGES if stage == "finetune" else DEFAULT_STAGES
+    return list(order[order.index(stage) :]) if rest else [stage]
 
 
 # --- The pipeline's record in MLflow: a parent run, one child run per stage that ran. ---------------

@@ -14,6 +14,7 @@ COMMANDS = {
         "features",
         "import-weights",
         "transfer",
+        "finetune",
         "predict",
         "score",
         "probe",

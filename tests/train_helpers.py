@@ -6,19 +6,27 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.pretrain.launchers.base import JobHandle, JobSpec
+from tasks.pretrain.launchers.base import JOB_MODULE, JobHandle, JobSpec
 from tasks.pretrain.launchers.local import LocalLauncher
 
 
 def job(
-    args: list[str], env_home: Path, *, nproc: int = 1, name: str = "job", env: dict[str, str] | None = None
+    args: list[str],
+    env_home: Path,
+    *,
+    nproc: int = 1,
+    name: str = "job",
+    env: dict[str, str] | None = None,
+    module: str = JOB_MODULE,
 ) -> tuple[LocalLauncher, JobHandle]:
-    """Start ``torchrun -m tasks.pretrain.train`` with ``nproc`` CPU ranks (``env`` on top of MLSTM_HOME)."""
+    """Start ``torchrun -m MODULE`` (the pretraining job by default) with ``nproc`` CPU ranks (``env`` on
+    top of MLSTM_HOME)."""
     launcher = LocalLauncher()
     spec = JobSpec(
         name=name,
         args=tuple(args),
         nproc_per_node=nproc,
+        module=module,
         env={"MLSTM_HOME": str(env_home), **(env or {})},
         workdir=env_home / "jobs",
     )

@@ -12,7 +12,19 @@ from typing import Annotated
 
 import typer
 
-from flows.cli import corpus, neuron, operate, pipeline, predict, pretrain, probe, score, sweep, transfer
+from flows.cli import (
+    corpus,
+    finetune,
+    neuron,
+    operate,
+    pipeline,
+    predict,
+    pretrain,
+    probe,
+    score,
+    sweep,
+    transfer,
+)
 from flows.cli.common import fail, user_errors
 from tasks.settings import get_settings
 
@@ -25,7 +37,7 @@ app = typer.Typer(
 app.add_typer(corpus.app, name="corpus", rich_help_panel="Corpus")
 app.add_typer(sweep.app, name="sweep", rich_help_panel="Sweep")
 # The other stages' commands sit at the top level (`mlstm-sentiment pretrain …`), grouped by stage.
-for stage in (pretrain, transfer, predict, score, probe, neuron, pipeline, operate):
+for stage in (pretrain, transfer, finetune, predict, score, probe, neuron, pipeline, operate):
     app.add_typer(stage.app)
 
 

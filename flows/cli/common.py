@@ -193,12 +193,24 @@ def run_flow(
 
 
 def classifier_of(loaded: Any) -> Any:
-    """The ``SentimentClassifier`` inside a loaded pyfunc: the loader module's model, or (logged before
-    it) the python model's."""
+    """The classifier inside a loaded pyfunc (a ``SentimentClassifier``, or a ``FinetunedClassifier``):
+    the loader module's model, or (logged before it) the python model's."""
     try:
         return loaded.get_raw_model().classifier
     except (AttributeError, NotImplementedError):
         return loaded.unwrap_python_model().classifier
+
+
+def probe_of(loaded: Any, uri: str) -> Any:
+    """The probe classifier inside a loaded pyfunc, or one line refusing a fine-tuned one: reading a
+    sentiment unit (``explain``, ``generate``) needs a probe's weights over the cell's units."""
+    classifier = classifier_of(loaded)
+    if not hasattr(classifier, "coef_H"):
+        raise fail(
+            f"{uri} is a fine-tuned classifier: it has no probe over the cell's units, so no sentiment unit "
+            "to explain or hold; give a probe's version (`transfer`), or --checkpoint with --unit"
+        )
+    return classifier
 
 
 def load_registered(model: str | None) -> tuple[Any, str]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from flows.cli.common import classifier_of, err, fail, load_registered, out, styled, user_errors
+from flows.cli.common import err, fail, load_registered, out, probe_of, styled, user_errors
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ UnitOption = Annotated[
 def load_classifier(model: str | None) -> tuple[SentimentClassifier, str]:
     """The classifier behind a registered MLflow model, or one clear line naming the URI."""
     loaded, uri = load_registered(model)
-    return classifier_of(loaded), uri
+    return probe_of(loaded, uri), uri
 
 
 def check_source(model: str | None, checkpoint: str | None) -> None:

@@ -41,6 +41,8 @@ def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> dict[
     from tasks.tracking import connect
 
     check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
+    if "finetune" in params.stages and params.finetune.dataset:
+        check_datasets([params.finetune.dataset])
     connect(get_settings())  # MLflow down: one clear error before any flow run or MLflow run exists
     return run_flow(pipeline_flow, show_progress=show_progress, params=params)
 
@@ -66,6 +68,14 @@ def pipeline_command(
         str | None,
         typer.Option(help="A sweep id: its best trial's checkpoint goes on to transfer and the registry."),
     ] = None,
+    finetune: Annotated[
+        bool,
+        typer.Option(
+            "--finetune",
+            help="After transfer, also fine-tune the mLSTM and a head on the first --dataset (docs/finetune.md; "
+            "its settings: --set finetune.KEY=VALUE) and register it as a challenger.",
+        ),
+    ] = False,
     set_: SetOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -82,6 +92,8 @@ def pipeline_command(
         values = pipeline_values(sources=sources or [], force=force or [])
         if from_sweep:
             values.update(from_sweep=from_sweep, stages=["transfer"])
+        if finetune:
+            values["stages"] = [*values["stages"], "finetune"]
         values["pretrain"].update(preset=preset, launcher=launcher, max_steps=max_steps)
         values["transfer"]["datasets"] = dataset or []
         params = validated(apply_overrides(values, set_ or []))
@@ -141,7 +153,7 @@ def print_pipeline(result: dict[str, Any], *, as_json: bool) -> None:
         )
 
 
-StageArgument = Annotated[str, typer.Argument(help="corpus, pretrain or transfer.")]
+StageArgument = Annotated[str, typer.Argument(help="corpus, pretrain, transfer or finetune.")]
 
 
 @app.command("run", rich_help_panel=PANEL)
@@ -152,7 +164,7 @@ def run_stage(
         typer.Option(
             "--from",
             help="A pipeline's MLflow run id (its parameters and outputs are reused), or a manifest URI "
-            "(pretrain) or checkpoint URI (transfer). [default: the newest pipeline run, if any]",
+            "(pretrain) or checkpoint URI (transfer, finetune). [default: the newest pipeline run, if any]",
         ),
     ] = None,
     set_: SetOption = None,
@@ -169,7 +181,7 @@ def run_stage(
     from tasks.pipeline import STAGES, apply_overrides, stages_from, validated
 
     if stage not in STAGES:
-        raise fail(f"unknown stage {stage!r}: choose corpus, pretrain or transfer")
+        raise fail(f"unknown stage {stage!r}: choose corpus, pretrain, transfer or finetune")
     try:
         values = _rerun_values(stage, from_)
         values.update(stages=stages_from(stage, rest=rest), force=[stage])

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import classifier_of, fail, load_registered, out, styled, user_errors
+from flows.cli.common import fail, load_registered, out, probe_of, styled, user_errors
 
 if TYPE_CHECKING:
     from tasks.transfer.explain import Reading
@@ -18,12 +18,12 @@ app = typer.Typer()
 PANEL = "Transfer"
 
 
-def _explained(loaded: Any, texts: list[str], unit: int | None) -> list[Reading]:
+def _explained(loaded: Any, uri: str, texts: list[str], unit: int | None) -> list[Reading]:
     """The texts read byte by byte by the served model's own classifier (the served model is unchanged)."""
     from flows.cli.neuron import top_unit
     from tasks.transfer.explain import explain
 
-    classifier = classifier_of(loaded)
+    classifier = probe_of(loaded, uri)
     chosen = top_unit(classifier) if unit is None else unit
     return [explain(classifier, text, unit=chosen) for text in texts]
 
@@ -73,7 +73,7 @@ def predict(
             predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
         except TextRejected as error:  # the model's own rule, as served: rows count arguments, then --input
             raise fail(f"{uri} refuses {error.message}") from None
-        readings = _explained(classifier, texts, unit) if explain else []
+        readings = _explained(classifier, uri, texts, unit) if explain else []
     except user_errors() as error:  # DatasetError is a ValueError
         raise fail(error) from None
     rows = zip(texts, predicted["label"], predicted["probability"], strict=True)

@@ -158,9 +158,7 @@ class TrainConfig(TrainSettings):
     @field_validator("run_name")
     @classmethod
     def _run_is_a_key(cls, name: str) -> str:
-        if not name or "/" in name or name.strip() != name or name in (".", ".."):
-            raise ValueError(f"run name {name!r} must be a non-empty name without '/' or surrounding spaces")
-        return name
+        return checked_run_name(name)
 
     def effective_lr(self) -> float:
         ratio = self.batch_size / self.lr_base_batch
@@ -168,28 +166,57 @@ class TrainConfig(TrainSettings):
 
     def to_args(self) -> list[str]:
         """The job's command-line flags for this config (defaults left out)."""
-        args = []
-        for name, value in self.model_dump(exclude_defaults=True).items():
-            args += [f"--{name.replace('_', '-')}", str(value)]
-        return args
+        return job_args(self)
 
     @classmethod
     def from_args(cls, argv: list[str]) -> TrainConfig:
-        parser = argparse.ArgumentParser(
-            prog="python -m tasks.pretrain.train", description="The pretraining job (one rank of it)."
+        return parse_job_args(
+            cls,
+            argv,
+            prog="python -m tasks.pretrain.train",
+            description="The pretraining job (one rank of it).",
         )
-        for name, info in cls.model_fields.items():
-            kind, choices = flag_type(info.annotation)
-            parser.add_argument(
-                f"--{name.replace('_', '-')}",
-                dest=name,
-                type=kind,
-                choices=choices,
-                required=info.is_required(),
-                default=argparse.SUPPRESS,
-                help=info.description,
-            )
-        return cls(**vars(parser.parse_args(argv)))
+
+
+def checked_run_name(name: str) -> str:
+    """A run's name is a key in the store: one path segment."""
+    if not name or "/" in name or name.strip() != name or name in (".", ".."):
+        raise ValueError(f"run name {name!r} must be a non-empty name without '/' or surrounding spaces")
+    return name
+
+
+def job_args(config: BaseModel) -> list[str]:
+    """A job's command-line flags for a config: each field that is not its default, with dashes."""
+    args = []
+    for name, value in config.model_dump(exclude_defaults=True).items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+Config = typing.TypeVar("Config", bound=BaseModel)
+
+
+def parse_job_args(cls: type[Config], argv: list[str], *, prog: str, description: str) -> Config:
+    """A job's config from its command line (``job_args``'s flags); a bool flag reads True or False."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for name, info in cls.model_fields.items():
+        kind, choices = flag_type(info.annotation)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=_bool_flag if kind is bool else kind,
+            choices=choices,
+            required=info.is_required(),
+            default=argparse.SUPPRESS,
+            help=info.description,
+        )
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def _bool_flag(text: str) -> bool:
+    if text not in ("True", "False"):
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return text == "True"
 
 
 def flag_type(annotation: Any) -> tuple[type, list[str] | None]:

@@ -150,7 +150,10 @@ def plan_scoring(
 def _classifier(folder: str) -> Any:
     """Loaded once per worker process, whatever number of pieces it scores."""
     from models.classifier import SentimentClassifier
+    from models.finetuned import FinetunedClassifier, is_finetuned
 
+    if is_finetuned(Path(folder)):
+        return FinetunedClassifier.load(Path(folder))
     return SentimentClassifier.load(Path(folder))
 
 
@@ -207,10 +210,18 @@ def score_piece(
     good = np.array([t is not None for t in texts], dtype=bool)
     kept = [t for t in texts if t is not None]
     classifier = _classifier(plan.model.folder)
-    features_NH = featurize(
-        classifier.model, kept, batch_size=batch_size, device=_device(), on_batch=on_batch
-    )
-    p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
+    if hasattr(classifier, "coef_H"):  # a probe on the frozen features
+        features_NH = featurize(
+            classifier.model, kept, batch_size=batch_size, device=_device(), on_batch=on_batch
+        )
+        p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
+        unit_N = features_NH[:, plan.model.unit]
+    else:  # fine-tuned: its own pooling and head; no sentiment unit to report
+        classifier.model.to(_device())
+        p_N = classifier.predict_proba(kept, batch_size=batch_size or 64)
+        unit_N = np.full(len(kept), np.nan, dtype=np.float32)
+        if on_batch is not None:
+            on_batch(len(kept), sum(len(t) for t in kept))
     labels = labels_of(p_N)
     rows_N = np.arange(piece.start, piece.stop, dtype=np.int64)
     ids = {name: table.column(name).combine_chunks() for name in plan.id_columns}
@@ -222,7 +233,7 @@ def score_piece(
             "input_row": pa.array(rows_N[good]),
             "probability": pa.array(p_N, type=pa.float64()),
             "label": pa.array(labels, type=pa.string()),
-            "sentiment_unit": pa.array(features_NH[:, plan.model.unit], type=pa.float32()),
+            "sentiment_unit": pa.array(unit_N, type=pa.float32()),
             "model_version": pa.array([plan.model.version] * len(kept), type=pa.int64()),
         }
     )

@@ -18,6 +18,9 @@ class ModelNotFound(ValueError):
     """A model URI that does not name a registered version here."""
 
 
+NO_UNIT = -1  # ModelRef.unit of a classifier without a probe: its rows' sentiment_unit is NaN
+
+
 def resolve_model(uri: str | None, settings: Settings) -> ModelRef:
     """The registered version ``uri`` names (default: the champion), its classifier downloaded once into
     ``<home>/cache/models/NAME-vN`` for the workers to load."""
@@ -61,7 +64,8 @@ def resolve_model(uri: str | None, settings: Settings) -> ModelRef:
     import numpy as np
 
     with np.load(classifier_dir / "classifier.npz", allow_pickle=False) as arrays:
-        unit = top_unit(arrays["probe.coef"])
+        # A fine-tuned classifier (tasks/finetune/) has no probe, so no sentiment unit: -1.
+        unit = top_unit(arrays["probe.coef"]) if "probe.coef" in arrays.files else NO_UNIT
     return ModelRef(
         uri=uri,
         name=name,

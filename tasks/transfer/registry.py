@@ -20,6 +20,7 @@ from typing import Any
 
 from models import mlflow_loader
 from models.classifier import LABELS, SentimentClassifier
+from models.finetuned import FinetunedClassifier
 from models.mlflow_loader import VERSION_KEY, installed_version
 from models.serving import MAX_TEXT_CHARS_KEY
 from tasks.settings import Settings, get_settings
@@ -143,10 +144,14 @@ def pip_requirements() -> list[str]:
 
 
 def log_classifier(
-    run_id: str, classifier: SentimentClassifier, name: str, *, max_text_chars: int | None = None
+    run_id: str,
+    classifier: SentimentClassifier | FinetunedClassifier,
+    name: str,
+    *,
+    max_text_chars: int | None = None,
 ) -> str:
-    """Log the classifier as a pyfunc under the run; returns its model URI. The served copy refuses
-    texts longer than ``max_text_chars`` (default: the MLSTM_MAX_TEXT_CHARS setting)."""
+    """Log the classifier (a probe, or a fine-tuned model) as a pyfunc under the run; returns its model
+    URI. The served copy refuses texts longer than ``max_text_chars`` (default: MLSTM_MAX_TEXT_CHARS)."""
     import mlflow
     import pandas as pd
     from mlflow.models import infer_signature
@@ -180,6 +185,7 @@ def register(
     *,
     score_on_test: Callable[[str], float],
     lineage: dict[str, str] | None = None,
+    description: str | None = None,
 ) -> dict[str, Any]:
     """Register a version; make it ``@champion`` only if it beats the champion on this test set.
 
@@ -187,6 +193,7 @@ def register(
     only when the champion was scored on other data (its tags then say nothing comparable). A champion
     that cannot be scored (its model unreadable) is replaced, and the reason says why.
     ``lineage`` tags lead from the version back to its corpus, pretraining run and flow runs.
+    ``description``: the version's model card (default: the probe's, ``model_card``).
     """
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -209,7 +216,7 @@ def register(
     }
     with contextlib.redirect_stderr(io.StringIO()):  # MLflow prints "Successfully registered …" there
         version = mlflow.register_model(model_uri, name, tags=tags)
-    client.update_model_version(name, version.version, description=model_card(report))
+    client.update_model_version(name, version.version, description=description or model_card(report))
     try:
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:

@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""Fine-tuning against the frozen probe and the TF-IDF baseline, from one checkpoint, on the same splits.
+
+The checkpoint is the demo's tiny mLSTM (``mlstm-sentiment demo``'s pretraining: the generated sample
+corpus, batch 16 × 64 bytes, lr 3e-3, 300 steps), trained here first unless ``--checkpoint`` names one.
+Each ``--dataset`` is read by the transfer stage's loader; ``--train-rows`` keeps a fixed random subset
+of its train split (dev and test whole; default all of SST's 6,920) for shorter runs, and the probe,
+the baseline and the fine-tuning all see that same subset. Per dataset: test accuracy and seconds of
+
+- the frozen probe: the transfer stage's features and L1 probe (``tasks.finetune.stage.frozen_probe``),
+- the TF-IDF baseline (``tasks.transfer.baseline``),
+- fine-tuning: the job's ``fit`` on one rank in this process (``tasks.finetune.train``).
+
+Throughput: chars/s of a fine-tuning step (forward, backward, Adam over the batch's bytes) against the
+pretraining step's (``tasks.pretrain.step.optimizer_step``, batch × 256 bytes) on the same preset, each
+timed over a few steps after one warm-up step. Presets beyond the checkpoint's start from fresh weights:
+their speed does not depend on the weights.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --record
+    PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pool concat --lr 3e-3 --aux-lm-weight 0.1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import REPO, add_record_option, machine, new_parser, record, say
+
+SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) / "data"
+DEFAULT_DATASETS = [f"sst2={SHARED_DATA / 'sst2'}"]
+
+
+def demo_checkpoint(home: Path) -> tuple[str, float]:
+    """The demo's tiny mLSTM, trained in this process; its URI and the seconds it took."""
+    from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
+    from tasks.corpus.sample import write_sample
+    from tasks.pretrain.config import TrainConfig
+    from tasks.pretrain.train import fit
+    from tasks.pretrain.world import World
+    from tasks.settings import get_settings
+    from tasks.store import LocalStore
+
+    started = time.perf_counter()
+    files = write_sample(home / "sample", num_reviews=3000)
+    manifest = build_in_process(
+        plan_corpus([str(f) for f in files], CorpusConfig()), LocalStore(home / "store")
+    )
+    corpus = str(home / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+    config = TrainConfig(
+        corpus=corpus, run_name="demo-tiny", preset="tiny", batch_size=16, seq_len=64, lr=3e-3,
+        max_steps=300, checkpoint_every=300, val_every=300, tracking="off",
+    )  # fmt: skip
+    with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
+        result = fit(config, World(), get_settings())
+    return str(result["checkpoint_uri"]), time.perf_counter() - started
+
+
+def subsample(spec: str, rows: int | None, folder: Path) -> tuple[str, dict[str, int]]:
+    """The dataset as a table folder with at most ``rows`` train rows (a fixed random subset)."""
+    import numpy as np
+
+    from tasks.transfer.datasets import load_dataset
+
+    dataset = load_dataset(spec)
+    folder.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for name, split in dataset.splits().items():
+        keep = np.arange(len(split))
+        if name == "train" and rows is not None and rows < len(split):
+            keep = np.sort(np.random.default_rng(0).choice(len(split), rows, replace=False))
+        with (folder / f"{name}.csv").open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["text", "label"])
+            writer.writerows((split.texts[i], int(split.labels[i])) for i in keep)
+        counts[name] = len(keep)
+    return f"{dataset.name}={folder}", counts
+
+
+def step_speeds(
+    preset: str, batch_size: int, texts: list[str], *, steps: int, max_bytes: int
+) -> dict[str, float]:
+    """Chars/s of a pretraining step (batch × 256 bytes) and of a fine-tuning step (batch texts)."""
+    import torch
+    from torch.nn import functional as F
+
+    from models.finetuned import FinetuneModel, HeadConfig, batch_bytes
+    from models.mlstm import MLSTM
+    from models.mlstm import preset as preset_config
+    from tasks.pretrain.step import optimizer_step
+
+    torch.manual_seed(0)
+    lm = MLSTM(preset_config(preset))
+    optimizer = torch.optim.Adam(lm.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    rows = torch.randint(0, 256, (batch_size, 257))
+    state = lm.zero_state(batch_size)
+
+    def pretrain_step() -> int:
+        nonlocal state
+        _, state, _ = optimizer_step(
+            lm, optimizer, scaler, rows[:, :-1], rows[:, 1:], state, dtype=torch.float32, clip=1.0
+        )
+        return batch_size * 256
+
+    model = FinetuneModel(lm, HeadConfig(max_bytes=max_bytes))
+    tuner = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batches = [texts[i : i + batch_size] for i in range(0, len(texts) - batch_size + 1, batch_size)]
+
+    def finetune_step(index: int) -> int:
+        bytes_BT, lengths_B = batch_bytes(batches[index % len(batches)], max_bytes, "front")
+        z_B, _ = model(bytes_BT, lengths_B)
+        F.binary_cross_entropy_with_logits(z_B, torch.ones_like(z_B)).backward()
+        tuner.step()
+        tuner.zero_grad(set_to_none=True)
+        return int(lengths_B.sum())
+
+    speeds = {}
+    for name, step in (("pretrain", lambda i: pretrain_step()), ("finetune", finetune_step)):
+        step(0)  # warm-up
+        started, chars = time.perf_counter(), 0
+        for index in range(1, steps + 1):
+            chars += step(index)
+        speeds[f"{name}_chars_per_s"] = chars / (time.perf_counter() - started)
+    speeds["finetune_vs_pretrain"] = speeds["finetune_chars_per_s"] / speeds["pretrain_chars_per_s"]
+    return speeds
+
+
+def compare(spec: str, checkpoint: str, settings_of_tuning: dict[str, Any]) -> dict[str, Any]:
+    """Probe, baseline and fine-tuning on one dataset from one checkpoint."""
+    from tasks.finetune.config import FinetuneParams
+    from tasks.finetune.stage import baseline, frozen_probe, plan_job
+    from tasks.finetune.train import fit
+    from tasks.pretrain.world import World
+    from tasks.settings import get_settings
+
+    settings = get_settings()
+    params = FinetuneParams(checkpoint=checkpoint, dataset=spec, run="bench", **settings_of_tuning)
+    job = plan_job(params, settings)
+    started = time.perf_counter()
+    probe = frozen_probe(job, settings)
+    probe_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    measured = baseline(job, settings)
+    baseline_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    config = job.config.model_copy(update={"tracking": "off"})
+    with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
+        tuned = fit(config, World(), settings)
+    tune_seconds = time.perf_counter() - started
+    return {
+        "dataset": job.dataset_name,
+        "probe_test_accuracy": probe["test_accuracy"],
+        "probe_dev_accuracy": probe["dev_accuracy"],
+        "probe_seconds": probe_seconds,
+        "baseline_test_accuracy": measured["test_accuracy"],
+        "baseline_seconds": baseline_seconds,
+        "finetune_test_accuracy": tuned["test_accuracy"],
+        "finetune_dev_accuracy": tuned["dev_accuracy"],
+        "finetune_best_epoch": tuned["best_epoch"],
+        "finetune_seconds": tune_seconds,
+        "epochs": [
+            {k: e[k] for k in ("epoch", "train_loss", "aux_lm_loss", "dev_accuracy", "lr")}
+            for e in tuned["epochs"]
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = new_parser(__doc__ or "", raw=True)
+    parser.add_argument("--checkpoint", help="A pretraining checkpoint. Default: train the demo's tiny one.")
+    parser.add_argument("--dataset", action="append", metavar="NAME=PATH", help="Default: the shared SST.")
+    parser.add_argument("--train-rows", type=int, default=0, help="Train rows kept (0: all). [0]")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--pool", default="last", choices=("last", "mean", "max", "concat"))
+    parser.add_argument("--head", default="linear", choices=("linear", "mlp"))
+    parser.add_argument("--aux-lm-weight", type=float, default=0.0)
+    parser.add_argument("--freeze-lm", action="store_true", help="Train the head only.")
+    parser.add_argument("--max-bytes", type=int, default=512)
+    parser.add_argument("--speed-presets", default="tiny,small", help="Presets whose step speeds are timed.")
+    parser.add_argument("--speed-steps", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="Print the results as JSON on stdout.")
+    add_record_option(parser)
+    args = parser.parse_args(argv)
+    import torch
+
+    tuning = {
+        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "pool": args.pool,
+        "head": args.head, "aux_lm_weight": args.aux_lm_weight, "max_bytes": args.max_bytes,
+        "freeze_lm": args.freeze_lm,
+    }  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    speeds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="mlstm-bench-finetune-") as scratch:
+        home = Path(scratch) / "home"
+        os.environ["MLSTM_HOME"] = str(home)
+        pretrain_seconds = None
+        checkpoint = args.checkpoint
+        if checkpoint is None:
+            say("pretraining the demo's tiny mLSTM (300 steps of 16 × 64 bytes)")
+            checkpoint, pretrain_seconds = demo_checkpoint(home)
+        texts: list[str] = []
+        for spec in args.dataset or DEFAULT_DATASETS:
+            name = spec.partition("=")[0]
+            data, counts = subsample(spec, args.train_rows or None, Path(scratch) / "data" / name)
+            kept = " (a subsample)" if args.train_rows else ""
+            say(f"{name}: train {counts['train']:,}{kept}, dev {counts['dev']:,}, test {counts['test']:,}")
+            row = {**compare(data, checkpoint, tuning), "rows": counts}
+            rows.append(row)
+            say(
+                f"  test accuracy: fine-tuned {row['finetune_test_accuracy']:.4f} ({row['finetune_seconds']:.0f} s), "
+                f"probe {row['probe_test_accuracy']:.4f} ({row['probe_seconds']:.0f} s), TF-IDF "
+                f"{row['baseline_test_accuracy']:.4f} ({row['baseline_seconds']:.0f} s)"
+            )
+            if not texts:
+                from tasks.transfer.datasets import load_dataset
+
+                texts = load_dataset(data).train.texts
+        for preset in filter(None, args.speed_presets.split(",")):
+            say(f"step speeds of {preset}")
+            measured = step_speeds(
+                preset, args.batch_size, texts, steps=args.speed_steps, max_bytes=args.max_bytes
+            )
+            speeds.append({"preset": preset, "batch_size": args.batch_size, **measured})
+            say(
+                f"  fine-tuning {measured['finetune_chars_per_s']:,.0f} chars/s, pretraining "
+                f"{measured['pretrain_chars_per_s']:,.0f} chars/s ({measured['finetune_vs_pretrain']:.2f}×)"
+            )
+    results = {
+        "machine": machine(torch.device("cpu")),
+        "checkpoint": args.checkpoint or "the demo's tiny mLSTM, trained here",
+        "pretrain_seconds": pretrain_seconds,
+        "settings": tuning,
+        "rows": rows,
+        "speeds": speeds,
+    }
+    print_table(results)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    record("finetune", args.record, results, argv=argv)
+
+
+def print_table(results: dict[str, Any]) -> None:
+    say("| dataset | fine-tuned | probe | TF-IDF | seconds (fine-tune / probe / TF-IDF) |")
+    for r in results["rows"]:
+        say(
+            f"| {r['dataset']} | {r['finetune_test_accuracy']:.2%} | {r['probe_test_accuracy']:.2%} | "
+            f"{r['baseline_test_accuracy']:.2%} | {r['finetune_seconds']:.0f} / {r['probe_seconds']:.0f} / "
+            f"{r['baseline_seconds']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
