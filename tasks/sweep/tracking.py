@@ -97,7 +97,6 @@ def close_parent(run_id: str, study: optuna.Study, result: dict[str, Any], rungs
     ):
         if figure is not None:
             client.log_figure(run_id, figure, name)
-            _close(figure)
     best = result["best"]
     client.log_metric(run_id, "steps_trained", float(result["steps_trained"]))
     if best:
@@ -111,24 +110,21 @@ def close_parent(run_id: str, study: optuna.Study, result: dict[str, Any], rungs
     client.set_terminated(run_id, "FINISHED")
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def _figure(width: float) -> tuple[Figure, Any]:
+    """A figure and its axes outside pyplot: nothing global to close, nothing left behind in a long
+    process (the flow's worker, a test session), as the probe's plots are made."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    return pyplot
-
-
-def _close(figure: Figure) -> None:
-    _pyplot().close(figure)
+    figure = Figure(figsize=(width, 4))
+    return figure, figure.add_subplot()
 
 
 def objective_by_trial(rows: list[dict[str, Any]], rungs: list[int]) -> Figure:
     """Each trial's objective at the last rung it reached, coloured by that rung; failed ones in red."""
-    plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(7, 4))
-    colours = plt.get_cmap("viridis")
+    from matplotlib import colormaps
+
+    figure, axes = _figure(7)
+    colours = colormaps["viridis"]
     for index, steps in enumerate(rungs):
         points = [
             (r["trial"], r["value"])
@@ -149,8 +145,7 @@ def objective_by_trial(rows: list[dict[str, Any]], rungs: list[int]) -> Figure:
 
 def objective_by_step(history: dict[int, dict[int, float]], rungs: list[int]) -> Figure:
     """Each trial's objective at the rungs it reached; a dotted line at every rung."""
-    plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = _figure(7)
     for rung in rungs:
         axes.axvline(rung, color="grey", linestyle=":", linewidth=1)
     for number, values in sorted(history.items()):
@@ -172,8 +167,7 @@ def parallel_coordinates(study: optuna.Study) -> Figure | None:
     if not trials:
         return None
     names = sorted({name for t in trials for name in t.params})
-    plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(8, 4))
+    figure, axes = _figure(8)
     columns = [*names, "objective"]
 
     def position(name: str, value: Any, all_values: list[Any]) -> float:
