@@ -350,7 +350,7 @@ def test_flow_run_names_say_what_a_run_is_about() -> None:
     assert _checkpoint("newest") == "newest"
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a whole pipeline: about 40 s
 def test_a_pipeline_run_plans_the_job_once_and_reads_the_checkpoint_once(
     sample_manifest: str, home: Path, prefect_api_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -270,7 +270,10 @@ def wide() -> tuple[Data, ProbeResult]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("solver", ["newton", "torch"])
+@pytest.mark.parametrize(
+    "solver",
+    ["newton", pytest.param("torch", marks=pytest.mark.long)],  # FISTA, not the default: 25 s
+)
 def test_a_4096_wide_problem_matches_liblinear(
     solver: str, wide: tuple[Data, ProbeResult], one_thread: None
 ) -> None:

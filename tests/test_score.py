@@ -312,7 +312,7 @@ def test_s3_input_and_output(
     assert scores.column("id").to_pylist() == table.column("id").to_pylist()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a Dask cluster beside a score run: about 50 s
 def test_the_dask_runner_writes_the_same_bytes_as_the_process_pool(
     champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
 ) -> None:

@@ -104,7 +104,7 @@ def _hits(root: Path, secrets: tuple[str, ...]) -> list[str]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the whole pipeline: about 100 s on two cores
 def test_no_secret_of_a_source_or_tracking_uri_is_stored_or_printed(
     guarded_source: tuple[str, list[str]], tmp_path: Path
 ) -> None:
