@@ -23,9 +23,9 @@ direction for the line search, so the extra (cheap) steps cost less than the bui
 sweep took half the time (docs/benchmarks.md). The converged point is the same: only the gradient,
 always exact, decides when a C is done.
 
-Two things keep it fast on features conditioned like real cell states (columns sharing a few factors
-with little noise of their own, unit scales spread over orders of magnitude; issue 27), where the
-sweeps above and the lazy Hessian had made it no faster than liblinear:
+Three things keep it fast on features conditioned like real cell states (columns sharing a few
+factors with little noise of their own, unit scales spread over orders of magnitude; issue 27), on
+which the sweeps above and the lazy Hessian had made it no faster than liblinear:
 
 - The lazy Hessian is rebuilt, with the current weights, after a poor step: one the line search had to
   shorten (the model's curvature too low) or one that left more than half of the working set's residual
@@ -34,8 +34,12 @@ sweeps above and the lazy Hessian had made it no faster than liblinear:
 - The coordinate sweeps on the quadratic model are Anderson-accelerated (Bertrand & Massias 2021,
   as skglm does): on correlated columns plain sweeps creep along the model's flat valley and often
   stopped at their cap of 200; every 5 sweeps an extrapolation of the last iterates is taken where it
-  lowers the model. Together they took the badly scaled 4,096-wide SST-sized sweep from 64 s to about
-  25 s on two cores (docs/benchmarks.md has the cases and liblinear's times).
+  lowers the model.
+- Working sets of at most 500 coordinates also take exact steps on their signs (``_orthant_step``): on
+  cell states of a briefly trained model, whose nearly constant units are collinear with the intercept,
+  the sweeps made no headway even on 30 coordinates and the large-C end never converged.
+
+docs/benchmarks.md (Probe) has the cases and liblinear's times beside newton's.
 
 Convergence: a C is done when the minimum-norm subgradient of the objective above has max-norm
 ≤ ``tol`` / C over every weight and the intercept (each coordinate's optimality residual is at most
