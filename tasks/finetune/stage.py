@@ -10,6 +10,7 @@ launchers and watcher), then log and register its classifier as a challenger.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from datetime import UTC, datetime
@@ -46,7 +47,7 @@ class Job(BaseModel):
 
     def tracked_by(self, mlflow_run_id: str) -> Job:
         config = self.config.model_copy(update={"mlflow_run_id": mlflow_run_id})
-        spec = JobSpec(**{**self.spec.__dict__, "args": tuple(config.to_args())})
+        spec = dataclasses.replace(self.spec, args=tuple(config.to_args()))
         return self.model_copy(update={"config": config, "spec": spec})
 
 
