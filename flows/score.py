@@ -15,7 +15,7 @@ from prefect.task_runners import ProcessPoolTaskRunner
 from flows import names, progress
 from flows.runtime import retry_unless
 from tasks.corpus.build import cpu_count
-from tasks.score.inputs import InputError
+from tasks.score.inputs import InputError, InputFile
 from tasks.score.scoring import (
     PIECE_ROWS,
     Piece,
@@ -87,6 +87,7 @@ def score(
     id_columns: list[str] | None = None,
     piece_rows: int = PIECE_ROWS,
     threads_per_worker: int | None = None,
+    files: list[InputFile] | None = None,
 ) -> dict[str, Any]:
     """Score every row of ``inputs`` with a registered classifier; returns the --json summary.
 
@@ -98,16 +99,24 @@ def score(
         id_columns: Columns copied to the output beside each row's scores.
         piece_rows: Rows per piece: the unit of parallel work and of resuming.
         threads_per_worker: torch threads of each worker. Default: the cores shared by the workers.
+        files: ``inputs`` as ``describe_inputs`` found them, where the caller did so before the run (the
+            CLI does, to refuse a bad file before Prefect starts); described here when not given.
     """
     settings = get_settings()
     logger = get_run_logger()
     started = time.perf_counter()
-    files = describe_inputs_task(
-        inputs, text_column=text_column, id_columns=id_columns, s3_endpoint_url=settings.s3_endpoint_url
-    )
+    if files is None:
+        files = list(
+            describe_inputs_task(
+                inputs,
+                text_column=text_column,
+                id_columns=id_columns,
+                s3_endpoint_url=settings.s3_endpoint_url,
+            )
+        )
     model_ref = resolve_model(model, settings)
     plan = plan_scoring(
-        files,
+        tuple(files),
         output,
         model_ref,
         text_column=text_column,

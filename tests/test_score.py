@@ -162,9 +162,19 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
     assert run.data.metrics["rows_out"] == SLICE_ROWS and run.data.metrics["rows_per_s"] > 0
     assert "probability_histogram.png" in [a.path for a in MlflowClient().list_artifacts(run.info.run_id)]
 
-    # A rerun finds the published output and scores nothing.
+    # A rerun finds the published output and scores nothing; so does the flow run alone, as a
+    # deployment runs it, describing its inputs itself (the CLI describes them before Prefect starts).
     again = _score([str(imdb_slice)], str(tmp_path / "out"), id_columns=["id"])
     assert again["output"] == summary["output"] and again["pieces_scored"] == 0
+    from flows.runtime import prefect_api
+    from flows.score import score
+    from tasks.settings import get_settings
+
+    with prefect_api(get_settings()):
+        alone = score(
+            inputs=[str(imdb_slice)], output=str(tmp_path / "out"), id_columns=["id"], piece_rows=PIECE_ROWS
+        )
+    assert alone["output"] == summary["output"] and alone["pieces_skipped"] == 4, alone
 
 
 def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
@@ -279,8 +289,15 @@ def test_bad_rows_are_written_aside_with_their_reason(champion: dict[str, Any], 
 def test_a_bad_file_is_one_error_naming_it(
     name: str, content: bytes, says: str, tmp_path: Path, prefect_api_url: str
 ) -> None:
+    from prefect.client.orchestration import get_client
+
+    def flow_runs() -> int:
+        with get_client(sync_client=True) as prefect:
+            return len(prefect.read_flow_runs())
+
     bad = tmp_path / name
     bad.write_bytes(content)
+    before = flow_runs()
     done = cli_in_process(
         ["score", str(bad), "--output", str(tmp_path / "out")], env={"MLSTM_HOME": str(tmp_path / "home")}
     )
@@ -288,6 +305,8 @@ def test_a_bad_file_is_one_error_naming_it(
     message = " ".join(done.stderr.split())
     assert message.startswith(f"error: {bad}: ") and says in message, message
     assert not (tmp_path / "out").exists()
+    # Refused before Prefect: no failed flow run, whose log lines would stand in front of the error.
+    assert flow_runs() == before
 
 
 def test_s3_input_and_output(

@@ -65,7 +65,9 @@ def _prefect_home_in_ours() -> None:
     if os.environ.get("PREFECT_HOME") or os.environ.get("PREFECT_API_URL"):
         return
     os.environ.setdefault("PREFECT_PROFILES_PATH", str(Path.home() / ".prefect" / "profiles.toml"))
-    os.environ["PREFECT_HOME"] = str((get_settings().home / "prefect").resolve())  # the same from any folder
+    home = (get_settings().home / "prefect").resolve()  # the same from any folder
+    home.mkdir(parents=True, exist_ok=True)  # Prefect makes only the last folder: a new MLSTM_HOME has none
+    os.environ["PREFECT_HOME"] = str(home)
 
 
 def main() -> None:

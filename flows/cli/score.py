@@ -26,14 +26,22 @@ def run_score(
     workers: int | None = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
-    """The score flow run here, on the task runner the settings name (the corpus stage's)."""
+    """The score flow run here, on the task runner the settings name (the corpus stage's).
+
+    The inputs are described (found, hashed, counted) first, before Prefect starts: a bad file is one
+    error naming it, not a failed task run's log lines in front of it, and it costs no API start.
+    """
+    from tasks.score.scoring import PIECE_ROWS, describe_inputs
+
+    settings = get_settings(task_runner=task_runner, max_workers=workers)
+    files = describe_inputs(
+        inputs, text_column=text_column, id_columns=id_columns, s3_endpoint_url=settings.s3_endpoint_url
+    )
     from flows import progress
     from flows.runtime import prefect_api
     from flows.runtime import task_runner as make_task_runner
     from flows.score import score
-    from tasks.score.scoring import PIECE_ROWS
 
-    settings = get_settings(task_runner=task_runner, max_workers=workers)
     flow = score.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar("rows", show=show_progress)
     with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
@@ -44,6 +52,7 @@ def run_score(
             text_column=text_column,
             id_columns=id_columns or [],
             piece_rows=piece_rows or PIECE_ROWS,
+            files=list(files),
         )
 
 
@@ -78,15 +87,6 @@ def score(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Score every row of review tables with a registered classifier: Parquet + a manifest, resumable."""
-    from tasks.corpus.sources import SourceError, expand_sources
-    from tasks.score.formats import SUFFIXES
-
-    try:
-        if local := [i for i in inputs if "://" not in i or i.startswith("file://")]:
-            # A missing local input is refused before Prefect, MLflow and torch are imported.
-            expand_sources(local, suffixes=SUFFIXES)
-    except SourceError as error:
-        raise fail(error) from None
     try:
         summary = run_score(
             inputs,
