@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from common import (  # the working tree on the path
     new_parser,
     record,
     say,
+    stop_group,
 )
 
 GOAL_FEATURES_CHARS_PER_S = 2.5e6
@@ -239,7 +239,7 @@ def run_part(part: Part, limit_s: float, logs: Path) -> Outcome:
         try:
             code = process.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            _stop(process)
+            stop_group(process, KILL_GRACE_S)
             return Outcome(part.name, "timed out", time.monotonic() - started, limit_s, _tail(log), {})
     seconds = time.monotonic() - started
     try:
@@ -249,19 +249,6 @@ def run_part(part: Part, limit_s: float, logs: Path) -> Outcome:
     if code != 0:
         ok, line = False, f"exit {code}; {line or _tail(log)}"
     return Outcome(part.name, "passed" if ok else "failed", seconds, limit_s, line, figures)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _tail(log: Path, lines: int = 1) -> str:

@@ -567,6 +567,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Instead: step time and memory per rank of these shardings (none,optimizer,full), --nproc ranks.",
     )
     parser.add_argument("--nproc", type=int, default=2, help="Ranks for --sharding.")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="Seconds each --sharding launch may take before its ranks are stopped and it fails.",
+    )
     args = parser.parse_args(argv)
     args.presets = [name.strip() for name in args.presets.split(",") if name.strip()]
     for name in args.presets:

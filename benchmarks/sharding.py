@@ -12,6 +12,7 @@ torch themselves, ≈ the same for every row); optimizer bytes are the Adam stat
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import resource
@@ -24,8 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import stop_group  # the working tree on the path
 
 ROOT = Path(__file__).resolve().parent.parent
+STACKS_AFTER_ENV = "MLSTM_BENCH_STACKS_AFTER_S"
 
 
 def worker(
@@ -95,10 +98,32 @@ def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
             __file__, "--worker", preset_name, sharding, str(args.batch), str(args.seq_len), str(args.steps),
             str(args.warmup), str(out),
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        subprocess.run(
-            command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            STACKS_AFTER_ENV: str(max(1.0, args.timeout - 5)),
+        }
+        process = subprocess.Popen(
+            command,
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own group: a hung rendezvous or collective is stopped whole
         )
+        try:
+            _, stderr = process.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(process)
+            _, stderr = process.communicate()
+            raise RuntimeError(
+                f"--sharding {sharding}: {args.nproc} ranks gave no result in {args.timeout:.0f} s "
+                f"(stopped); torchrun's stderr ends: {_tail(stderr)}"
+            ) from None
+        if process.returncode != 0:
+            raise RuntimeError(
+                f"--sharding {sharding}: torchrun exited with {process.returncode}; its stderr ends: {_tail(stderr)}"
+            )
         ranks = json.loads(out.read_text())
     return {
         "preset": preset_name,
@@ -110,6 +135,10 @@ def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
         "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
         "weight_bytes": max(r["weight_bytes"] for r in ranks),
     }
+
+
+def _tail(stderr: bytes, lines: int = 80) -> str:
+    return "\n".join(stderr.decode(errors="replace").strip().splitlines()[-lines:]) or "(nothing)"
 
 
 def report(rows: list[dict[str, Any]], machine: dict[str, Any]) -> None:
@@ -134,4 +163,7 @@ def report(rows: list[dict[str, Any]], machine: dict[str, Any]) -> None:
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     name, shard, batch, seq_len, steps, warmup, out = sys.argv[2:9]
+    if dump_after := os.environ.get(STACKS_AFTER_ENV):
+        # A rank still here just before the launch is stopped prints where it waits: the hang's cause.
+        faulthandler.dump_traceback_later(float(dump_after), exit=False)
     worker(name, shard, int(batch), int(seq_len), int(steps), int(warmup), Path(out))

@@ -49,7 +49,9 @@ def test_the_sharding_benchmark_writes_a_row_per_sharding_against_ddp(
     module = load_benchmark("pretrain.py", "pretrain_benchmark_sharding", monkeypatch)
 
     out = tmp_path / "bench.json"
+    # A hung launch fails in 240 s with torchrun's stderr, not at pytest's 600 s with nothing.
     argv = ["--sharding", "full", "--presets", "tiny", "--batch", "4", "--seq-len", "8", "--steps", "1"]
+    argv += ["--timeout", "240"]
     assert module.main([*argv, "--warmup", "0", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["sharding"] for r in rows] == ["none", "full"]  # DDP first: the baseline
