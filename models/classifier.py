@@ -28,8 +28,20 @@ LABELS = ("negative", "positive")  # label 0 and label 1
 _PROBE_PREFIX = "probe."
 
 
+class BinaryClassifier:
+    """What every served classifier answers: P(positive) per text, and labels from it."""
+
+    def predict_proba(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
+        raise NotImplementedError
+
+    def predict(self, texts: list[str], *, batch_size: int = 64) -> tuple[list[str], np.ndarray]:
+        """Labels ("negative"/"positive") and P(positive) for each text."""
+        p_N = self.predict_proba(texts, batch_size=batch_size)
+        return labels_of(p_N), p_N
+
+
 @dataclass
-class SentimentClassifier:
+class SentimentClassifier(BinaryClassifier):
     model: MLSTM
     coef_H: np.ndarray
     intercept: float
@@ -60,11 +72,6 @@ class SentimentClassifier:
         """P(positive) for each text, in input order."""
         features_NH = featurize(self.model, texts, batch_size=batch_size, on_batch=on_batch)
         return probability(features_NH, self.coef_H, self.intercept)
-
-    def predict(self, texts: list[str], *, batch_size: int = 64) -> tuple[list[str], np.ndarray]:
-        """Labels ("negative"/"positive") and P(positive) for each text."""
-        p_N = self.predict_proba(texts, batch_size=batch_size)
-        return labels_of(p_N), p_N
 
     def save(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.classifier import CONFIG_FILE, LABELS, WEIGHTS_FILE, labels_of, read_config, sigmoid
+from models.classifier import CONFIG_FILE, LABELS, WEIGHTS_FILE, BinaryClassifier, read_config, sigmoid
 from models.features import length_batches
 from models.mlstm import MLSTM, MLSTMConfig
 from models.text import CLEANING, encode
@@ -151,7 +151,7 @@ class FinetuneModel(nn.Module):
 
 
 @dataclass
-class FinetunedClassifier:
+class FinetunedClassifier(BinaryClassifier):
     """The served fine-tuned model: ``predict`` and ``predict_proba`` as ``SentimentClassifier`` has
     them, saved the same way (an ``.npz`` of weights and a ``classifier.json``, no pickles)."""
 
@@ -164,10 +164,6 @@ class FinetunedClassifier:
     def predict_proba(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
         """P(positive) for each text, in input order."""
         return sigmoid(self.model.logits(texts, batch_size=batch_size))
-
-    def predict(self, texts: list[str], *, batch_size: int = 64) -> tuple[list[str], np.ndarray]:
-        p_N = self.predict_proba(texts, batch_size=batch_size)
-        return labels_of(p_N), p_N
 
     def save(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,31 @@ def test_a_one_class_train_split_is_one_error_naming_the_source(tmp_path: Path) 
         fit_baseline(load_dataset(f"cue={folder}"))
 
 
+def test_texts_sharing_no_word_are_fitted_on_characters_and_sharing_nothing_is_one_error(
+    tmp_path: Path,
+) -> None:
+    # Every train text is one word of its own (no word occurs twice, so min_df 2 keeps none), built
+    # from a positive or negative stem the character n-grams can still learn.
+    def rows(n: int, start: int) -> list[tuple[str, int]]:
+        return [(f"{'glee' if i % 2 else 'gloom'}{i:05d}", i % 2) for i in range(start, start + n)]
+
+    folder = tmp_path / "words"
+    _write(folder, "train", rows(200, 0))
+    _write(folder, "dev", rows(60, 1000))
+    _write(folder, "test", rows(60, 2000))
+    assert fit_baseline(load_dataset(f"unique={folder}")).test_accuracy > 0.9
+
+    # One character per text, each a different one: no word and no character pair occurs at all.
+    nothing = tmp_path / "nothing"
+    _write(nothing, "train", [(chr(0x4E00 + i), i % 2) for i in range(40)])
+    _write(nothing, "dev", rows(10, 0))
+    _write(nothing, "test", rows(10, 0))
+    with pytest.raises(
+        DatasetError, match=r"/nothing: no word or character n-gram occurs in two train texts"
+    ):
+        fit_baseline(load_dataset(f"nothing={nothing}"))
+
+
 CLI = str(Path(sys.executable).parent / "mlstm-sentiment")
 
 

@@ -314,12 +314,17 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
         )
         scored = score_piece(plan, plan.pieces[0])
         said = cli_in_process(["explain", "--model", uri, "a fine film"])
+        # `predict --explain` refuses before scoring: a text the model itself would refuse (too long)
+        # still gets the fine-tuned line, not the length one.
+        explained = cli_in_process(["predict", "--explain", "--model", uri, "long " * 200_000])
         settings = get_settings()
         expected = load_classifier(
             finetune_store(settings.resolved_store_uri, settings), world["result"]["classifier_key"]
         ).predict_proba(test.texts[:20])
     assert said.returncode == 2 and len(said.stderr.strip().splitlines()) == 1, said.stderr
     assert "fine-tuned" in said.stderr
+    assert explained.returncode == 2 and len(explained.stderr.strip().splitlines()) == 1, explained.stderr
+    assert "fine-tuned" in explained.stderr
     table = pq.read_table(io.BytesIO(plan.store().read_bytes(scored["files"][0]["key"])))
     np.testing.assert_allclose(table.column("probability").to_numpy(), expected, rtol=1e-6)
     assert np.isnan(table.column("sentiment_unit").to_numpy(zero_copy_only=False)).all()

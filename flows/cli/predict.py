@@ -18,12 +18,11 @@ app = typer.Typer()
 PANEL = "Transfer"
 
 
-def _explained(loaded: Any, uri: str, texts: list[str], unit: int | None) -> list[Reading]:
-    """The texts read byte by byte by the served model's own classifier (the served model is unchanged)."""
+def _explained(classifier: Any, texts: list[str], unit: int | None) -> list[Reading]:
+    """The texts read byte by byte by the served model's own probe (the served model is unchanged)."""
     from flows.cli.neuron import top_unit
     from tasks.transfer.explain import explain
 
-    classifier = probe_of(loaded, uri)
     chosen = top_unit(classifier) if unit is None else unit
     return [explain(classifier, text, unit=chosen) for text in texts]
 
@@ -67,13 +66,15 @@ def predict(
         import pandas as pd
 
         classifier, uri = load_registered(model)
+        # A model that can't be explained (a fine-tuned one) is refused before any text is scored.
+        probe = probe_of(classifier, uri) if explain else None
         from models.serving import TextRejected
 
         try:
             predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
         except TextRejected as error:  # the model's own rule, as served: rows count arguments, then --input
             raise fail(f"{uri} refuses {error.message}") from None
-        readings = _explained(classifier, uri, texts, unit) if explain else []
+        readings = _explained(probe, texts, unit) if probe is not None else []
     except user_errors() as error:  # DatasetError is a ValueError
         raise fail(error) from None
     rows = zip(texts, predicted["label"], predicted["probability"], strict=True)

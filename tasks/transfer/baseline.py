@@ -1,7 +1,8 @@
 """The measured baseline a probe is compared with: TF-IDF n-grams and logistic regression, on the same splits.
 
 Features: word 1-2-grams and char 2-5-grams (``char``: across word boundaries too), each TF-IDF with
-sublinear tf and min_df 2, fitted on train only. Classifier: scikit-learn's L2 logistic regression
+sublinear tf and min_df 2, fitted on train only (a kind with no term in two train texts, e.g. words
+when no word repeats, is left out). Classifier: scikit-learn's L2 logistic regression
 (liblinear), C swept over ``DEFAULT_CS`` (powers of 2 from 2^-4 to 2^6) and chosen by dev accuracy (ties go to
 the smaller C), the dataset's own dev rule deciding what dev is. Test accuracy is
 reported for the chosen C only, so the test split never influences the choice.
@@ -65,7 +66,20 @@ def fit_baseline(
         TfidfVectorizer(analyzer="word", ngram_range=(1, 2), sublinear_tf=True, min_df=2),
         TfidfVectorizer(analyzer="char", ngram_range=(2, 5), sublinear_tf=True, min_df=2),
     ]
-    train_X = csr_matrix(hstack([v.fit_transform(dataset.train.texts) for v in vectorizers]))
+    fitted = []
+    for vectorizer in vectorizers:
+        try:
+            fitted.append((vectorizer, vectorizer.fit_transform(dataset.train.texts)))
+        except ValueError as error:  # min_df left no terms: too few train texts share a word n-gram
+            if "no terms remain" not in str(error) and "empty vocabulary" not in str(error):
+                raise
+    if not fitted:
+        raise DatasetError(
+            f"{dataset.source}: no word or character n-gram occurs in two train texts; "
+            "the TF-IDF baseline has no terms to fit"
+        )
+    vectorizers = [v for v, _ in fitted]
+    train_X = csr_matrix(hstack([X for _, X in fitted]))
     dev_X = csr_matrix(hstack([v.transform(dataset.dev.texts) for v in vectorizers]))
     test_X = csr_matrix(hstack([v.transform(dataset.test.texts) for v in vectorizers]))
     best: tuple[float, float, LogisticRegression] | None = None

@@ -268,7 +268,7 @@ def _check_both_classes(source: str, split_name: str, split: Split) -> None:
         only = "no rows" if not len(split) else f"only {'positive' if num_pos else 'negative'} labels"
         raise DatasetError(
             f"{source}: the {split_name} split has {only} ({len(split)} rows); "
-            "the sentiment probe needs both classes in every split"
+            "a classifier (probe, fine-tuned or baseline) needs both classes in every split"
         )
 
 
