@@ -21,8 +21,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from models.classifier import SentimentClassifier
-from models.finetuned import FinetunedClassifier
+from models.classifier import BinaryClassifier
 
 # Above the longest IMDB review (13,704 characters) and SST sentence: no benchmark text is refused, and
 # the 4096-unit model reads it in seconds on a CPU.
@@ -46,7 +45,7 @@ class TextRejected(MlflowException):
 class SentimentModel:
     """What the loader module gives MLflow: ``predict(model_input, params)`` on a loaded classifier."""
 
-    def __init__(self, classifier: SentimentClassifier | FinetunedClassifier) -> None:
+    def __init__(self, classifier: BinaryClassifier) -> None:
         self.classifier = classifier
         self.max_text_chars = int(classifier.info.get(MAX_TEXT_CHARS_KEY, DEFAULT_MAX_TEXT_CHARS))
 

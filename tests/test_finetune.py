@@ -330,6 +330,31 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
     assert np.isnan(table.column("sentiment_unit").to_numpy(zero_copy_only=False)).all()
 
 
+@pytest.mark.slow  # `mlflow models serve` starts a server: about 15 s
+def test_mlflow_serves_the_registered_fine_tuned_version_as_the_job_scored_it(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """The registered version served as a user serves the probe's (`mlflow models serve`): POSTed texts
+    get the labels and probabilities of the job's own classifier."""
+    from tasks.finetune.train import finetune_store, load_classifier
+    from tasks.settings import get_settings
+    from tasks.transfer.datasets import load_dataset
+    from tasks.transfer.serve import invoke, served
+
+    texts = load_dataset(f"early={world['data']}").test.texts[:8]
+    uri = f"models:/finetune-test/{world['result']['registered']['version']}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
+        settings = get_settings()
+        expected = load_classifier(
+            finetune_store(settings.resolved_store_uri, settings), world["result"]["classifier_key"]
+        ).predict_proba(texts)
+        with served(uri, settings.resolved_mlflow_tracking_uri, log=tmp_path / "serve.log") as url:
+            predictions = invoke(url, texts)
+    np.testing.assert_allclose([p["probability"] for p in predictions], expected, rtol=1e-5)
+    assert [p["label"] for p in predictions] == ["positive" if p > 0.5 else "negative" for p in expected]
+
+
 @pytest.mark.long  # the command in a new interpreter, through the Prefect flow: about 2 minutes
 @pytest.mark.slow
 def test_the_finetune_command_runs_the_flow_and_registers_a_servable_challenger(
@@ -343,7 +368,7 @@ def test_the_finetune_command_runs_the_flow_and_registers_a_servable_challenger(
     import sys
 
     cli = Path(sys.executable).parent / "mlstm-sentiment"
-    rng = random.Random(0)  # other seeds may leave the TF-IDF baseline no terms (see the report)
+    rng = random.Random(0)
     data = tmp_path / "early"
     data.mkdir()
     for split, count in (("train", 256), ("dev", 128), ("test", 128)):
