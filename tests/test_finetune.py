@@ -10,10 +10,8 @@ cell states can find it at the start.
 
 from __future__ import annotations
 
-import csv
 import io
 import json
-import random
 import signal
 import threading
 import time
@@ -25,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import cli_in_process
+from finetune_helpers import early_byte_splits, tiny_checkpoint, write_split
 from train_helpers import job
 
 from tasks.finetune.config import FinetuneConfig, FinetuneParams
@@ -34,38 +33,6 @@ from tasks.finetune.config import FinetuneConfig, FinetuneParams
 MARGIN = 0.3
 EPOCHS, BATCH = 2, 16
 SETTINGS = {"pool": "max", "epochs": EPOCHS, "batch_size": BATCH, "lr": 3e-3}
-
-
-def write_split(path: Path, rows: list[tuple[str, int]], header: tuple[str, ...] = ("text", "label")) -> None:
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(header)
-        writer.writerows(rows)
-
-
-def early_byte_rows(count: int, rng: random.Random) -> list[tuple[str, int]]:
-    rows = []
-    for _ in range(count):
-        label = rng.randint(0, 1)
-        tail = "".join(rng.choice("cdefghijklmnopqrstuvwxyz ") for _ in range(40))
-        rows.append((f"{'ab'[label]} {tail}", label))
-    return rows
-
-
-def tiny_checkpoint(store: Path) -> str:
-    """The tiny mLSTM's initial weights, saved as a pretraining checkpoint."""
-    from models.mlstm import MLSTM, tiny
-    from tasks.pretrain.checkpoint import save_checkpoint
-    from tasks.store import open_store
-
-    torch.manual_seed(0)
-    model = MLSTM(tiny())
-    meta = {
-        "model": {k: getattr(model.config, k) for k in ("hidden_size", "embed_size", "vocab_size")},
-        "config": {},
-        "total_steps": 1,
-    }
-    return save_checkpoint(open_store(str(store)), "tiny", 0, {"model": model.state_dict()}, meta)
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +45,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from tasks.settings import get_settings
 
     root = tmp_path_factory.mktemp("finetune")
-    rng = random.Random(0)
-    data = root / "early"
-    data.mkdir()
-    for split, count in (("train", 256), ("dev", 128), ("test", 128)):
-        write_split(data / f"{split}.csv", early_byte_rows(count, rng))
+    data = early_byte_splits(root / "early")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLSTM_HOME", str(root / "home"))
         patch.setenv("MLSTM_MODEL_NAME", "finetune-test")
@@ -368,11 +331,7 @@ def test_the_finetune_command_runs_the_flow_and_registers_a_servable_challenger(
     import sys
 
     cli = Path(sys.executable).parent / "mlstm-sentiment"
-    rng = random.Random(0)
-    data = tmp_path / "early"
-    data.mkdir()
-    for split, count in (("train", 256), ("dev", 128), ("test", 128)):
-        write_split(data / f"{split}.csv", early_byte_rows(count, rng))
+    data = early_byte_splits(tmp_path / "early")
     home = tmp_path / "home"
     checkpoint = tiny_checkpoint(home / "store")
     env = {**os.environ, "MLSTM_HOME": str(home), "PREFECT_API_URL": prefect_api_url}
@@ -403,11 +362,7 @@ def test_the_pipelines_finetune_stage_runs_after_transfer_and_skips_when_unchang
     from flows.cli.pipeline import run_pipeline
     from tasks.pipeline import FinetuneStage, PipelineParams, TransferStage
 
-    rng = random.Random(0)  # with seed 2 the TF-IDF baseline prunes every term (see the report)
-    data = tmp_path / "early"
-    data.mkdir()
-    for split, count in (("train", 256), ("dev", 128), ("test", 128)):
-        write_split(data / f"{split}.csv", early_byte_rows(count, rng))
+    data = early_byte_splits(tmp_path / "early")
     monkeypatch.setenv("MLSTM_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("PREFECT_API_URL", prefect_api_url)
     params = PipelineParams(

@@ -410,3 +410,24 @@ def test_pretrain_runs_the_training_job_on_slurm(
     log = next((tmp_path / "home" / "jobs").glob("on-slurm-*.log")).read_text()
     assert "run on-slurm: tiny" in log and "2 rank(s) on cpu" in log  # srun → torchrun → two ranks
     assert (tmp_path / "home" / "jobs" / "on-slurm.sbatch").is_file()
+
+
+def test_finetune_runs_on_slurm_with_two_ranks(cluster: None, tmp_path: Path, prefect_api_url: str) -> None:
+    """`mlstm-sentiment finetune --launcher slurm`: the pretraining job's launcher runs the fine-tuning
+    job (sbatch, srun torchrun, two gloo ranks) and the result is registered as with torchrun here."""
+    from finetune_helpers import early_byte_splits, tiny_checkpoint
+
+    home = tmp_path / "home"
+    checkpoint = tiny_checkpoint(home / "store")
+    data = early_byte_splits(tmp_path / "early")
+    cli = str(Path(sys.executable).parent / "mlstm-sentiment")
+    env = {**os.environ, "MLSTM_HOME": str(home), "PREFECT_API_URL": prefect_api_url}
+    args = [cli, "finetune", "--checkpoint", checkpoint, "--dataset", f"early={data}", "--launcher", "slurm"]
+    args += ["--nproc", "2", "--run", "ft-on-slurm", "--epochs", "1", "--batch-size", "16", "--json"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["version"] == 1 and result["promoted"], result  # the first version: champion
+    log = next((home / "jobs").glob("ft-on-slurm-*.log")).read_text()
+    assert "2 rank(s) on cpu" in log  # srun → torchrun → two ranks
+    assert (home / "jobs" / "ft-on-slurm.sbatch").is_file()
