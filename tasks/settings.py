@@ -11,7 +11,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TaskRunnerName = Literal["process", "thread", "dask", "ray"]
@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     )
     max_workers: int | None = Field(
         default=None, ge=1, description="Parallel pieces on this machine. Default: the CPU count."
+    )
+    checkpoint_key: SecretStr | None = Field(
+        default=None,
+        description="Key of the HMAC-SHA256 every checkpoint saved is signed with and every checkpoint "
+        "read must carry: a checkpoint changed in the store, or saved without the key, is refused.",
     )
     max_text_chars: int = Field(
         default=20_000,

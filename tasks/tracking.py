@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +13,12 @@ from tasks.secrets import redact, redact_text
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# Seconds a tracking server or database has to accept a connection before the command gives up (MLflow
+# itself retries an unreachable database for about 100 s).
+CONNECT_TIMEOUT = 5.0
+# Ports of the databases MLflow stores runs in, for a URI that names none.
+_DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
 class TrackingUnavailable(RuntimeError):
@@ -36,7 +43,12 @@ def connect(settings: Settings) -> Any:
             _create_experiment(settings.mlflow_experiment, root)
         return mlflow.set_experiment(settings.mlflow_experiment)
     except Exception as error:
-        raise TrackingUnavailable(f"MLflow at {uri} cannot be used ({error}); fix {setting}") from error
+        reason = redact_text(
+            str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        )
+        raise TrackingUnavailable(
+            f"MLflow at {redact(uri)} cannot be used ({reason}); fix {setting}"
+        ) from error
 
 
 def artifact_root(settings: Settings, tracking_uri: str) -> str | None:
@@ -60,7 +72,11 @@ def _create_experiment(name: str, artifact_location: str) -> None:
 
 
 def check_server(uri: str, setting: str = "MLSTM_MLFLOW_TRACKING_URI") -> None:
-    """A tracking server that does not answer is one quick, clear error, not minutes of MLflow's retries."""
+    """A tracking server or database that does not answer is one quick, clear error, not minutes of
+    MLflow's retries."""
+    scheme = uri.partition(":")[0].partition("+")[0].lower()
+    if scheme in _DATABASE_PORTS:
+        _check_database(uri, scheme, setting)
     if not uri.startswith(("http://", "https://")):
         return
     import httpx
@@ -72,6 +88,25 @@ def check_server(uri: str, setting: str = "MLSTM_MLFLOW_TRACKING_URI") -> None:
             f"the MLflow tracking server at {redact(uri)} does not answer ({redact_text(str(error))}); "
             f"start it, or fix {setting}"
         ) from error
+
+
+def _check_database(uri: str, scheme: str, setting: str) -> None:
+    """A database URI's host accepts a TCP connection within ``CONNECT_TIMEOUT``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    try:
+        host, port = parts.hostname or "localhost", parts.port or _DATABASE_PORTS[scheme]
+    except ValueError as error:  # a port that is not a number
+        raise TrackingUnavailable(f"{redact(uri)} is not a database URI ({error}); fix {setting}") from None
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT).close()
+    except OSError as error:
+        reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
+        raise TrackingUnavailable(
+            f"the MLflow tracking database at {redact(uri)} does not answer ({reason}; "
+            f"{CONNECT_TIMEOUT:g} s allowed to connect); start it, or fix {setting}"
+        ) from None
 
 
 def nothing_tracked(settings: Settings) -> bool:

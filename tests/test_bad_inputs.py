@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,6 +128,29 @@ def test_a_sweep_database_that_does_not_answer_is_one_line_without_its_password(
         storage,
     )
     assert "s3cret" not in said and "MLSTM_SWEEP_STORAGE_URI" in said
+
+
+def test_an_mlflow_database_that_does_not_answer_is_one_line_in_seconds_without_its_password(
+    tmp_path: Path,
+) -> None:
+    """MLflow retries a database it cannot reach for about 100 s and quotes the URI; the connection is
+    tried once first, for at most ``CONNECT_TIMEOUT`` seconds."""
+    (work := tmp_path / "work").mkdir()
+    with socket.socket() as probe:  # a loopback port nothing listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tracking = {"MLSTM_MLFLOW_TRACKING_URI": f"postgresql://mlflow:s3cret@127.0.0.1:{port}/mlflow"}
+    started = time.monotonic()
+    said = _refused(
+        ["predict", "good"],
+        f"the MLflow tracking database at postgresql://***@127.0.0.1:{port}/mlflow does not answer "
+        "(Connection refused; 5 s allowed to connect)",
+        work,
+        tmp_path / "home",
+        tracking,
+    )
+    assert time.monotonic() - started < 30  # the CLI's start included; 108 s before
+    assert "s3cret" not in said and "MLSTM_MLFLOW_TRACKING_URI" in said
 
 
 def _refused(

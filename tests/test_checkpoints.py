@@ -4,6 +4,7 @@ and the launcher does not relaunch a job that reported an error no relaunch can 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from train_helpers import run_job
 
 from tasks.pretrain.checkpoint import (
     DamagedCheckpoint,
+    UntrustedCheckpoint,
     load_checkpoint,
     load_intact,
     save_checkpoint,
@@ -105,6 +107,53 @@ def test_an_old_checkpoint_without_a_digest_still_loads_and_its_damage_still_sho
     found = load_intact(store, "r")
     assert found is not None and found[0].step == 10
     assert "step-0000020/state.pt is damaged: it cannot be read" in found[1][0]
+
+
+def _forge(folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """What someone who can write the store does: a state.pt of theirs, and meta.json given its sha256."""
+    torch.save(state, folder / "state.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["sha256"]["state.pt"] = hashlib.sha256((folder / "state.pt").read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_with_a_key_a_rewritten_or_unsigned_checkpoint_is_refused_naming_its_meta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalStore(tmp_path)
+    _save_steps(store, "unsigned", [10])  # saved before the key was set
+    monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", "a key of the pipeline's own")
+    _save_steps(store, "r", [10, 20])
+    assert float(load_checkpoint(str(tmp_path / step_prefix("r", 20))).state["w"][0]) == 20.0
+
+    folder = tmp_path / step_prefix("r", 20)
+    _forge(folder, {"w": torch.full((64,), 666.0)})
+    with pytest.raises(UntrustedCheckpoint) as raised:
+        load_checkpoint(str(folder))
+    message = str(raised.value)
+    assert message == (
+        f"{folder}/meta.json does not match its HMAC under MLSTM_CHECKPOINT_KEY: not read (changed since it "
+        "was saved, or saved with another key)"
+    )
+    # A resume (and a run folder's URI) steps over it to the newest checkpoint the key signs.
+    found = load_intact(store, "r")
+    assert (
+        found is not None and found[0].step == 10 and "step-0000020/meta.json does not match" in found[1][0]
+    )
+
+    unsigned = tmp_path / step_prefix("unsigned", 10)
+    with pytest.raises(
+        UntrustedCheckpoint, match=r"step-0000010/meta.json has no HMAC and MLSTM_CHECKPOINT_KEY"
+    ):
+        load_checkpoint(str(unsigned))
+    monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", "another key")
+    with pytest.raises(UntrustedCheckpoint, match="does not match its HMAC"):
+        load_checkpoint(str(tmp_path / step_prefix("r", 10)))
+
+    # Without the key, as before: the digests hold against damage, not against a writer.
+    monkeypatch.delenv("MLSTM_CHECKPOINT_KEY")
+    assert float(load_checkpoint(str(folder)).state["w"][0]) == 666.0
+    assert load_checkpoint(str(unsigned)).step == 10
 
 
 @pytest.mark.slow

@@ -283,7 +283,13 @@ def test_credentials_are_recognised_by_name() -> None:
         "MLFLOW_TRACKING_PASSWORD",
     ):
         assert is_credential(name), name
-    for name in ("MLFLOW_TRACKING_TOKEN", "db_password", "OPENAI_API_KEY", "MY_SECRET"):
+    for name in (
+        "MLFLOW_TRACKING_TOKEN",
+        "db_password",
+        "OPENAI_API_KEY",
+        "MY_SECRET",
+        "MLSTM_CHECKPOINT_KEY",
+    ):
         assert is_credential(name), name
     for name in ("MLSTM_STORE_URI", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "TOKENIZERS_PARALLELISM"):
         assert not is_credential(name), name

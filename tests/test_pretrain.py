@@ -3,6 +3,7 @@ a crashed rank becomes a resuming retry, and bad settings fail before any proces
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import math
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import cli_in_process
+from processes import listening_tcp
 from torch.nn import functional as F
 from train_helpers import job, run_job
 
@@ -235,6 +237,37 @@ def test_sigterm_checkpoints_and_a_relaunch_resumes_there(sample_manifest: str, 
 
     result = run_job([*args, "--max-steps", str(latest["step"] + 5)], home, nproc=2, name="again")
     assert result["steps"] == latest["step"] + 5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_local_job_listens_on_loopback_only(sample_manifest: str, home: Path) -> None:
+    """No socket of a 2-rank local job (torchrun's agent, the ranks' store, gloo) is reachable from
+    another machine: each listening one is bound to a loopback address."""
+    args = ["--corpus", sample_manifest, "--store", str(home / "store"), *FAST, "--run-name", "loopback"]
+    launcher, handle = job([*args, "--checkpoint-every", "100000", "--val-every", "100000"], home, nproc=2)
+    try:
+        deadline = time.monotonic() + 120
+        while "progress step=5 " not in Path(handle.log_path).read_text():  # the process group is up
+            assert time.monotonic() < deadline and not launcher.status(handle).state.finished
+            time.sleep(0.1)
+        listening = listening_tcp(int(handle.job_id))
+        rendezvous = list((home / "jobs").glob("*.rendezvous"))
+    finally:
+        launcher.cancel(handle)
+    # rank 0's store and each rank's gloo listener at least: the listing sees the job's sockets
+    assert len(listening) >= 3, listening
+    off_loopback = [(pid, address) for pid, address in listening if not _on_loopback(address)]
+    assert not off_loopback, f"listening off loopback: {off_loopback} (all: {listening})"
+    assert len(rendezvous) == 1  # torchrun's rendezvous is a file, removed when the job ends
+    launcher.status(handle)
+    assert not rendezvous[0].exists()
+
+
+def _on_loopback(address_port: str) -> bool:
+    address = ipaddress.ip_address(address_port.rpartition(":")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ checkpoints that resume at another world size."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from train_helpers import job
 from models.mlstm import MLSTM, preset
 from tasks.pipeline import apply_overrides, pretrain_key, validated
 from tasks.pretrain.checkpoint import (
+    UntrustedCheckpoint,
     load_checkpoint,
     load_intact,
     save_sharded_checkpoint,
@@ -142,6 +145,56 @@ def test_a_sharded_checkpoint_is_consolidated_on_first_use_and_its_damage_shows(
     found = load_intact(store, "r", shards_to=tmp_path / "resume")
     assert found is not None and found[0].step == 4 and found[0].sharded is not None
     assert "sharded/__0_0.distcp is damaged" in found[1][0]
+
+
+class _Payload:
+    """A pickle that, unpickled, writes a file: what a forged DCP ``.metadata`` can run."""
+
+    def __init__(self, proof: Path) -> None:
+        self.proof = proof
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (self.proof.write_text, ("ran",))
+
+
+def test_with_a_key_a_forged_dcp_metadata_is_never_unpickled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's ``.metadata`` is a pickle: with the key set, one put in the store with its digest rewritten
+    into ``meta.json`` is refused by every reader before it is opened; the intact step loads, and a
+    cached consolidation without the key's HMAC is made again."""
+    monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", "a key of the pipeline's own")
+    store = LocalStore(tmp_path / "store")
+    model = _sharded_step(store, 4, tmp_path)
+    _sharded_step(store, 8, tmp_path)
+    intact = load_checkpoint(store.url(step_prefix("r", 4)))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(intact.state["model"][name], value, rtol=0, atol=0)
+
+    folder = tmp_path / "store" / step_prefix("r", 8)
+    proof = tmp_path / "proof"
+    metadata = folder / "sharded" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Payload(proof)))
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["sha256"]["sharded/.metadata"] = hashlib.sha256(metadata.read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UntrustedCheckpoint, match=r"step-0000008/meta.json does not match its HMAC"):
+        load_checkpoint(store.url(step_prefix("r", 8)))  # a consolidation
+    found = load_intact(store, "r", shards_to=tmp_path / "resume")  # a resume
+    assert found is not None and found[0].step == 4 and "meta.json does not match" in found[1][0]
+    assert not proof.exists()
+
+    # The step-4 cache, replaced with other weights and their digest: not read, made again.
+    cache = tmp_path / "store" / step_prefix("r", 4)
+    torch.save(
+        {**intact.state, "model": {k: v + 1 for k, v in intact.state["model"].items()}}, cache / "state.pt"
+    )
+    digest = hashlib.sha256((cache / "state.pt").read_bytes()).hexdigest()
+    signed = json.loads((cache / "consolidated.json").read_text())
+    (cache / "consolidated.json").write_text(json.dumps({**signed, "sha256": digest}))
+    again = load_checkpoint(store.url(step_prefix("r", 4)))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(again.state["model"][name], value, rtol=0, atol=0)
 
 
 def test_the_sharding_is_a_setting_of_the_launch_not_of_the_run() -> None:

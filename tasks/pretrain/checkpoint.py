@@ -17,12 +17,21 @@ A resume at any world size and sharding reads the DCP files in place (DCP reshar
 reader (the transfer stage, ``features``, the registry, ``explain``) gets a consolidated ``state.pt``:
 ``load_from`` consolidates a sharded checkpoint on first use, in one process, and caches the file in the
 step's folder (with ``consolidated.json`` holding its sha256) when the store can be written.
+
+With ``MLSTM_CHECKPOINT_KEY`` set, ``meta.json`` (and so every file's sha256 in it) also carries an
+HMAC-SHA256 under that key, which ``load_from``, the one way in for every reader, checks before it
+opens any other file of the checkpoint: DCP's ``.metadata``, a pickle, is read only once it and its
+digest are known to be the job's. A checkpoint whose HMAC is wrong or missing is refused
+(``UntrustedCheckpoint``, naming its ``meta.json``); a cached consolidation without its own valid
+HMAC is made again from the checked files. The digests alone say nothing against someone who can
+write the store: they would rewrite ``meta.json`` with their file's digest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import io
 import json
 import logging
@@ -47,11 +56,64 @@ RUN_STATE_FILE = "run_state.pt"  # a sharded checkpoint's state besides the DCP 
 SHARDED_DIR = "sharded"  # a sharded checkpoint's DCP files
 CONSOLIDATED = "consolidated.json"  # the sha256 of a sharded checkpoint's cached state.pt
 DCP = "dcp"
+DCP_METADATA = ".metadata"  # DCP's index of a sharded checkpoint's files: a pickle
+HMAC_FIELD = "hmac_sha256"  # in meta.json and consolidated.json, with MLSTM_CHECKPOINT_KEY set
 _STEP_DIR = re.compile(r"step-(\d{7,})$")
 
 
 class DamagedCheckpoint(ValueError):
     """A checkpoint file that does not match its recorded sha256 or cannot be read: no retry mends it."""
+
+
+class UntrustedCheckpoint(DamagedCheckpoint):
+    """A checkpoint whose HMAC is wrong or missing while ``MLSTM_CHECKPOINT_KEY`` is set: not read."""
+
+
+def _key() -> bytes | None:
+    from tasks.settings import get_settings
+
+    secret = get_settings().checkpoint_key
+    return secret.get_secret_value().encode() if secret else None
+
+
+def _signature(key: bytes, signed: dict[str, Any]) -> str:
+    """The HMAC-SHA256 of a JSON object's canonical form, its own HMAC field left out."""
+    body = {name: value for name, value in signed.items() if name != HMAC_FIELD}
+    message = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def _signed(signed: dict[str, Any]) -> dict[str, Any]:
+    """``signed`` with its HMAC under ``MLSTM_CHECKPOINT_KEY``; as it is without the key."""
+    key = _key()
+    return {**signed, HMAC_FIELD: _signature(key, signed)} if key else signed
+
+
+def _check_signature(key: bytes, signed: dict[str, Any], url: str) -> None:
+    found = signed.get(HMAC_FIELD)
+    if not isinstance(found, str):
+        raise UntrustedCheckpoint(
+            f"{url} has no HMAC and MLSTM_CHECKPOINT_KEY is set: not read (saved without the key, or "
+            "not by the pipeline)"
+        )
+    if not hmac.compare_digest(found, _signature(key, signed)):
+        raise UntrustedCheckpoint(
+            f"{url} does not match its HMAC under MLSTM_CHECKPOINT_KEY: not read (changed since it "
+            "was saved, or saved with another key)"
+        )
+
+
+def _check_meta(meta: dict[str, Any], url: str) -> None:
+    """With ``MLSTM_CHECKPOINT_KEY`` set: ``meta.json`` is the job's (``UntrustedCheckpoint`` if not), and
+    it records the digest of every file a reader will open."""
+    key = _key()
+    if key is None:
+        return
+    _check_signature(key, meta, url)
+    digests = meta.get("sha256", {})
+    needed = [f"{SHARDED_DIR}/{DCP_METADATA}", RUN_STATE_FILE] if meta.get("format") == DCP else [STATE_FILE]
+    if missing := [name for name in needed if name not in digests]:
+        raise UntrustedCheckpoint(f"{url} records no sha256 of {', '.join(missing)}: not read")
 
 
 def run_prefix(run: str) -> str:
@@ -136,7 +198,7 @@ def save_sharded_checkpoint(
 def _publish(store: Store, run: str, step: int, meta: dict[str, Any]) -> str:
     """Write ``meta.json`` once the step's files are in place, then ``latest.json`` last."""
     prefix = step_prefix(run, step)
-    meta = {**meta, "step": step, "run": run}
+    meta = _signed({**meta, "step": step, "run": run})
     store.write_bytes(f"{prefix}/meta.json", json.dumps(meta, indent=2).encode())
     uri = store.url(prefix)
     saved_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -212,6 +274,7 @@ def load_from(
     if not store.exists(key("meta.json")):
         raise StoreError(f"{store.url(prefix)} is not a checkpoint: it has no meta.json")
     meta = json.loads(store.read_bytes(key("meta.json")))
+    _check_meta(meta, store.url(key("meta.json")))  # before any other file is opened
     uri = store.url(prefix) if prefix else store.uri
     if meta.get("format") == DCP:
         if shards_to is not None:
@@ -253,10 +316,13 @@ def _local_shards(store: Store, prefix: str, meta: dict[str, Any], local: Path) 
 
 def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: Any) -> dict[str, Any]:
     """A sharded checkpoint as one ``state.pt``'s state: the cached file, else made now and cached."""
+    secret = _key()
     if store.exists(key(CONSOLIDATED)) and store.exists(key(STATE_FILE)):
-        expected = json.loads(store.read_bytes(key(CONSOLIDATED)))["sha256"]
-        with contextlib.suppress(DamagedCheckpoint):  # a damaged cache is made again
-            return _read_state(store, key(STATE_FILE), expected, map_location)
+        cached = json.loads(store.read_bytes(key(CONSOLIDATED)))
+        with contextlib.suppress(DamagedCheckpoint):  # a damaged or unsigned cache is made again
+            if secret is not None:  # signed with the checkpoint's own HMAC: not another step's cache
+                _check_signature(secret, {**cached, "of": meta[HMAC_FIELD]}, store.url(key(CONSOLIDATED)))
+            return _read_state(store, key(STATE_FILE), cached["sha256"], map_location)
     from tasks.pretrain.sharding import consolidate
 
     run_state = _read_state(store, key(RUN_STATE_FILE), meta["sha256"][RUN_STATE_FILE], map_location)
@@ -265,7 +331,10 @@ def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: An
         state = consolidate(directory, run_state)
     try:
         digest = _save_state(store, key(STATE_FILE), state)
-        store.write_bytes(key(CONSOLIDATED), json.dumps({"sha256": digest}).encode())
+        cached = {"sha256": digest}
+        if secret is not None:
+            cached[HMAC_FIELD] = _signature(secret, {**cached, "of": meta[HMAC_FIELD]})
+        store.write_bytes(key(CONSOLIDATED), json.dumps(cached).encode())
         log.info("consolidated %s into %s", store.url(key(SHARDED_DIR)), store.url(key(STATE_FILE)))
     except (OSError, StoreError) as error:  # a store this reader cannot write: consolidate each time
         log.warning("cannot cache the consolidated %s: %s", store.url(key(STATE_FILE)), error)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import ipaddress
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 
 
 @dataclass
@@ -39,7 +42,12 @@ class World:
         else:
             device = torch.device("cpu")
         if size > 1 or group:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            store = _loopback_store(rank, size)
+            if store is None:
+                dist.init_process_group(backend)
+            else:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=size)
         return cls(rank, local_rank, size, device)
 
     def barrier(self) -> None:
@@ -85,6 +93,39 @@ class World:
             # aborts after its work is done ("terminate called without an active exception").
             gc.collect()
             dist.destroy_process_group()
+
+
+def _loopback_store(rank: int, size: int) -> dist.TCPStore | None:
+    """The job's store, hosted by rank 0 on loopback only, when torchrun gives a loopback ``MASTER_ADDR``
+    and leaves the store to rank 0 (the local launcher); else None, and ``env://`` makes it.
+
+    A TCPStore server listens on every interface whatever host it is given, unless it is handed a
+    socket that is already bound (``master_listen_fd``), which is what rank 0 does here.
+    """
+    host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", 0))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not _is_loopback(host):
+        return None
+    if rank != 0:
+        return dist.TCPStore(host, port, size, is_master=False, timeout=default_pg_timeout)
+    listening = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    return dist.TCPStore(
+        host,
+        port,
+        size,
+        is_master=True,
+        timeout=default_pg_timeout,
+        multi_tenant=True,
+        master_listen_fd=listening.detach(),  # the store's from here on: it closes it
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # Steps between the ranks' agreement on a SIGTERM: each is an all-reduce the host waits for. One rank

@@ -49,7 +49,10 @@ MAX_NAME = 63 - len("-worker-") - 8
 # Names of variables that hold credentials: they come from the Secret, never from the manifest.
 # (TOKENIZERS_PARALLELISM is not one.) ACCESS_KEY also keeps AWS_ACCESS_KEY_ID out, so that the key id
 # and its secret always come from the same place: an env entry would override the Secret's.
-_CREDENTIAL = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN(?!IZER)|CREDENTIAL|ACCESS_KEY|API_KEY|PRIVATE_KEY")
+# CHECKPOINT_KEY: MLSTM_CHECKPOINT_KEY, the key checkpoints are signed with.
+_CREDENTIAL = re.compile(
+    r"PASSWORD|PASSWD|SECRET|TOKEN(?!IZER)|CREDENTIAL|ACCESS_KEY|API_KEY|PRIVATE_KEY|CHECKPOINT_KEY"
+)
 
 # The job's condition types (kubeflow.org/v1 JobConditionType) and what they mean here.
 _STATES = {

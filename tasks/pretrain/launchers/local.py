@@ -8,6 +8,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 from tasks.pretrain.launchers.base import (
     JobHandle,
@@ -20,6 +22,8 @@ from tasks.pretrain.launchers.base import (
 )
 from tasks.pretrain.torchrun import PARENT_PID_ENV
 
+LOOPBACK = "127.0.0.1"
+
 
 class LocalLauncher(Launcher):
     """torchrun as a child process of this one: gloo on CPU, NCCL on GPUs (chosen by the job)."""
@@ -31,20 +35,31 @@ class LocalLauncher(Launcher):
 
     def __init__(self) -> None:
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._rendezvous: dict[str, Path] = {}
         self._cancelled: set[str] = set()
 
-    def command(self, spec: JobSpec) -> list[str]:
+    def command(self, spec: JobSpec, rendezvous: Path) -> list[str]:
+        """torchrun with its rendezvous in the file ``rendezvous`` (one per launch, removed after it).
+
+        Not ``--standalone``: its rendezvous stores are TCPStores, and a TCPStore server listens on every
+        interface whatever host it is given (torch 2.13, libuv and legacy alike). A file store opens no
+        socket; the workers' own store is hosted by rank 0 on ``--local-addr`` (``tasks.pretrain.world``).
+        """
         if spec.nodes != 1:
             raise ValueError(
                 f"the local launcher runs on this machine only: --nodes {spec.nodes} needs "
                 "--launcher slurm or --launcher kubernetes"
             )
-        torchrun = [sys.executable, "-m", "tasks.pretrain.torchrun", "--standalone"]
+        torchrun = [sys.executable, "-m", "tasks.pretrain.torchrun", "--nnodes", "1"]
+        torchrun += ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file"]
+        torchrun += ["--rdzv-endpoint", str(rendezvous)]
+        torchrun += ["--rdzv-id", rendezvous.stem, "--local-addr", LOOPBACK]
         return [*torchrun, "--nproc-per-node", str(spec.nproc_per_node), *spec.job_command()]
 
     def submit(self, spec: JobSpec) -> JobHandle:
-        command = self.command(spec)
         spec.workdir.mkdir(parents=True, exist_ok=True)
+        rendezvous = spec.workdir / f"{spec.name}-{uuid.uuid4().hex}.rendezvous"
+        command = self.command(spec, rendezvous)
         log_path = spec.workdir / f"{spec.name}.log"
         with log_path.open("ab") as log:
             log.write(f"$ {shlex.join(command)}\n".encode())
@@ -54,11 +69,18 @@ class LocalLauncher(Launcher):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())},
+                env={
+                    **os.environ,
+                    **spec.env,
+                    **loopback_env(),
+                    "PYTHONUNBUFFERED": "1",
+                    PARENT_PID_ENV: str(os.getpid()),
+                },
                 start_new_session=True,  # its own process group, so cancel reaches every rank
             )
         handle = JobHandle(self.name, str(process.pid), str(log_path))
         self._processes[handle.job_id] = process
+        self._rendezvous[handle.job_id] = rendezvous
         return handle
 
     def _process(self, handle: JobHandle) -> subprocess.Popen[bytes]:
@@ -70,6 +92,7 @@ class LocalLauncher(Launcher):
         code = self._process(handle).poll()
         if code is None:
             return JobStatus(JobState.RUNNING)
+        self._rendezvous[handle.job_id].unlink(missing_ok=True)
         if code == 0:
             return JobStatus(JobState.SUCCEEDED, 0)
         if (
@@ -95,6 +118,23 @@ class LocalLauncher(Launcher):
             process.wait()
         # Ranks that outlived torchrun (it was killed before it could reap them) go too.
         _signal_group(process.pid, signal.SIGKILL)
+        self._rendezvous[handle.job_id].unlink(missing_ok=True)
+
+
+def loopback_env() -> dict[str, str]:
+    """The environment that keeps a one-machine job's sockets on loopback.
+
+    Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` torchrun's agent would host the workers' store itself,
+    as a TCPStore on every interface; with it, rank 0 hosts it (``tasks.pretrain.world.World.from_env``
+    binds it to ``MASTER_ADDR``, the ``--local-addr``). gloo's and NCCL's own listening sockets take
+    the address of the interface named here, not of the host name's (which may be any interface).
+    """
+    interface = "lo0" if sys.platform == "darwin" else "lo"
+    return {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "GLOO_SOCKET_IFNAME": interface,
+        "NCCL_SOCKET_IFNAME": interface,
+    }
 
 
 def _signal_group(pgid: int, sig: int) -> None:
