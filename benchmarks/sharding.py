@@ -91,10 +91,14 @@ def worker(
 
 def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
     """Launch W ranks for one sharding; the slowest rank's step and the largest rank's memory."""
+    from tasks.pretrain.launchers.local import loopback_env, loopback_rendezvous
+
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "ranks.json"
+        # Launched as the local launcher launches a job: every socket on loopback.
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+            sys.executable, "-m", "torch.distributed.run", *loopback_rendezvous(Path(folder) / "job.rendezvous"),
+            f"--nproc-per-node={args.nproc}",
             __file__, "--worker", preset_name, sharding, str(args.batch), str(args.seq_len), str(args.steps),
             str(args.warmup), str(out),
         ]  # fmt: skip
@@ -102,6 +106,7 @@ def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
             **os.environ,
             "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
             STACKS_AFTER_ENV: str(max(1.0, args.timeout - 5)),
+            **loopback_env(),
         }
         process = subprocess.Popen(
             command,

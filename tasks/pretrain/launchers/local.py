@@ -50,10 +50,7 @@ class LocalLauncher(Launcher):
                 f"the local launcher runs on this machine only: --nodes {spec.nodes} needs "
                 "--launcher slurm or --launcher kubernetes"
             )
-        torchrun = [sys.executable, "-m", "tasks.pretrain.torchrun", "--nnodes", "1"]
-        torchrun += ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file"]
-        torchrun += ["--rdzv-endpoint", str(rendezvous)]
-        torchrun += ["--rdzv-id", rendezvous.stem, "--local-addr", LOOPBACK]
+        torchrun = [sys.executable, "-m", "tasks.pretrain.torchrun", *loopback_rendezvous(rendezvous)]
         return [*torchrun, "--nproc-per-node", str(spec.nproc_per_node), *spec.job_command()]
 
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -119,6 +116,20 @@ class LocalLauncher(Launcher):
         # Ranks that outlived torchrun (it was killed before it could reap them) go too.
         _signal_group(process.pid, signal.SIGKILL)
         self._rendezvous[handle.job_id].unlink(missing_ok=True)
+
+
+def loopback_rendezvous(rendezvous: Path) -> list[str]:
+    """torchrun's flags for one node whose rendezvous is the file ``rendezvous`` (see ``command``)."""
+    flags = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file"]
+    return [
+        *flags,
+        "--rdzv-endpoint",
+        str(rendezvous),
+        "--rdzv-id",
+        rendezvous.stem,
+        "--local-addr",
+        LOOPBACK,
+    ]
 
 
 def loopback_env() -> dict[str, str]:
