@@ -87,6 +87,15 @@ def score(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Score every row of review tables with a registered classifier: Parquet + a manifest, resumable."""
+    from tasks.corpus.sources import SourceError, expand_sources
+    from tasks.score.formats import SUFFIXES
+
+    try:
+        if local := [i for i in inputs if "://" not in i or i.startswith("file://")]:
+            # A missing local input is refused before pyarrow, Prefect, MLflow and torch are imported.
+            expand_sources(local, suffixes=SUFFIXES)
+    except SourceError as error:
+        raise fail(error) from None
     try:
         summary = run_score(
             inputs,
