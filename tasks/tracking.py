@@ -95,8 +95,10 @@ def _check_database(uri: str, scheme: str, setting: str) -> None:
     from urllib.parse import urlsplit
 
     parts = urlsplit(uri)
+    if not parts.hostname:  # a Unix socket (the drivers' default without a host): not TCP to check
+        return
     try:
-        host, port = parts.hostname or "localhost", parts.port or _DATABASE_PORTS[scheme]
+        host, port = parts.hostname, parts.port or _DATABASE_PORTS[scheme]
     except ValueError as error:  # a port that is not a number
         raise TrackingUnavailable(f"{redact(uri)} is not a database URI ({error}); fix {setting}") from None
     try:

@@ -151,6 +151,10 @@ def test_an_mlflow_database_that_does_not_answer_is_one_line_in_seconds_without_
     )
     assert time.monotonic() - started < 30  # the CLI's start included; 108 s before
     assert "s3cret" not in said and "MLSTM_MLFLOW_TRACKING_URI" in said
+    # A URI with no host is a Unix socket (the drivers' default): nothing to try over TCP, left to MLflow.
+    from tasks.tracking import check_server
+
+    check_server("postgresql://mlflow@/mlflow?host=/var/run/postgresql")
 
 
 def _refused(
