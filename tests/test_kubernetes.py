@@ -245,6 +245,38 @@ def test_render_one_pod_per_node(launcher: KubernetesLauncher, nodes: int, gpus:
         assert command[11:] == ["-m", "tasks.pretrain.train", *PAPER_ARGS]
 
 
+def test_a_finetune_job_renders_as_a_pytorchjob_of_the_finetuning_module(
+    launcher: KubernetesLauncher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`finetune --launcher kubernetes` plans the same kind of job as pretraining: torchrun on every pod,
+    running the fine-tuning module with the planned settings."""
+    from finetune_helpers import early_byte_splits, tiny_checkpoint
+
+    from tasks.finetune.config import FinetuneParams
+    from tasks.finetune.stage import plan_job
+    from tasks.settings import get_settings
+
+    monkeypatch.setenv("MLSTM_HOME", str(tmp_path / "home"))
+    checkpoint = tiny_checkpoint(tmp_path / "home" / "store")
+    params = FinetuneParams(
+        checkpoint=checkpoint,
+        dataset=f"early={early_byte_splits(tmp_path / 'early')}",
+        launcher="kubernetes",
+        nodes=2,
+        gpus_per_node=8,
+        batch_size=16,
+        run="ft-on-k8s",
+    )
+    planned = plan_job(params, get_settings())
+    job = launcher.render(planned.spec)
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 1)
+    command = replicas["Master"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
+    assert command[11:] == ["-m", "tasks.finetune.train", *planned.config.to_args()]
+    assert planned.config.checkpoint in command and "--batch-size" in command
+
+
 def test_pod_template_matches_the_kubernetes_models(launcher: KubernetesLauncher) -> None:
     """Every field of the pod template is one Kubernetes knows, with the type it expects."""
     from kubernetes.client import ApiClient, V1PodTemplateSpec
