@@ -17,7 +17,7 @@ timed over a few steps after one warm-up step. Presets beyond the checkpoint's s
 their speed does not depend on the weights.
 
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --record
-    PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pool concat --lr 3e-3 --aux-lm-weight 0.1
+    PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pool last --lr 1e-3 --aux-lm-weight 0 --train-rows 2000
 """
 
 from __future__ import annotations
@@ -178,12 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", help="A pretraining checkpoint. Default: train the demo's tiny one.")
     parser.add_argument("--dataset", action="append", metavar="NAME=PATH", help="Default: the shared SST.")
     parser.add_argument("--train-rows", type=int, default=0, help="Train rows kept (0: all). [0]")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--pool", default="last", choices=("last", "mean", "max", "concat"))
-    parser.add_argument("--head", default="linear", choices=("linear", "mlp"))
-    parser.add_argument("--aux-lm-weight", type=float, default=0.0)
+    from tasks.finetune.config import FinetuneSettings
+
+    # The command's own defaults: what a user who names none fine-tunes with.
+    default = {name: field.default for name, field in FinetuneSettings.model_fields.items()}
+    parser.add_argument("--epochs", type=int, default=default["epochs"])
+    parser.add_argument("--batch-size", type=int, default=default["batch_size"])
+    parser.add_argument("--lr", type=float, default=default["lr"])
+    parser.add_argument("--pool", default=default["pool"], choices=("last", "mean", "max", "concat"))
+    parser.add_argument("--head", default=default["head"], choices=("linear", "mlp"))
+    parser.add_argument("--aux-lm-weight", type=float, default=default["aux_lm_weight"])
     parser.add_argument("--freeze-lm", action="store_true", help="Train the head only.")
     parser.add_argument("--max-bytes", type=int, default=512)
     parser.add_argument("--speed-presets", default="tiny,small", help="Presets whose step speeds are timed.")

@@ -216,10 +216,22 @@ def in_process_result(world: dict[str, Any], run: str) -> dict[str, Any]:
     return dict(json.loads(store.read_bytes(f"runs/{run}/{RESULT}")))
 
 
+def test_freeze_lm_turns_the_default_aux_loss_off_and_refuses_one_given() -> None:
+    from pydantic import ValidationError
+
+    assert FinetuneConfig.model_fields["aux_lm_weight"].default > 0  # the measured recipe has one
+    assert (
+        FinetuneParams.model_validate({"checkpoint": "c", "dataset": "d=e", "freeze_lm": True}).aux_lm_weight
+        == 0
+    )
+    with pytest.raises(ValidationError, match=r"--aux-lm-weight 0\.1 with --freeze-lm"):
+        FinetuneParams(checkpoint="c", dataset="d=e", freeze_lm=True, aux_lm_weight=0.1)
+
+
 def test_freeze_lm_leaves_every_mlstm_weight_as_the_checkpoint_has_it(world: dict[str, Any]) -> None:
     from tasks.pretrain.checkpoint import load_checkpoint
 
-    in_process(world, "frozen", freeze_lm=True, epochs=1)
+    in_process(world, "frozen", freeze_lm=True, aux_lm_weight=0.0, epochs=1)
     trained = weights(world, "runs/frozen/epochs/epoch-001")
     pretrained = load_checkpoint(world["checkpoint"]).state["model"]
     for name, tensor in pretrained.items():

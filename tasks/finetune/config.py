@@ -37,16 +37,16 @@ class FinetuneSettings(BaseModel):
 
     # fmt: off
     head: Annotated[Literal["linear", "mlp"], WEIGHTS] = Field(default="linear", description="The classifier head on the pooled states: linear or mlp.")
-    pool: Annotated[Literal["last", "mean", "max", "concat"], WEIGHTS] = Field(default="last", description="Pooling of the cell states over the text: last (the probe's feature), mean, max or concat.")
+    pool: Annotated[Literal["last", "mean", "max", "concat"], WEIGHTS] = Field(default="concat", description="Pooling of the cell states over the text: last (the probe's feature), mean, max or concat (all three).")
     mlp_hidden: Annotated[int, WEIGHTS] = Field(default=256, ge=1, description="Hidden units of the mlp head.")
-    aux_lm_weight: Annotated[float, WEIGHTS] = Field(default=0.0, ge=0, description="Weight of the auxiliary next-byte loss (Kant et al. 2018); 0: none.")
+    aux_lm_weight: Annotated[float, WEIGHTS] = Field(default=0.1, ge=0, description="Weight of the auxiliary next-byte loss (Kant et al. 2018); 0: none.")
     freeze_lm: Annotated[bool, WEIGHTS] = Field(default=False, description="Train the head only; the mLSTM's weights stay as the checkpoint has them.")
     epochs: Annotated[int, WEIGHTS] = Field(default=3, ge=1, description="Passes over the train split; the best on dev is kept.")
     batch_size: Annotated[int, WEIGHTS] = Field(default=32, ge=1, description="Global batch in texts, split across ranks.")
     max_bytes: Annotated[int, WEIGHTS] = Field(default=1024, ge=2, description="Longer texts are cut to this many bytes before reading.")
     truncate: Annotated[Literal["front", "back"], WEIGHTS] = Field(default="front", description="Which end of a long text is cut: front (keep its end) or back (keep its start).")
     # Howard & Ruder 2018: slanted triangular learning rates; their cut_frac 0.1 and ratio 32.
-    lr: Annotated[float, WEIGHTS] = Field(default=1e-3, gt=0, description="Peak Adam learning rate of the slanted triangular schedule.")
+    lr: Annotated[float, WEIGHTS] = Field(default=3e-3, gt=0, description="Peak Adam learning rate of the slanted triangular schedule.")
     lr_cut_frac: Annotated[float, WEIGHTS] = Field(default=0.1, gt=0, lt=1, description="Fraction of the steps the learning rate rises.")
     lr_ratio: Annotated[float, WEIGHTS] = Field(default=32.0, ge=1, description="How much smaller the lowest learning rate is than the peak.")
     clip: Annotated[float, WEIGHTS] = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
@@ -59,7 +59,9 @@ class FinetuneSettings(BaseModel):
 
     @model_validator(mode="after")
     def _aux_needs_the_lm(self) -> FinetuneSettings:
-        if self.freeze_lm and self.aux_lm_weight:
+        if self.freeze_lm and self.aux_lm_weight and "aux_lm_weight" not in self.model_fields_set:
+            self.aux_lm_weight = 0.0  # the default's auxiliary loss goes with a frozen model
+        elif self.freeze_lm and self.aux_lm_weight:
             raise ValueError(
                 f"--aux-lm-weight {self.aux_lm_weight:g} with --freeze-lm: a frozen language model cannot learn "
                 "from its own loss; leave one out"
