@@ -327,7 +327,9 @@ def test_s3_input_and_output(
     assert summary["output"].startswith(f"s3://{s3_bucket}/scores/mlstm-sentiment-v")
     assert (summary["rows_out"], summary["pieces_scored"]) == (96, 2), summary
     assert verify(summary["output"]) == []
-    scores = _parts(summary["output"])
+    # Pieces are cut by length (a part's rows are not a run of the input's): by input_row, the ids.
+    scores = _parts(summary["output"]).sort_by("input_row")
+    assert scores.column("input_row").to_pylist() == list(range(96))
     assert scores.column("id").to_pylist() == table.column("id").to_pylist()
 
 
@@ -342,3 +344,69 @@ def test_the_dask_runner_writes_the_same_bytes_as_the_process_pool(
     pool = _score([str(imdb_slice)], str(tmp_path / "pool"), id_columns=["id"])
     dask = _score([str(imdb_slice)], str(tmp_path / "dask"), id_columns=["id"], task_runner="dask", workers=2)
     assert dask["pieces_scored"] == 4 and digests(dask) == digests(pool)
+
+
+def test_pieces_hold_texts_of_like_length_and_share_a_worker_s_model_and_window(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The speed rules of a worker: the model is loaded once whatever number of pieces it scores (again
+    only for other weights), a window of the input is read once for all its pieces, and a piece holds
+    the window's rows of like length (each piece's shortest text at least the next piece's longest), so
+    the features path pads and steps little; the pieces' rows are every row once."""
+    import dataclasses
+    import itertools
+
+    from models.classifier import SentimentClassifier
+    from tasks.score import scoring
+    from tasks.score.tracking import resolve_model
+    from tasks.settings import get_settings
+
+    loads: list[Path] = []
+    load = SentimentClassifier.load
+    monkeypatch.setattr(SentimentClassifier, "load", lambda folder: loads.append(folder) or load(folder))
+    reads: list[tuple[int, int]] = []
+    read_rows = scoring.read_rows
+    monkeypatch.setattr(
+        scoring,
+        "read_rows",
+        lambda file, start, stop, **kw: reads.append((start, stop)) or read_rows(file, start, stop, **kw),
+    )
+    scoring._classifier.cache_clear()
+    scoring._window.cache_clear()
+
+    files = scoring.describe_inputs([str(imdb_slice)])
+    plan = scoring.plan_scoring(
+        files, str(tmp_path / "out"), resolve_model(None, get_settings()), piece_rows=PIECE_ROWS
+    )
+    assert [(p.start, p.stop, p.num_rows) for p in plan.pieces] == [(0, SLICE_ROWS, PIECE_ROWS)] * 3 + [
+        (0, SLICE_ROWS, SLICE_ROWS - 3 * PIECE_ROWS)
+    ]
+    for piece in plan.pieces:
+        scoring.score_piece(plan, piece)
+    assert len(loads) == 1 and reads == [(0, SLICE_ROWS)], (loads, reads)
+
+    inputs = _imdb_rows(imdb_slice, every=1, limit=SLICE_ROWS)
+    lengths = []
+    rows: list[int] = []
+    for piece in plan.pieces:
+        part = pq.read_table(Path(plan.output) / f"part-{piece.name}.parquet")
+        piece_rows = part.column("input_row").to_pylist()
+        assert piece_rows == sorted(piece_rows)  # input order within a part
+        rows += piece_rows
+        lengths.append([len(inputs[r]["text"].encode()) for r in piece_rows])
+    assert sorted(rows) == list(range(SLICE_ROWS))
+    for longer, shorter in itertools.pairwise(lengths):
+        assert min(longer) >= max(shorter), (min(longer), max(shorter))
+
+    other = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights_sha256="0" * 64))
+    scoring.score_piece(other, dataclasses.replace(plan.pieces[0], index=len(plan.pieces)))
+    assert len(loads) == 2  # the same version's folder with other weights is loaded again
+
+
+def test_window_order_is_by_text_bytes_longest_first() -> None:
+    from tasks.score.scoring import window_order
+
+    texts = pa.array([b"ab", None, b"abcd", b"", b"abcd", "é".encode()], type=pa.binary())
+    assert window_order(texts).tolist() == [2, 4, 0, 5, 1, 3]
+    assert window_order(pa.chunked_array([pa.array(["a", "abc"])])).tolist() == [1, 0]
+    assert window_order(pa.array([5, 7])).tolist() == [0, 1]  # not text: rejected later, order as read
