@@ -4,7 +4,8 @@ here (a tiny mLSTM's features, a probe fitted on IMDB train reviews) and registe
 Guards: every input row is in the output exactly once; labels and probabilities agree with `predict`'s
 model; the manifest's checksums verify; a run stopped after its first piece scores only the rest;
 S3 (moto) input and output; the Dask runner writes the same bytes as the process pool; bad rows are
-written aside with their reason, and a bad file is one error naming it.
+written aside with their reason, and a bad file is one error naming it. The speed rules of a worker
+(the model loaded once, a window read once, pieces of like length) are guarded by counting, not timing.
 """
 
 from __future__ import annotations
