@@ -191,7 +191,9 @@ def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
     files = describe_inputs([str(imdb_slice)])
     plan = plan_scoring(files, output, resolve_model(None, get_settings()), piece_rows=PIECE_ROWS)
     first = score_piece(plan, plan.pieces[0])
-    assert first["rows_out"] == PIECE_ROWS and not (Path(plan.output) / "manifest.json").exists()
+    # Pieces are cut by bytes (``window_cuts``): the first holds the longest texts, fewer rows.
+    assert 0 < first["rows_out"] == first["rows_in"] < PIECE_ROWS
+    assert not (Path(plan.output) / "manifest.json").exists()
 
     summary = _score([str(imdb_slice)], output)
     assert (summary["pieces_scored"], summary["pieces_skipped"]) == (3, 1), summary
@@ -353,7 +355,8 @@ def test_pieces_hold_texts_of_like_length_and_share_a_worker_s_model_and_window(
     """The speed rules of a worker: the model is loaded once whatever number of pieces it scores (again
     only for other weights), a window of the input is read once for all its pieces, and a piece holds
     the window's rows of like length (each piece's shortest text at least the next piece's longest), so
-    the features path pads and steps little; the pieces' rows are every row once."""
+    the features path pads and steps little, in parts of like bytes; the pieces' rows are every row
+    once."""
     import dataclasses
     import itertools
 
@@ -379,8 +382,8 @@ def test_pieces_hold_texts_of_like_length_and_share_a_worker_s_model_and_window(
     plan = scoring.plan_scoring(
         files, str(tmp_path / "out"), resolve_model(None, get_settings()), piece_rows=PIECE_ROWS
     )
-    assert [(p.start, p.stop, p.num_rows) for p in plan.pieces] == [(0, SLICE_ROWS, PIECE_ROWS)] * 3 + [
-        (0, SLICE_ROWS, SLICE_ROWS - 3 * PIECE_ROWS)
+    assert [(p.start, p.stop, p.part, p.parts) for p in plan.pieces] == [
+        (0, SLICE_ROWS, j, 4) for j in range(4)
     ]
     for piece in plan.pieces:
         scoring.score_piece(plan, piece)
@@ -398,6 +401,9 @@ def test_pieces_hold_texts_of_like_length_and_share_a_worker_s_model_and_window(
     assert sorted(rows) == list(range(SLICE_ROWS))
     for longer, shorter in itertools.pairwise(lengths):
         assert min(longer) >= max(shorter), (min(longer), max(shorter))
+    # Parts of like bytes (a row's text plus ROW_BYTES), so no worker holds the run up with the longest.
+    costs = [sum(piece) + scoring.ROW_BYTES * len(piece) for piece in lengths]
+    assert max(costs) - min(costs) <= max(map(max, lengths)) + scoring.ROW_BYTES, costs
 
     other = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights_sha256="0" * 64))
     scoring.score_piece(other, dataclasses.replace(plan.pieces[0], index=len(plan.pieces)))

@@ -78,7 +78,8 @@ def score(
         list[str] | None, typer.Option("--id-column", help="A column to copy beside the scores; repeatable.")
     ] = None,
     piece_rows: Annotated[
-        int | None, typer.Option(min=1, help="Rows per piece (parallel work, resuming). [default: 1024]")
+        int | None,
+        typer.Option(min=1, help="Rows per piece on average (parallel work, resuming). [default: 1024]"),
     ] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Parallel workers. [default: CPU count]")] = None,
     task_runner: Annotated[

@@ -14,11 +14,11 @@ the manifest finds every file it names whole. A rerun skips the pieces whose ``p
 a killed run resumes where it stopped.
 
 A piece is not a run of consecutive rows: a file is read in windows of ``WINDOW_PIECES`` pieces' rows,
-and a window's rows, ordered by their text's length (longest first), are cut into its pieces. The
-features path reads a batch for as many steps as its longest text has bytes, so a piece of rows as they
-come (reviews of every length) costs many more steps than the same rows among others of their length.
-On IMDB's test set, pieces of 1,024 rows take 33 steps a row consecutive, 4.9 cut in windows' length
-order (the features path on all 25,000 reviews at once: 2.2).
+and a window's rows, ordered by their text's length (longest first), are cut into its pieces, parts of
+like bytes (``window_cuts``). The features path reads a batch for as many steps as its longest text has
+bytes, so a piece of rows as they come (reviews of every length) costs many more steps than the same
+rows among others of their length.
+On IMDB's test set, pieces of 1,024 rows take 33 steps a row consecutive, 5.5 cut from windows.
 Within a part file rows keep their input order (``input_row``).
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -76,22 +77,18 @@ class ModelRef:
 
 @dataclass(frozen=True, kw_only=True)
 class Piece:
-    """Rows ``[first, last)`` of the window ``[start, stop)`` of the file's rows in length order."""
+    """Part ``part`` of ``parts`` of the window ``[start, stop)`` of the file's rows (``window_cuts``)."""
 
     index: int
     file: InputFile
     start: int
     stop: int
-    first: int
-    last: int
+    part: int
+    parts: int
 
     @property
     def name(self) -> str:
         return f"{self.index:05d}"
-
-    @property
-    def num_rows(self) -> int:
-        return self.last - self.first
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,8 +134,8 @@ def plan_scoring(
     s3_endpoint_url: str | None = None,
 ) -> Plan:
     """Name the output by the model version, the inputs' content and the settings, and cut the inputs
-    into pieces of ``piece_rows`` rows (the last of a window shorter): windows of ``WINDOW_PIECES``
-    pieces' consecutive rows, each cut in its rows' length order (``window_order``)."""
+    into pieces of ``piece_rows`` rows on average: windows of ``WINDOW_PIECES`` pieces' consecutive
+    rows, each cut in its rows' length order into parts of like bytes (``window_cuts``)."""
     id_columns = list(id_columns or [])
     if piece_rows < 1:
         raise ValueError(f"piece_rows must be at least 1, got {piece_rows}")
@@ -155,11 +152,12 @@ def plan_scoring(
     scoring_id = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', model.name)}-v{model.version}-{digest}"
     window_rows = piece_rows * WINDOW_PIECES
     pieces = [
-        (file, start, stop, first, min(first + piece_rows, stop - start))
+        (file, start, stop, part, parts)
         for file in files
         for start in range(0, file.rows, window_rows)
         for stop in [min(start + window_rows, file.rows)]
-        for first in range(0, stop - start, piece_rows)
+        for parts in [-(-(stop - start) // piece_rows)]
+        for part in range(parts)
     ]
     if not pieces:
         raise InputError(f"{', '.join(f.uri for f in files)}: no rows to score")
@@ -170,8 +168,8 @@ def plan_scoring(
         model=model,
         files=files,
         pieces=tuple(
-            Piece(index=i, file=f, start=a, stop=b, first=first, last=last)
-            for i, (f, a, b, first, last) in enumerate(pieces)
+            Piece(index=i, file=f, start=a, stop=b, part=part, parts=parts)
+            for i, (f, a, b, part, parts) in enumerate(pieces)
         ),
         text_column=text_column,
         id_columns=tuple(id_columns),
@@ -204,8 +202,9 @@ def _window(
     text_column: str,
     id_columns: tuple[str, ...],
     s3_endpoint_url: str | None,
-) -> tuple[pa.Table, np.ndarray]:
-    """A window's rows and their order, longest text first. The last window read is kept: a worker
+    parts: int,
+) -> tuple[pa.Table, list[np.ndarray]]:
+    """A window's rows and its pieces' rows (``window_cuts``). The last window read is kept: a worker
     often scores the next piece of the same window, and then reads nothing."""
     table = read_rows(
         file,
@@ -215,13 +214,32 @@ def _window(
         id_columns=list(id_columns),
         s3_endpoint_url=s3_endpoint_url,
     )
-    return table, window_order(table.column(text_column))
+    return table, window_cuts(table.column(text_column), parts)
 
 
 def window_order(texts: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """Row positions by the text's length in bytes, longest first (ties in row order): pieces cut from
     this order hold texts of like length, so the features path pads little and steps few times."""
     return np.argsort(-text_bytes(texts), kind="stable")
+
+
+ROW_BYTES = 64  # what a row costs beside its text's bytes, when a window is cut into parts
+
+
+def window_cuts(texts: pa.ChunkedArray | pa.Array, parts: int) -> list[np.ndarray]:
+    """The window's rows (positions, in input order) of each of its ``parts`` pieces: the length order
+    (``window_order``) cut into parts of like bytes, the longest texts first. Like bytes, not like rows:
+    the first 1,024 of 4,000 IMDB reviews by length hold half their bytes, and a worker that scored
+    that piece and one more would hold the run up. Every part has a row where the window has enough."""
+    order_W = window_order(texts)
+    cost_W = np.cumsum(text_bytes(texts)[order_W] + ROW_BYTES)
+    num_rows = len(order_W)
+    cuts = [0]
+    for j in range(1, parts):
+        cut = int(np.searchsorted(cost_W, cost_W[-1] * j / parts))
+        cuts.append(min(max(cut, cuts[-1] + 1), num_rows - (parts - j)))
+    cuts.append(num_rows)
+    return [np.sort(order_W[a:b]) for a, b in itertools.pairwise(cuts)]
 
 
 def _device() -> Any:
@@ -249,11 +267,13 @@ def score_piece(
     *,
     threads: int | None = None,
     batch_size: int | None = None,
+    on_rows: Any = None,
     on_batch: Any = None,
 ) -> dict[str, Any]:
     """Score one piece and publish its part, its rejects and then its ``pieces/`` record; a piece whose
     record exists is skipped (``skipped`` True). ``batch_size`` None: rows per batch sized by memory,
-    longest texts first, as the features path batches (``models.features.featurize``)."""
+    longest texts first, as the features path batches (``models.features.featurize``). ``on_rows`` is
+    told the piece's rows once they are known (its window read), ``on_batch`` each batch scored."""
     if (done := piece_done(plan, piece)) is not None:
         return {**done, "skipped": True}
     import torch
@@ -264,15 +284,23 @@ def score_piece(
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
-    window, order_W = _window(
-        piece.file, piece.start, piece.stop, plan.text_column, plan.id_columns, plan.s3_endpoint_url
+    window, cuts = _window(
+        piece.file,
+        piece.start,
+        piece.stop,
+        plan.text_column,
+        plan.id_columns,
+        plan.s3_endpoint_url,
+        piece.parts,
     )
     if window.num_rows != piece.stop - piece.start:
         raise InputError(
             f"{piece.file.uri}: has {piece.start + window.num_rows} rows, rows {piece.start}–{piece.stop} "
             "were planned (did it change?)"
         )
-    taken_N = np.sort(order_W[piece.first : piece.last])  # the piece's rows, in input order
+    taken_N = cuts[piece.part]  # the piece's rows, in input order
+    if on_rows is not None:
+        on_rows(len(taken_N))
     table = window.take(pa.array(taken_N))
     problems = table.column(PROBLEM) if PROBLEM in table.column_names else None
     texts, reasons = texts_of(table.column(plan.text_column), problems, max_chars=plan.model.max_text_chars)
@@ -323,8 +351,8 @@ def score_piece(
         "piece": piece.index,
         "input": piece.file.name,
         "window": [piece.start, piece.stop],
-        "ranks": [piece.first, piece.last],
-        "rows_in": piece.num_rows,
+        "part": [piece.part, piece.parts],
+        "rows_in": len(taken_N),
         "rows_out": len(kept),
         "rejected": int((~good).sum()),
         "reasons": dict(Counter(r.split(" at byte")[0] for r in reasons if r is not None)),
