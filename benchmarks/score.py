@@ -94,8 +94,8 @@ def register(preset: str) -> Any:
 
 def main() -> None:
     parser = new_parser(__doc__ or "", raw=True)
-    # 4,000: each path then runs 30 s or more on 2 cores, so the score runs' fixed start (worker
-    # processes, their imports: about 10 s) is not most of what is timed, as it was at 600.
+    # 4,000: each path then runs 15 s or more on 2 cores (5 s at 600), so the score runs' fixed start
+    # (worker processes and their imports) is no longer most of what is timed.
     parser.add_argument("--rows", type=int, default=4000, help="IMDB test reviews in the slice.")
     parser.add_argument("--preset", default="tiny", help="Model preset (tiny, small, …).")
     parser.add_argument("--workers", type=int, default=2, help="Workers of the process pool and of Dask.")
