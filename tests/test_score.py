@@ -417,3 +417,23 @@ def test_window_order_is_by_text_bytes_longest_first() -> None:
     assert window_order(texts).tolist() == [2, 4, 0, 5, 1, 3]
     assert window_order(pa.chunked_array([pa.array(["a", "abc"])])).tolist() == [1, 0]
     assert window_order(pa.array([5, 7])).tolist() == [0, 1]  # not text: rejected later, order as read
+
+
+def test_local_dask_workers_keep_glibc_s_own_heap_trimming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dask's nanny sets MALLOC_TRIM_THRESHOLD_ in its workers, which turns glibc's adaptive mmap
+    threshold off and made the features path about 20 % slower there; `score` starts its local
+    cluster without it."""
+    import os
+
+    from distributed import Client, LocalCluster
+
+    from flows.runtime import default_malloc_trim
+    from tasks.settings import get_settings
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)  # a nanny before this one leaves it set
+    with (
+        default_malloc_trim(get_settings(task_runner="dask")),
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        assert list(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == [None]
