@@ -189,6 +189,24 @@ def task_runner(settings: Settings) -> Any:
     return RayTaskRunner(address=settings.task_runner_address)
 
 
+@contextlib.contextmanager
+def default_malloc_trim(settings: Settings) -> Iterator[None]:
+    """Local Dask workers started inside keep glibc's own heap trimming.
+
+    Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` in its workers (and in this process's environment).
+    Setting it at all turns off glibc's adaptive mmap threshold, so each of the features path's large,
+    short-lived tensors is a fresh mmap whose pages fault in again. Measured (score, 4,000 IMDB reviews,
+    tiny, 2 workers): the process pool with the variable set 23.4 s, without 19.3 s; Dask 23.7 s.
+    """
+    if settings.task_runner != "dask" or settings.task_runner_address:
+        yield
+        return
+    import dask
+
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        yield
+
+
 def check_cluster(store: Store, runner: Any) -> None:
     """Before any work on a Dask cluster: every worker reads back what this process just wrote to the
     store, and reaches the Prefect API its task runs report to.

@@ -34,6 +34,7 @@ from tasks.tracking import experiment_id, run_link
 
 # A bad input file stays bad; a store or network error may pass.
 _worth_retrying = retry_unless(InputError, ValueError)
+PROGRESS_SECONDS = 2.0  # between updates of a piece's progress artifact
 
 
 describe_inputs_task = task(
@@ -55,20 +56,29 @@ describe_inputs_task = task(
 )
 def score_piece_task(plan: Plan, piece: Piece, threads: int | None = None) -> dict[str, Any]:
     """One piece, with a progress artifact of its rows on the flow run's page."""
-    rows = piece.stop - piece.start
     artifact_id = create_progress_artifact(
         progress=0.0,
         key=f"score-piece-{piece.index:05d}",
-        description=f"{piece.file.name} rows {piece.start}–{piece.stop}: rows scored",
+        description=(
+            f"{piece.file.name}: part {piece.part + 1} of {piece.parts} of rows {piece.start}–{piece.stop} "
+            "by length: rows scored"
+        ),
     )
-    done = 0
+    done, rows, shown = 0, 0, time.monotonic()
+
+    def on_rows(piece_rows: int) -> None:
+        nonlocal rows
+        rows = piece_rows
 
     def on_batch(batch_rows: int, _bytes: int) -> None:
-        nonlocal done
+        nonlocal done, shown
         done += batch_rows
-        update_progress_artifact(artifact_id, progress=100 * done / max(rows, 1))  # type: ignore[arg-type]  # sync: a UUID
+        # An update is an API call (about 30 ms here): at most one a PROGRESS_SECONDS, not one a batch.
+        if time.monotonic() - shown >= PROGRESS_SECONDS:
+            shown = time.monotonic()
+            update_progress_artifact(artifact_id, progress=100 * done / max(rows, 1))  # type: ignore[arg-type]  # sync: a UUID
 
-    record = score_piece(plan, piece, threads=threads, on_batch=on_batch)
+    record = score_piece(plan, piece, threads=threads, on_rows=on_rows, on_batch=on_batch)
     update_progress_artifact(artifact_id, progress=100.0)  # type: ignore[arg-type]
     return record
 
@@ -97,7 +107,7 @@ def score(
         model: models:/NAME@ALIAS or models:/NAME/VERSION. Default: the settings' model @champion.
         text_column: The column (JSON field) holding the review.
         id_columns: Columns copied to the output beside each row's scores.
-        piece_rows: Rows per piece: the unit of parallel work and of resuming.
+        piece_rows: Rows per piece on average: the unit of parallel work and of resuming.
         threads_per_worker: torch threads of each worker. Default: the cores shared by the workers.
         files: ``inputs`` as ``describe_inputs`` found them, where the caller did so before the run (the
             CLI does, to refuse a bad file before Prefect starts); described here when not given.
@@ -145,7 +155,7 @@ def score(
     for future in as_completed(score_piece_task.map(plan, list(plan.pieces), threads=threads)):
         record = future.result()
         records.append(record)
-        sink.advance(record["rows"][1] - record["rows"][0])
+        sink.advance(record["rows_in"])
     manifest = build_manifest(plan, records, seconds=time.perf_counter() - started)
     scored = manifest["pieces"]["scored"]
     manifest_uri = publish_manifest(plan, manifest)

@@ -4,7 +4,8 @@ here (a tiny mLSTM's features, a probe fitted on IMDB train reviews) and registe
 Guards: every input row is in the output exactly once; labels and probabilities agree with `predict`'s
 model; the manifest's checksums verify; a run stopped after its first piece scores only the rest;
 S3 (moto) input and output; the Dask runner writes the same bytes as the process pool; bad rows are
-written aside with their reason, and a bad file is one error naming it.
+written aside with their reason, and a bad file is one error naming it. The speed rules of a worker
+(the model loaded once, a window read once, pieces of like length) are guarded by counting, not timing.
 """
 
 from __future__ import annotations
@@ -190,7 +191,9 @@ def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
     files = describe_inputs([str(imdb_slice)])
     plan = plan_scoring(files, output, resolve_model(None, get_settings()), piece_rows=PIECE_ROWS)
     first = score_piece(plan, plan.pieces[0])
-    assert first["rows_out"] == PIECE_ROWS and not (Path(plan.output) / "manifest.json").exists()
+    # Pieces are cut by bytes (``window_cuts``): the first holds the longest texts, fewer rows.
+    assert 0 < first["rows_out"] == first["rows_in"] < PIECE_ROWS
+    assert not (Path(plan.output) / "manifest.json").exists()
 
     summary = _score([str(imdb_slice)], output)
     assert (summary["pieces_scored"], summary["pieces_skipped"]) == (3, 1), summary
@@ -327,7 +330,9 @@ def test_s3_input_and_output(
     assert summary["output"].startswith(f"s3://{s3_bucket}/scores/mlstm-sentiment-v")
     assert (summary["rows_out"], summary["pieces_scored"]) == (96, 2), summary
     assert verify(summary["output"]) == []
-    scores = _parts(summary["output"])
+    # Pieces are cut by length (a part's rows are not a run of the input's): by input_row, the ids.
+    scores = _parts(summary["output"]).sort_by("input_row")
+    assert scores.column("input_row").to_pylist() == list(range(96))
     assert scores.column("id").to_pylist() == table.column("id").to_pylist()
 
 
@@ -342,3 +347,93 @@ def test_the_dask_runner_writes_the_same_bytes_as_the_process_pool(
     pool = _score([str(imdb_slice)], str(tmp_path / "pool"), id_columns=["id"])
     dask = _score([str(imdb_slice)], str(tmp_path / "dask"), id_columns=["id"], task_runner="dask", workers=2)
     assert dask["pieces_scored"] == 4 and digests(dask) == digests(pool)
+
+
+def test_pieces_hold_texts_of_like_length_and_share_a_worker_s_model_and_window(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The speed rules of a worker: the model is loaded once whatever number of pieces it scores (again
+    only for other weights), a window of the input is read once for all its pieces, and a piece holds
+    the window's rows of like length (each piece's shortest text at least the next piece's longest), so
+    the features path pads and steps little, in parts of like bytes; the pieces' rows are every row
+    once."""
+    import dataclasses
+    import itertools
+
+    from models.classifier import SentimentClassifier
+    from tasks.score import scoring
+    from tasks.score.tracking import resolve_model
+    from tasks.settings import get_settings
+
+    loads: list[Path] = []
+    load = SentimentClassifier.load
+    monkeypatch.setattr(SentimentClassifier, "load", lambda folder: loads.append(folder) or load(folder))
+    reads: list[tuple[int, int]] = []
+    read_rows = scoring.read_rows
+    monkeypatch.setattr(
+        scoring,
+        "read_rows",
+        lambda file, start, stop, **kw: reads.append((start, stop)) or read_rows(file, start, stop, **kw),
+    )
+    scoring._classifier.cache_clear()
+    scoring._window.cache_clear()
+
+    files = scoring.describe_inputs([str(imdb_slice)])
+    plan = scoring.plan_scoring(
+        files, str(tmp_path / "out"), resolve_model(None, get_settings()), piece_rows=PIECE_ROWS
+    )
+    assert [(p.start, p.stop, p.part, p.parts) for p in plan.pieces] == [
+        (0, SLICE_ROWS, j, 4) for j in range(4)
+    ]
+    for piece in plan.pieces:
+        scoring.score_piece(plan, piece)
+    assert len(loads) == 1 and reads == [(0, SLICE_ROWS)], (loads, reads)
+
+    inputs = _imdb_rows(imdb_slice, every=1, limit=SLICE_ROWS)
+    lengths = []
+    rows: list[int] = []
+    for piece in plan.pieces:
+        part = pq.read_table(Path(plan.output) / f"part-{piece.name}.parquet")
+        piece_rows = part.column("input_row").to_pylist()
+        assert piece_rows == sorted(piece_rows)  # input order within a part
+        rows += piece_rows
+        lengths.append([len(inputs[r]["text"].encode()) for r in piece_rows])
+    assert sorted(rows) == list(range(SLICE_ROWS))
+    for longer, shorter in itertools.pairwise(lengths):
+        assert min(longer) >= max(shorter), (min(longer), max(shorter))
+    # Parts of like bytes (a row's text plus ROW_BYTES), so no worker holds the run up with the longest.
+    costs = [sum(piece) + scoring.ROW_BYTES * len(piece) for piece in lengths]
+    assert max(costs) - min(costs) <= max(map(max, lengths)) + scoring.ROW_BYTES, costs
+
+    other = dataclasses.replace(plan, model=dataclasses.replace(plan.model, weights_sha256="0" * 64))
+    scoring.score_piece(other, dataclasses.replace(plan.pieces[0], index=len(plan.pieces)))
+    assert len(loads) == 2  # the same version's folder with other weights is loaded again
+
+
+def test_window_order_is_by_text_bytes_longest_first() -> None:
+    from tasks.score.scoring import window_order
+
+    texts = pa.array([b"ab", None, b"abcd", b"", b"abcd", "é".encode()], type=pa.binary())
+    assert window_order(texts).tolist() == [2, 4, 0, 5, 1, 3]
+    assert window_order(pa.chunked_array([pa.array(["a", "abc"])])).tolist() == [1, 0]
+    assert window_order(pa.array([5, 7])).tolist() == [0, 1]  # not text: rejected later, order as read
+
+
+def test_local_dask_workers_keep_glibc_s_own_heap_trimming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dask's nanny sets MALLOC_TRIM_THRESHOLD_ in its workers, which turns glibc's adaptive mmap
+    threshold off and made the features path about 20 % slower there; `score` starts its local
+    cluster without it."""
+    import os
+
+    from distributed import Client, LocalCluster
+
+    from flows.runtime import default_malloc_trim
+    from tasks.settings import get_settings
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)  # a nanny before this one leaves it set
+    with (
+        default_malloc_trim(get_settings(task_runner="dask")),
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        assert list(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == [None]

@@ -38,13 +38,13 @@ def run_score(
         inputs, text_column=text_column, id_columns=id_columns, s3_endpoint_url=settings.s3_endpoint_url
     )
     from flows import progress
-    from flows.runtime import prefect_api
+    from flows.runtime import default_malloc_trim, prefect_api
     from flows.runtime import task_runner as make_task_runner
     from flows.score import score
 
     flow = score.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar("rows", show=show_progress)
-    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
+    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)), default_malloc_trim(settings):
         return flow(
             inputs=inputs,
             output=output,
@@ -78,7 +78,8 @@ def score(
         list[str] | None, typer.Option("--id-column", help="A column to copy beside the scores; repeatable.")
     ] = None,
     piece_rows: Annotated[
-        int | None, typer.Option(min=1, help="Rows per piece (parallel work, resuming). [default: 1024]")
+        int | None,
+        typer.Option(min=1, help="Rows per piece on average (parallel work, resuming). [default: 1024]"),
     ] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Parallel workers. [default: CPU count]")] = None,
     task_runner: Annotated[

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+import numpy as np
 import pyarrow as pa
 
 from tasks.corpus.sources import GZIP_MAGIC, SourceError, expand_sources, fingerprint
@@ -268,6 +269,17 @@ def _arrow_batches(uri: str, path: str, columns: list[str]) -> Iterator[pa.Recor
         _missing(uri, reader.schema.names, columns)
         for batch in batches:
             yield batch.select(columns)
+
+
+def text_bytes(texts: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Each row's text length in bytes; 0 for a null or a value that is not text (rejected later)."""
+    import pyarrow.compute as pc
+
+    kind = texts.type
+    kinds = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_string, pa.types.is_large_string)
+    if not any(is_kind(kind) for is_kind in kinds):
+        return np.zeros(len(texts), dtype=np.int64)
+    return np.asarray(pc.binary_length(texts).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def texts_of(
