@@ -31,6 +31,8 @@ _PROBE_PREFIX = "probe."
 class BinaryClassifier:
     """What every served classifier answers: P(positive) per text, and labels from it."""
 
+    info: dict[str, Any]  # where it came from (each subclass's field): the served model reads its limits
+
     def predict_proba(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
         raise NotImplementedError
 
