@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -200,18 +199,3 @@ def peak_rss() -> Iterator[dict[str, int]]:
     finally:
         stop.set()
         thread.join()
-
-
-def stop_group(process: subprocess.Popen[bytes], grace_s: float = 10) -> None:
-    """Stop a process started with ``start_new_session=True`` and its children: SIGTERM to the group,
-    SIGKILL after ``grace_s``."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -57,8 +57,9 @@ from common import (  # the working tree on the path
     new_parser,
     record,
     say,
-    stop_group,
 )
+
+from tasks.processes import stop_group  # PYTHONPATH=. : the checkout's package (stdlib only)
 
 GOAL_FEATURES_CHARS_PER_S = 2.5e6
 BUDGET_S = 480  # issue 26: the whole check in at most 8 minutes
@@ -239,7 +240,7 @@ def run_part(part: Part, limit_s: float, logs: Path) -> Outcome:
         try:
             code = process.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            stop_group(process, KILL_GRACE_S)
+            stop_group(process, grace=KILL_GRACE_S)
             return Outcome(part.name, "timed out", time.monotonic() - started, limit_s, _tail(log), {})
     seconds = time.monotonic() - started
     try:

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import stop_group  # the working tree on the path
 
 ROOT = Path(__file__).resolve().parent.parent
 STACKS_AFTER_ENV = "MLSTM_BENCH_STACKS_AFTER_S"
@@ -92,6 +91,7 @@ def worker(
 def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
     """Launch W ranks for one sharding; the slowest rank's step and the largest rank's memory."""
     from tasks.pretrain.launchers.local import loopback_env, loopback_rendezvous
+    from tasks.processes import stop_group
 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "ranks.json"
@@ -119,7 +119,7 @@ def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
         try:
             _, stderr = process.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            stop_group(process)
+            stop_group(process, grace=10)
             _, stderr = process.communicate()
             raise RuntimeError(
                 f"--sharding {sharding}: {args.nproc} ranks gave no result in {args.timeout:.0f} s "

@@ -9,23 +9,12 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import signal
-import subprocess
 from pathlib import Path
 
+from tasks.processes import stop_group
+
 SESSION_VARIABLE = "PYTEST_MLSTM_SESSION"
-
-
-def stop_group(process: subprocess.Popen[bytes], *, grace: float = 20.0) -> None:
-    """SIGTERM the process group of ``process`` (started with ``start_new_session=True``); SIGKILL what
-    is left of the group after ``grace`` seconds, children that outlived their leader included."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError):  # the group outlives its leader while a member lives
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+__all__ = ["SESSION_VARIABLE", "listening_tcp", "started_by_session", "stop_group"]
 
 
 def started_by_session(token: str) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tasks.processes import stop_group
 
 BIN = Path(sys.executable).parent
 
@@ -93,14 +94,7 @@ def served(model_uri: str, tracking_uri: str, *, log: Path, timeout: float = 180
             time.sleep(0.5)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+        stop_group(server, grace=30)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
