@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import signal
@@ -21,6 +20,7 @@ from tasks.pretrain.launchers.base import (
     read_log,
 )
 from tasks.pretrain.torchrun import PARENT_PID_ENV
+from tasks.processes import stop_group
 
 LOOPBACK = "127.0.0.1"
 
@@ -107,14 +107,8 @@ class LocalLauncher(Launcher):
         if process.poll() is not None:
             return
         self._cancelled.add(handle.job_id)
-        _signal_group(process.pid, signal.SIGTERM)
-        try:
-            process.wait(self.grace_seconds)
-        except subprocess.TimeoutExpired:
-            _signal_group(process.pid, signal.SIGKILL)
-            process.wait()
-        # Ranks that outlived torchrun (it was killed before it could reap them) go too.
-        _signal_group(process.pid, signal.SIGKILL)
+        # SIGTERM (ranks checkpoint), then SIGKILL after the grace, to ranks that outlived torchrun too.
+        stop_group(process, grace=self.grace_seconds)
         self._rendezvous[handle.job_id].unlink(missing_ok=True)
 
 
@@ -146,8 +140,3 @@ def loopback_env() -> dict[str, str]:
         "GLOO_SOCKET_IFNAME": interface,
         "NCCL_SOCKET_IFNAME": interface,
     }
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
