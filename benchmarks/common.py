@@ -199,3 +199,18 @@ def peak_rss() -> Iterator[dict[str, int]]:
     finally:
         stop.set()
         thread.join()
+
+
+# The parts of the probe's goal (issue 27) as a row of benchmarks/probe.py keeps them, and as its
+# verdict names the ones a row misses.
+PROBE_GOAL_PARTS = {"met": "speed-up", "same_answer": "C or test accuracy", "objective": "objective"}
+
+
+def probe_goal_misses(verdicts: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """``case (part, …)`` for each (case, goal) that misses a part of the goal: what the table's last line
+    names, in the benchmark's output and on the rendered page alike."""
+    return [
+        f"{case} ({', '.join(name for key, name in PROBE_GOAL_PARTS.items() if not goal[key])})"
+        for case, goal in verdicts
+        if not all(goal[key] for key in PROBE_GOAL_PARTS)
+    ]

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import add_record_option, describe, machine, new_parser, peak_rss, record, say
+from common import add_record_option, describe, machine, new_parser, peak_rss, probe_goal_misses, record, say
 
 from models.config import PRESETS
 from tasks.transfer.probe import ProbeResult, SweepPoint, fit_probe
@@ -69,8 +69,6 @@ GOAL_CASE, GOAL_SECONDS = "sst-sized × 4096", 10.0
 # every conditioning and on real cell states; the same C (or a dev tie), test within 0.5 point, and at
 # every C an objective no higher than liblinear's (to this relative slack: two float64 sums of 10⁴ terms).
 GOAL_SPEEDUP, GOAL_WIDTH, OBJECTIVE_SLACK = {"sst": 10.0, "imdb": 5.0}, 4096, 1e-9
-# The goal's parts as a row keeps them, and as the verdict names one a row misses.
-GOAL_PARTS = {"met": "speed-up", "same_answer": "C or test accuracy", "objective": "objective"}
 DEFAULT_CASES = "sst:1024,sst:4096,sst:4096:lognormal-1:0.05,sst:4096:lognormal-2,real-sst:1024"
 CACHE = Path.home() / ".cache" / "mlstm-sentiment" / "benchmarks"
 Splits = list[tuple[np.ndarray, np.ndarray]]
@@ -361,11 +359,7 @@ def main() -> None:
         )
     newton_rows = [r for r in rows if r["solver"] == "newton"]
     if newton_rows and device == "cpu" and not args.liblinear_from:
-        failed = [
-            f"{r['case']} ({', '.join(GOAL_PARTS[k] for k in GOAL_PARTS if not r['goal'][k])})"
-            for r in newton_rows
-            if not all(r["goal"][k] for k in ("met", "same_answer", "objective"))
-        ]
+        failed = probe_goal_misses([(r["case"], r["goal"]) for r in newton_rows])
         lines.append(
             f"goal: newton ≥ {GOAL_SPEEDUP['sst']:g}× liblinear SST-sized and ≥ {GOAL_SPEEDUP['imdb']:g}× "
             f"IMDB-sized at ≥ {GOAL_WIDTH:,} features, the same C or a dev tie, test within 0.5 point, no "

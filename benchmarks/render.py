@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import REPO, RESULTS, describe
+from common import REPO, RESULTS, describe, probe_goal_misses
 
 TEMPLATE = REPO / "benchmarks" / "benchmarks.md.in"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -340,10 +340,6 @@ def sweep_tables(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# The parts of issue 27's goal as a record keeps them, and as the page names one a row misses.
-GOAL_PARTS = {"met": "speed-up", "same_answer": "C or test accuracy", "objective": "objective"}
-
-
 def source_path(results: dict[str, Any]) -> str | None:
     """Where liblinear's sweeps came from when not run in the same run (``--liblinear-from``)."""
     return (results.get("liblinear_source") or {}).get("path")
@@ -383,11 +379,7 @@ def probe_tables(results: dict[str, Any]) -> str:
         (r["case"], r["goal"]) for r in results["rows"] if r.get("solver") == "newton" and "goal" in r
     ]
     if verdicts and not source_path(results):
-        failed = [
-            f"{case} ({', '.join(GOAL_PARTS[k] for k in GOAL_PARTS if not goal[k])})"
-            for case, goal in verdicts
-            if not all(goal[k] for k in ("met", "same_answer", "objective"))
-        ]
+        failed = probe_goal_misses(verdicts)
         applies = [case for case, goal in verdicts if goal["speedup"] is not None]
         parts.append(
             "Goal (issue 27): newton ≥ 10× liblinear on SST-sized and ≥ 5× on IMDB-sized cases at 4,096 "
