@@ -85,6 +85,10 @@ def worker(
         gathered = [result]
     if world.is_main:
         out.write_text(json.dumps(gathered))
+    # The wrapped module and its optimizer hold the process group: freed here, before it is destroyed,
+    # not at interpreter exit after it, where a rank was seen to hang once its work was done (its only
+    # frame the call of worker(), a C thread beside it) until the launch's timeout.
+    del module, optimizer, model, state, local
     world.close()
 
 
