@@ -85,15 +85,19 @@ def subsample(spec: str, rows: int | None, folder: Path) -> tuple[str, dict[str,
 
 
 def step_speeds(
-    preset: str, batch_size: int, texts: list[str], *, steps: int, max_bytes: int
+    preset: str, batch_size: int, texts: list[str], *, steps: int, max_bytes: int, sort_batches: int
 ) -> dict[str, float]:
-    """Chars/s of a pretraining step (batch × 256 bytes) and of a fine-tuning step (batch texts)."""
+    """Chars/s of a pretraining step (batch × 256 bytes) and of a fine-tuning step (batch texts, in the
+    job's batches: ``sort_batches`` as the job has it)."""
+    import numpy as np
     import torch
     from torch.nn import functional as F
 
     from models.finetuned import FinetuneModel, HeadConfig, batch_bytes
     from models.mlstm import MLSTM
     from models.mlstm import preset as preset_config
+    from models.text import encode
+    from tasks.finetune.train import epoch_batches
     from tasks.pretrain.step import optimizer_step
 
     torch.manual_seed(0)
@@ -112,7 +116,9 @@ def step_speeds(
 
     model = FinetuneModel(lm, HeadConfig(max_bytes=max_bytes))
     tuner = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batches = [texts[i : i + batch_size] for i in range(0, len(texts) - batch_size + 1, batch_size)]
+    lengths_N = np.array([min(len(encode(text)), max_bytes) for text in texts])
+    order = epoch_batches(lengths_N, batch_size, seed=0, epoch=0, group=sort_batches)
+    batches = [[texts[r] for r in rows] for rows in order]
 
     def finetune_step(index: int) -> int:
         bytes_BT, lengths_B = batch_bytes(batches[index % len(batches)], max_bytes, "front")
@@ -130,6 +136,10 @@ def step_speeds(
             chars += step(index)
         speeds[f"{name}_chars_per_s"] = chars / (time.perf_counter() - started)
     speeds["finetune_vs_pretrain"] = speeds["finetune_chars_per_s"] / speeds["pretrain_chars_per_s"]
+    # The share of a fine-tuning epoch's steps that read padding, in the job's batches and in random ones.
+    for name, group in (("padding", sort_batches), ("padding_random", 1)):
+        rows_SB = epoch_batches(lengths_N, batch_size, seed=0, epoch=0, group=group)
+        speeds[name] = 1 - lengths_N[rows_SB].sum() / (lengths_N[rows_SB].max(axis=1) * batch_size).sum()
     return speeds
 
 
@@ -190,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--aux-lm-weight", type=float, default=default["aux_lm_weight"])
     parser.add_argument("--freeze-lm", action="store_true", help="Train the head only.")
     parser.add_argument("--max-bytes", type=int, default=512)
+    parser.add_argument("--sort-batches", type=int, default=default["sort_batches"])
     parser.add_argument("--speed-presets", default="tiny,small", help="Presets whose step speeds are timed.")
     parser.add_argument("--speed-steps", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="Print the results as JSON on stdout.")
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     tuning = {
         "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "pool": args.pool,
         "head": args.head, "aux_lm_weight": args.aux_lm_weight, "max_bytes": args.max_bytes,
-        "freeze_lm": args.freeze_lm,
+        "freeze_lm": args.freeze_lm, "sort_batches": args.sort_batches,
     }  # fmt: skip
     rows: list[dict[str, Any]] = []
     speeds: list[dict[str, Any]] = []
@@ -232,8 +243,9 @@ def main(argv: list[str] | None = None) -> None:
         for preset in filter(None, args.speed_presets.split(",")):
             say(f"step speeds of {preset}")
             measured = step_speeds(
-                preset, args.batch_size, texts, steps=args.speed_steps, max_bytes=args.max_bytes
-            )
+                preset, args.batch_size, texts, steps=args.speed_steps, max_bytes=args.max_bytes,
+                sort_batches=args.sort_batches,
+            )  # fmt: skip
             speeds.append({"preset": preset, "batch_size": args.batch_size, **measured})
             say(
                 f"  fine-tuning {measured['finetune_chars_per_s']:,.0f} chars/s, pretraining "

@@ -574,10 +574,20 @@ def finetune_tables(results: dict[str, Any]) -> str:
         parts.append(table(["epoch", "train loss", "LM loss (nats)", "dev acc", "lr"], epochs))
     speeds = [
         [s["preset"], str(s["batch_size"]), num(s["finetune_chars_per_s"]), num(s["pretrain_chars_per_s"]),
-         ratio(s["finetune_vs_pretrain"])]
+         ratio(s["finetune_vs_pretrain"]),
+         " / ".join(percent(s[k]) if k in s else "–" for k in ("padding", "padding_random"))]
         for s in results["speeds"]
     ]  # fmt: skip
-    parts.append(table(["preset", "batch", "fine-tuning chars/s", "pretraining chars/s", "ratio"], speeds))
+    header = [
+        "preset",
+        "batch",
+        "fine-tuning chars/s",
+        "pretraining chars/s",
+        "ratio",
+        "padding (job's / random batches)",
+    ]
+    if speeds:
+        parts.append(table(header, speeds))
     return "\n\n".join(parts)
 
 

@@ -4,9 +4,9 @@ NAME=PATH --run-name NAME``.
 The pretraining job's machinery around another model and another data path: ranks, DDP and SIGTERM
 from ``tasks.pretrain.world``, Adam from ``tasks.pretrain.sharding.wrap``, autocast from
 ``models.precision``, checkpoints and their exact resume from ``tasks.pretrain.checkpointer``.
-What is its own: the data (each epoch a permutation of the train rows, a function of the seed and the
-epoch, so where a step reads is a function of the step alone and a relaunch resumes exactly, with any
-number of ranks that divides the batch), the slanted triangular learning rate of Howard & Ruder (2018),
+What is its own: the data (each epoch's batches a function of the seed and the epoch: rows shuffled,
+then sorted by length within groups of batches, so where a step reads is a function of the step alone
+and a relaunch resumes exactly, with any number of ranks that divides the batch), the slanted triangular learning rate of Howard & Ruder (2018),
 and the choice on dev: at each epoch's end the dev split picks a threshold, and the epoch best on dev
 is the classifier the run hands on; test is scored once, at the end, with that one.
 
@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from models.classifier import CONFIG_FILE, WEIGHTS_FILE
 from models.finetuned import FinetunedClassifier, FinetuneModel, HeadConfig, batch_bytes
 from models.precision import autocast, resolve_precision
+from models.text import encode
 from tasks.finetune.config import FinetuneConfig, weight_settings
 from tasks.pretrain import joblog
 from tasks.pretrain import sharding as shard
@@ -65,6 +66,24 @@ def slanted_triangular(step: int, *, total_steps: int, cut_frac: float, ratio: f
     return (1 + max(0.0, p) * (ratio - 1)) / ratio
 
 
+def epoch_batches(lengths_N: np.ndarray, batch_size: int, *, seed: int, epoch: int, group: int) -> np.ndarray:
+    """The rows of each step of an epoch [steps, batch_size]: a function of (seed, epoch) alone.
+
+    The rows are shuffled; the last partial batch is left out. With ``group`` > 1 each run of ``group``
+    batches' rows is sorted by length (stable) and cut into batches, whose order is then shuffled: a
+    batch's texts are of like length (little padding), yet which texts meet, and in which order the
+    lengths come, still changes every epoch (fastai's SortishSampler)."""
+    rng = np.random.default_rng([seed, epoch])
+    steps = len(lengths_N) // batch_size
+    order = rng.permutation(len(lengths_N))[: steps * batch_size]
+    if group == 1:
+        return order.reshape(steps, batch_size)
+    for start in range(0, len(order), group * batch_size):
+        chunk = order[start : start + group * batch_size]
+        order[start : start + len(chunk)] = chunk[np.argsort(lengths_N[chunk], kind="stable")]
+    return order.reshape(steps, batch_size)[rng.permutation(steps)]
+
+
 def pick_threshold(z_N: np.ndarray, y_N: np.ndarray) -> tuple[float, float]:
     """The logit threshold τ with the best dev accuracy (``z ≥ τ`` is positive), and that accuracy.
     Candidates: 0 and the midpoints between sorted logits; of equals, the nearest to 0 (P = 0.5)."""
@@ -94,6 +113,11 @@ class Trainer:
                 f"--batch-size {B} is larger than the {len(self.data.train)} rows of {self.data.name}'s train split"
             )
         self.total_steps = config.epochs * self.steps_per_epoch
+        # Each text's bytes as read (cut to max_bytes): what orders the rows into batches.
+        self.lengths_N = np.array(
+            [min(len(encode(text)), config.max_bytes) for text in self.data.train.texts], dtype=np.int64
+        )
+        self._epoch: tuple[int, np.ndarray] | None = None  # the batches of the epoch last read
         self.dtype = resolve_precision(config.precision, world.device)
 
         pretrained = load_checkpoint(config.checkpoint, endpoint_url=settings.s3_endpoint_url)
@@ -169,10 +193,14 @@ class Trainer:
     def rows(self, step: int) -> np.ndarray:
         """This rank's rows of the train split at ``step``: its share of the step's global batch."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.data.train))
+        if self._epoch is None or self._epoch[0] != epoch:
+            batches = epoch_batches(
+                self.lengths_N, self.config.batch_size, seed=self.config.seed, epoch=epoch,
+                group=self.config.sort_batches,
+            )  # fmt: skip
+            self._epoch = (epoch, batches)
         B, W, k = self.config.batch_size, self.world.size, self.world.rank
-        batch = order[index * B : (index + 1) * B]
-        return batch[k * B // W : (k + 1) * B // W]
+        return self._epoch[1][index][k * B // W : (k + 1) * B // W]
 
     def train_step(self) -> tuple[float, float]:
         """One step: returns this rank's classification and LM losses (nats)."""
