@@ -426,7 +426,8 @@ def build_manifest(plan: Plan, records: list[dict[str, Any]], seconds: float) ->
         "model": {k: v for k, v in asdict(plan.model).items() if k != "folder"},
         "text_column": plan.text_column,
         "id_columns": list(plan.id_columns),
-        "inputs": [asdict(f) for f in plan.files],
+        # A file's row offsets are how to read it, not what was read: the manifest names inputs as before.
+        "inputs": [{k: v for k, v in asdict(f).items() if k != "offsets"} for f in plan.files],
         "rows_in": sum(f.rows for f in plan.files),
         "rows_out": rows_out,
         "rejected": {"rows": sum(r["rejected"] for r in records), "reasons": dict(sorted(reasons.items()))},
