@@ -113,8 +113,9 @@ def test_a_parquet_window_is_read_from_its_row_group(tmp_path: Path, monkeypatch
 def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_reads(
     s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Described, then read window by window: one download (the describing hashes the object's stream);
-    a third file drops the oldest copy (COPIES_KEPT 2), and the folder goes with the process."""
+    """Describing copies a file once for its reading and its line scan (the object's stream is hashed)
+    and drops the copy; a worker's windows of it then cost one download; a third file drops the oldest
+    copy (COPIES_KEPT 2), and the folder goes with the process."""
     import boto3
 
     from tasks.store import S3Store
@@ -129,21 +130,24 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     made = {"a.csv": _csv, "b.jsonl": _jsonl, "c.csv": _csv}
     for name, make in made.items():
         s3.upload_file(str(make(tmp_path / name)), s3_bucket, f"in/{name}")
-    uri = f"s3://{s3_bucket}/in/a.csv"
-
-    file = inputs.describe(uri, text_column="text", id_columns=["id"])
+    files = {
+        name: inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
+        for name in made
+    }
+    assert downloads == list(made) and not any(inputs._copies_folder[0].iterdir())
     local = inputs.describe(str(tmp_path / "a.csv"), text_column="text", id_columns=["id"])
-    assert (file.rows, file.offsets, file.sha256) == (local.rows, local.offsets, local.sha256)
+    a = files["a.csv"]
+    assert (a.rows, a.offsets, a.sha256) == (local.rows, local.offsets, local.sha256)
+
     whole = _whole(local)
     for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS)]:
-        assert _read(file, start, stop).equals(whole.slice(start, stop - start))
-    assert downloads == ["a.csv"]
-
-    for name in ("b.jsonl", "c.csv"):
-        inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
+        assert _read(a, start, stop).equals(whole.slice(start, stop - start))
+    assert downloads == [*made, "a.csv"]
+    _read(files["b.jsonl"], 2048, 2100)
+    _read(files["c.csv"], 2048, 2100)
     (folder,) = inputs._copies_folder
-    assert downloads == ["a.csv", "b.jsonl", "c.csv"] and len(list(folder.iterdir())) == inputs.COPIES_KEPT
-    _read(file, 0, 10)  # a's copy was the oldest: copied again
-    assert downloads == ["a.csv", "b.jsonl", "c.csv", "a.csv"]
+    assert len(list(folder.iterdir())) == inputs.COPIES_KEPT
+    _read(a, 0, 10)  # a's copy was the oldest: copied again
+    assert downloads == [*made, "a.csv", "b.jsonl", "c.csv", "a.csv"]
     inputs.drop_copies()
     assert not folder.exists()

@@ -95,6 +95,8 @@ def describe(
     )
     if scanned != rows:
         offsets = ()  # the line scan and pyarrow disagree on this CSV (a lone \r line end): from the start
+    # The describing process scores nothing: its copy of an s3:// file goes now, not when it exits.
+    _drop_copy(uri, source.sha256)
     return InputFile(
         uri=uri,
         name=source.name,
@@ -398,6 +400,12 @@ def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
             _, oldest = _copies.popitem(last=False)
             oldest.unlink(missing_ok=True)
         return path
+
+
+def _drop_copy(uri: str, sha256: str) -> None:
+    with _copies_lock:
+        if (path := _copies.pop((uri, sha256), None)) is not None:
+            path.unlink(missing_ok=True)
 
 
 def drop_copies() -> None:
