@@ -54,7 +54,9 @@ describe_inputs_task = task(
     cache_policy=NO_CACHE,
     task_run_name="score piece {piece.index}",
 )
-def score_piece_task(plan: Plan, piece: Piece, threads: int | None = None) -> dict[str, Any]:
+def score_piece_task(
+    plan: Plan, piece: Piece, threads: int | None = None, workers: int = 1, memory_budget: int | None = None
+) -> dict[str, Any]:
     """One piece, with a progress artifact of its rows on the flow run's page."""
     artifact_id = create_progress_artifact(
         progress=0.0,
@@ -78,7 +80,15 @@ def score_piece_task(plan: Plan, piece: Piece, threads: int | None = None) -> di
             shown = time.monotonic()
             update_progress_artifact(artifact_id, progress=100 * done / max(rows, 1))  # type: ignore[arg-type]  # sync: a UUID
 
-    record = score_piece(plan, piece, threads=threads, on_rows=on_rows, on_batch=on_batch)
+    record = score_piece(
+        plan,
+        piece,
+        threads=threads,
+        workers=workers,
+        memory_budget=memory_budget,
+        on_rows=on_rows,
+        on_batch=on_batch,
+    )
     update_progress_artifact(artifact_id, progress=100.0)  # type: ignore[arg-type]
     return record
 
@@ -98,6 +108,7 @@ def score(
     piece_rows: int = PIECE_ROWS,
     threads_per_worker: int | None = None,
     files: list[InputFile] | None = None,
+    workers: int | None = None,
 ) -> dict[str, Any]:
     """Score every row of ``inputs`` with a registered classifier; returns the --json summary.
 
@@ -111,6 +122,8 @@ def score(
         threads_per_worker: torch threads of each worker. Default: the cores shared by the workers.
         files: ``inputs`` as ``describe_inputs`` found them, where the caller did so before the run (the
             CLI does, to refuse a bad file before Prefect starts); described here when not given.
+        workers: The task runner's workers, among which the cores and the memory for feature batches
+            (MLSTM_SCORE_MEMORY_MIB) are shared. Default: MLSTM_MAX_WORKERS, else the CPU count.
     """
     settings = get_settings()
     logger = get_run_logger()
@@ -147,12 +160,20 @@ def score(
         model_ref.version,
         plan.output,
     )
-    workers = settings.max_workers or cpu_count()
+    workers = workers or settings.max_workers or cpu_count()
     threads = threads_per_worker or max(1, cpu_count() // workers)
     sink = progress.current()
     sink.stage("score", total=sum(f.rows for f in plan.files))
     records = []
-    for future in as_completed(score_piece_task.map(plan, list(plan.pieces), threads=threads)):
+    # The run's memory for feature batches is shared by its workers: a worker's batches take 1/workers.
+    pieces = score_piece_task.map(
+        plan,
+        list(plan.pieces),
+        threads=threads,
+        workers=workers,
+        memory_budget=settings.score_memory_mib * 2**20,
+    )
+    for future in as_completed(pieces):
         record = future.result()
         records.append(record)
         sink.advance(record["rows_in"])

@@ -150,7 +150,8 @@ class MLSTM(nn.Module):
         if torch.is_autocast_enabled(x_TBE.device.type):
             xz_NG = torch.addmm(self.b, x_TBE.flatten(0, 1), W_x)
             return xz_NG.view(x_TBE.shape[0], x_TBE.shape[1], -1)
-        return x_TBE @ W_x + self.b
+        # b added in place: ``x @ W_x + self.b`` holds two 4H-wide tensors a byte at once (the same sums).
+        return (x_TBE @ W_x).add_(self.b)
 
     def _forward_fused(self, bytes_BT: Tensor, state: State) -> tuple[Tensor, State, Tensor]:
         """``forward`` through models/recurrence.py: time-major inside, the same results outside."""
@@ -191,6 +192,8 @@ class MLSTM(nn.Module):
                 xz_TNG, xm_TNH = self._input_gates(x_TNE, W_x), x_TNE @ W_mx
                 reading = num_reading[t0 : t0 + chunk_len]
                 final_states(xz_TNG, xm_TNH, h_BH, c_BH, W_h, W_mh, reading, compile_gates=self.compile_gates)
+                # Freed before the next chunk's are made: held over, they would double a batch's peak.
+                del x_TNE, xz_TNG, xm_TNH
             return c_BH[order_B.argsort()]
         for t0 in range(0, int(lengths_B[0]), chunk_len):
             n = int((lengths_B > t0).sum())  # rows still reading: a prefix, since the longest come first

@@ -79,6 +79,14 @@ class Settings(BaseSettings):
     max_workers: int | None = Field(
         default=None, ge=1, description="Parallel pieces on this machine. Default: the CPU count."
     )
+    score_memory_mib: int = Field(
+        default=1024,
+        ge=1,
+        description="Memory (MiB) the feature batches of a `score` run's workers take together on CPUs: "
+        "each of N workers sizes its batches to 1/N of it, whatever the input's size (on a GPU, half its "
+        "free memory, shared by the workers on it). The process, the model and a window of rows come "
+        "on top.",
+    )
     checkpoint_key: SecretStr | None = Field(
         default=None,
         description="Key of the HMAC-SHA256 every checkpoint saved is signed with and every checkpoint "

@@ -51,3 +51,12 @@ def test_padding_never_changes_a_feature() -> None:
 def test_bad_padding_bound_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"max_padding must be at least 0 and below 1, got 1\.5"):
         featurize(MLSTM(tiny()), ["a"], max_padding=1.5)
+
+
+def test_rows_for_memory_follow_the_bytes_given() -> None:
+    model = MLSTM(tiny())
+    cpu = torch.device("cpu")
+    rows = rows_for_memory(model, cpu, memory_bytes=2**28)
+    assert rows_for_memory(model, cpu) == rows_for_memory(model, cpu, memory_bytes=2**29)
+    assert rows_for_memory(model, cpu, memory_bytes=2**26) == rows // 4
+    assert rows_for_memory(model, cpu, memory_bytes=1) == 1

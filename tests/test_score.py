@@ -437,3 +437,33 @@ def test_local_dask_workers_keep_glibc_s_own_heap_trimming(monkeypatch: pytest.M
         Client(cluster) as client,
     ):
         assert list(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == [None]
+
+
+def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory is bounded by the settings, not by the input: the features path of each of N workers is
+    given 1/N of MLSTM_SCORE_MEMORY_MIB for its batches (N workers each taking the whole budget made a
+    run's peak grow with the input, as more of its batches filled up; issue 30). Thread workers, so the
+    calls are seen here."""
+    import torch
+
+    import models.features
+    from tasks.settings import get_settings
+
+    budgets: list[int | None] = []
+    featurize = models.features.featurize
+    monkeypatch.setattr(
+        models.features,
+        "featurize",
+        lambda model, texts, **kw: budgets.append(kw.get("memory_bytes")) or featurize(model, texts, **kw),
+    )
+    monkeypatch.setenv("MLSTM_SCORE_MEMORY_MIB", "600")
+    threads = torch.get_num_threads()
+    try:
+        summary = _score([str(imdb_slice)], str(tmp_path / "out"), task_runner="thread", workers=3)
+    finally:
+        torch.set_num_threads(threads)  # a thread worker sets this process's
+    assert summary["pieces_scored"] == 4
+    assert budgets == [600 * 2**20 // 3] * 4, budgets
+    assert get_settings().score_memory_mib == 600

@@ -53,6 +53,7 @@ def run_score(
             id_columns=id_columns or [],
             piece_rows=piece_rows or PIECE_ROWS,
             files=list(files),
+            workers=settings.max_workers,
         )
 
 

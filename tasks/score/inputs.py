@@ -1,8 +1,9 @@
 """The tables a scoring run reads: CSV, JSON lines (gzip too), Parquet and Arrow IPC, local or s3://.
 
 Finding the files and hashing them are the corpus stage's own (``tasks.corpus.sources``); an s3://
-file is read from a local copy (Parquet and Arrow need random access). Here a file is read as a sequence of Arrow record batches holding the text
-column and the id columns only. A row whose text cannot be scored (empty, not text, not UTF-8, longer
+file is read from a local copy, one a process (Parquet and Arrow need random access, and a window of a
+CSV or JSON-lines file is read from its byte offset). Here a file is read as a sequence of Arrow record
+batches holding the text column and the id columns only. A row whose text cannot be scored (empty, not text, not UTF-8, longer
 than the model reads) is not an error: ``texts_of`` says why, and the run writes it aside. A file that
 cannot be read as its extension says, or lacks the text column, is one ``InputError`` naming it.
 """
@@ -10,10 +11,16 @@ cannot be read as its extension says, or lacks the text column, is one ``InputEr
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -21,10 +28,15 @@ import pyarrow as pa
 
 from tasks.corpus.sources import GZIP_MAGIC, SourceError, expand_sources, fingerprint
 from tasks.score.formats import FORMATS, SUFFIXES
-from tasks.store import split_object_uri
+from tasks.store import LocalStore, Store, split_object_uri
 
 BATCH_ROWS = 4096  # rows per record batch read from a JSON-lines file
 CSV_BLOCK_BYTES = 16 * 2**20  # pyarrow infers a CSV's column types from its first block
+# A plain CSV or JSON-lines file's byte offset is recorded every OFFSET_ROWS rows when it is described
+# (it is read whole then anyway), so a window is read from the offset at or before its first row, not
+# from the file's start: reading a file's windows costs one reading of it, not one per window. Windows
+# start at multiples of piece_rows × WINDOW_PIECES (16,384 by default), so they start on an offset.
+OFFSET_ROWS = 1024
 
 
 class InputError(SourceError):
@@ -41,6 +53,9 @@ class InputFile:
     sha256: str
     size: int
     rows: int
+    # Byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, …: a plain CSV or JSON-lines file only (empty:
+    # read from the start; a gzip stream has no offsets to seek to, Parquet and Arrow seek themselves).
+    offsets: tuple[int, ...] = ()
 
 
 def format_of(uri: str) -> str:
@@ -66,14 +81,30 @@ def describe(
     says, or that lacks a column, fails here, before any row of any file is scored."""
     source = fingerprint(uri, piece_bytes=2**62, s3_endpoint_url=s3_endpoint_url)
     kind = format_of(uri)
-    rows = sum(
-        batch.num_rows
-        for batch in read_batches(
-            uri, kind, text_column=text_column, id_columns=id_columns, s3_endpoint_url=s3_endpoint_url
-        )
+    batches = read_batches(
+        uri,
+        kind,
+        text_column=text_column,
+        id_columns=id_columns,
+        s3_endpoint_url=s3_endpoint_url,
+        sha256=source.sha256,  # an s3:// file: one copy for the reading, the scan and the workers here
     )
+    rows = sum(batch.num_rows for batch in batches)
+    offsets, scanned = (
+        row_offsets(uri, kind, s3_endpoint_url, source.sha256) if kind in ("csv", "jsonl") else ((), 0)
+    )
+    if scanned != rows:
+        offsets = ()  # the line scan and pyarrow disagree on this CSV (a lone \r line end): from the start
+    # The describing process scores nothing: its copy of an s3:// file goes now, not when it exits.
+    _drop_copy(uri, source.sha256)
     return InputFile(
-        uri=uri, name=source.name, format=kind, sha256=source.sha256, size=source.size, rows=rows
+        uri=uri,
+        name=source.name,
+        format=kind,
+        sha256=source.sha256,
+        size=source.size,
+        rows=rows,
+        offsets=offsets,
     )
 
 
@@ -86,11 +117,19 @@ def read_rows(
     id_columns: list[str],
     s3_endpoint_url: str | None = None,
 ) -> pa.Table:
-    """Rows ``[start, stop)`` of the file (text and id columns), streamed: memory holds a batch."""
+    """Rows ``[start, stop)`` of the file (text and id columns), streamed: memory holds a batch. The read
+    begins at the recorded offset (``OFFSET_ROWS``) or Parquet row group at or before ``start``."""
     kept: list[pa.RecordBatch] = []
-    seen = 0
+    seen = start
     for batch in read_batches(
-        file.uri, file.format, text_column=text_column, id_columns=id_columns, s3_endpoint_url=s3_endpoint_url
+        file.uri,
+        file.format,
+        text_column=text_column,
+        id_columns=id_columns,
+        s3_endpoint_url=s3_endpoint_url,
+        start=start,
+        offsets=file.offsets,
+        sha256=file.sha256,
     ):
         end = seen + batch.num_rows
         if end > start:
@@ -110,20 +149,72 @@ def read_batches(
     text_column: str,
     id_columns: list[str],
     s3_endpoint_url: str | None = None,
+    start: int = 0,
+    offsets: tuple[int, ...] = (),
+    sha256: str = "",
 ) -> Iterator[pa.RecordBatch]:
-    """The file's text and id columns as record batches, text first. CSV and JSON lines carry the text
-    as bytes (``binary``), so one row of bad UTF-8 is that row's problem, not the file's."""
+    """The file's text and id columns as record batches, text first, from row ``start`` on. CSV and JSON
+    lines carry the text as bytes (``binary``), so one row of bad UTF-8 is that row's problem, not the
+    file's. A CSV or JSON-lines file is read from the byte offset in ``offsets`` (``InputFile.offsets``)
+    at or before ``start``, a Parquet file from the row group holding it, an Arrow IPC file from the
+    record batch holding it; without offsets (gzip) from its start. ``sha256``: the file's, where it was
+    described, to keep what a read from an offset needs of its start (``_csv_layout``)."""
     columns = [text_column, *id_columns]
     try:
-        if kind == "csv":
-            yield from _csv_batches(uri, columns, s3_endpoint_url)
-        elif kind == "jsonl":
-            yield from _jsonl_batches(uri, columns, s3_endpoint_url)
+        if kind in ("csv", "jsonl"):
+            index = min(start // OFFSET_ROWS, len(offsets) - 1) if offsets else -1
+            first, offset = (index * OFFSET_ROWS, offsets[index]) if index > 0 else (0, 0)
+            batches = (_csv_batches if kind == "csv" else _jsonl_batches)(
+                uri, columns, s3_endpoint_url, offset=offset, sha256=sha256
+            )
+            yield from _from_row(batches, start - first)
         else:
-            with _local(uri, s3_endpoint_url) as path:
-                yield from (_parquet_batches if kind == "parquet" else _arrow_batches)(uri, path, columns)
+            with _local(uri, s3_endpoint_url, sha256) as path:
+                read = _parquet_batches if kind == "parquet" else _arrow_batches
+                yield from read(uri, path, columns, start)
     except (pa.ArrowException, OSError, EOFError, UnicodeDecodeError) as error:
         raise InputError(f"{uri}: not a readable {_FORMAT_NAMES[kind]} file ({error})") from None
+
+
+def _from_row(batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:
+    """The batches less their first ``skip`` rows."""
+    for batch in batches:
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        yield batch.slice(skip) if skip else batch
+        skip = 0
+
+
+def row_offsets(
+    uri: str, kind: str, s3_endpoint_url: str | None = None, sha256: str = ""
+) -> tuple[tuple[int, ...], int]:
+    """The byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, … of a plain CSV or JSON-lines file, and
+    the rows it has, by one scan of its lines: a JSON-lines row is a line that is not blank (as
+    ``_jsonl_batches`` reads), a CSV row a record after the header, ending at a line end outside quotes
+    (an even count of ``"`` so far: RFC 4180, as pyarrow reads it), empty lines skipped. A gzip file: none
+    (its stream has no offsets to seek to: its windows are read from its start)."""
+    offsets: list[int] = []
+    rows = 0
+    with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
+        if raw.read(2) == GZIP_MAGIC:
+            return (), -1
+        raw.seek(0)
+        position, header, quoted = 0, kind == "csv", False
+        for line in raw:
+            begins, position = position, position + len(line)
+            if kind == "jsonl":
+                record = bool(line.strip())
+            else:
+                record = not quoted and bool(line.strip(b"\r\n"))
+                quoted ^= line.count(b'"') % 2 == 1
+                if record and header:
+                    header, record = False, False
+            if record:
+                if rows % OFFSET_ROWS == 0:
+                    offsets.append(begins)
+                rows += 1
+    return tuple(offsets), rows
 
 
 _FORMAT_NAMES = {"csv": "CSV", "jsonl": "JSON-lines", "parquet": "Parquet", "arrow": "Arrow IPC"}
@@ -138,43 +229,75 @@ def _missing(uri: str, names: list[str], columns: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _opened(uri: str, s3_endpoint_url: str | None) -> Iterator[IO[bytes]]:
-    """The file's bytes, gunzipped when they are gzip (by their magic bytes, as the corpus reads)."""
-    with _local(uri, s3_endpoint_url) as path, open(path, "rb") as raw:
+def _opened(uri: str, s3_endpoint_url: str | None, offset: int = 0, sha256: str = "") -> Iterator[IO[bytes]]:
+    """The file's bytes from ``offset``, gunzipped when they are gzip (by their magic bytes, as the
+    corpus reads; a gzip file has no offsets)."""
+    with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
         if raw.read(2) == GZIP_MAGIC:
+            assert offset == 0, "a gzip stream is read from its start"
             raw.seek(0)
             with gzip.GzipFile(fileobj=raw) as unzipped:
                 yield unzipped  # type: ignore[misc]
         else:
-            raw.seek(0)
+            raw.seek(offset)
             yield raw
 
 
-def _csv_batches(uri: str, columns: list[str], s3_endpoint_url: str | None) -> Iterator[pa.RecordBatch]:
+def _csv_batches(
+    uri: str, columns: list[str], s3_endpoint_url: str | None, *, offset: int = 0, sha256: str = ""
+) -> Iterator[pa.RecordBatch]:
+    """From the file's start, or from a row's ``offset`` with the header's names and the column types
+    pyarrow inferred from the file's first block (as a read from the start has them)."""
     import pyarrow.csv as pacsv
 
-    with _opened(uri, s3_endpoint_url) as stream:
-        # The header alone first, to name a missing column before pyarrow's own error does.
-        header = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
-        _missing(uri, header.schema.names, columns)
-    with _opened(uri, s3_endpoint_url) as stream:
+    layout = _csv_layout if sha256 else _csv_layout.__wrapped__  # kept by content only
+    names, types = layout(uri, tuple(columns), s3_endpoint_url, sha256)
+    with _opened(uri, s3_endpoint_url, offset, sha256) as stream:
         reader = pacsv.open_csv(
             stream,
-            read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+            read_options=pacsv.ReadOptions(
+                block_size=CSV_BLOCK_BYTES, column_names=list(names) if offset else None
+            ),
             convert_options=pacsv.ConvertOptions(
-                include_columns=columns, column_types={columns[0]: pa.binary()}
+                include_columns=columns,
+                column_types=dict(types) if offset else {columns[0]: pa.binary()},
             ),
         )
         yield from reader
 
 
-def _jsonl_batches(uri: str, columns: list[str], s3_endpoint_url: str | None) -> Iterator[pa.RecordBatch]:
+@functools.lru_cache(maxsize=4)
+def _csv_layout(
+    uri: str, columns: tuple[str, ...], s3_endpoint_url: str | None, sha256: str
+) -> tuple[tuple[str, ...], tuple[tuple[str, pa.DataType], ...]]:
+    """A CSV's header names and its columns' types as pyarrow reads them from the start (the types it
+    infers from the first block). Kept by the file's content: a worker needs it for each window."""
+    import pyarrow.csv as pacsv
+
+    with _opened(uri, s3_endpoint_url, 0, sha256) as stream:
+        # The header alone first, to name a missing column before pyarrow's own error does.
+        header = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
+        _missing(uri, header.schema.names, list(columns))
+    with _opened(uri, s3_endpoint_url, 0, sha256) as stream:
+        reader = pacsv.open_csv(
+            stream,
+            read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+            convert_options=pacsv.ConvertOptions(
+                include_columns=list(columns), column_types={columns[0]: pa.binary()}
+            ),
+        )
+        return tuple(header.schema.names), tuple((f.name, f.type) for f in reader.schema)
+
+
+def _jsonl_batches(
+    uri: str, columns: list[str], s3_endpoint_url: str | None, *, offset: int = 0, sha256: str = ""
+) -> Iterator[pa.RecordBatch]:
     """One record a line; a line that is not a JSON object keeps its row (its text is null, with the
     reason in ``_problem``) so that row numbers stay line numbers of records. A file with no object
-    holding the text field is no JSON-lines table of reviews: one error."""
+    holding the text field is no JSON-lines table of reviews: one error (read from its start)."""
     text, ids = columns[0], columns[1:]
-    found = False
-    with _opened(uri, s3_endpoint_url) as stream:
+    found = offset > 0
+    with _opened(uri, s3_endpoint_url, offset, sha256) as stream:
         values: dict[str, list[Any]] = {name: [] for name in columns}
         problems: list[str | None] = []
         for line in stream:
@@ -239,23 +362,79 @@ PROBLEM = "_problem"  # a JSON-lines row's reason, when the line itself could no
 
 
 @contextlib.contextmanager
-def _local(uri: str, s3_endpoint_url: str | None) -> Iterator[str]:
-    """A local path of the file (an s3:// one copied for the block): Parquet and Arrow are read by random
-    access."""
+def _local(uri: str, s3_endpoint_url: str | None, sha256: str = "") -> Iterator[str]:
+    """A local path of the file: Parquet and Arrow are read by random access, and a CSV or JSON-lines
+    window from its offset. An s3:// file whose content is known (``sha256``) is copied once for this
+    process (``_kept_copy``), not once for each window it reads; otherwise for the block."""
     store, key = split_object_uri(uri, endpoint_url=s3_endpoint_url)
+    if sha256 and not isinstance(store, LocalStore):
+        yield str(_kept_copy(store, key, uri, sha256))
+        return
     with store.local_copy(key) as path:
         yield str(path)
 
 
-def _parquet_batches(uri: str, path: str, columns: list[str]) -> Iterator[pa.RecordBatch]:
+COPIES_KEPT = 2  # s3:// inputs a process keeps a copy of: the one it reads, and the one before
+_copies: OrderedDict[tuple[str, str], Path] = OrderedDict()  # (URI, sha256) → the local copy
+_copies_lock = threading.Lock()  # a Dask worker may run pieces on several threads
+_copies_folder: list[Path] = []  # this process's folder of copies, made on the first
+
+
+def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
+    """The process's local copy of an s3:// file, by its URI and content: downloaded on the first read,
+    the oldest of more than ``COPIES_KEPT`` deleted, the folder removed when the process exits (a pool
+    worker too: ``multiprocessing``'s finalizers run there, atexit's do not)."""
+    with _copies_lock:
+        if (path := _copies.get((uri, sha256))) is not None:
+            _copies.move_to_end((uri, sha256))
+            return path
+        if not _copies_folder:
+            import multiprocessing.util
+
+            _copies_folder.append(Path(tempfile.mkdtemp(prefix="mlstm-score-inputs-")))
+            multiprocessing.util.Finalize(None, drop_copies, exitpriority=0)
+        path = _copies_folder[0] / f"{sha256[:16]}-{Path(key).name}"
+        store.download(key, path)
+        _copies[(uri, sha256)] = path
+        while len(_copies) > COPIES_KEPT:
+            _, oldest = _copies.popitem(last=False)
+            oldest.unlink(missing_ok=True)
+        return path
+
+
+def _drop_copy(uri: str, sha256: str) -> None:
+    with _copies_lock:
+        if (path := _copies.pop((uri, sha256), None)) is not None:
+            path.unlink(missing_ok=True)
+
+
+def drop_copies() -> None:
+    """Delete the process's copies of s3:// inputs and their folder."""
+    with _copies_lock:
+        _copies.clear()
+        while _copies_folder:
+            shutil.rmtree(_copies_folder.pop(), ignore_errors=True)
+
+
+def _parquet_batches(uri: str, path: str, columns: list[str], start: int = 0) -> Iterator[pa.RecordBatch]:
+    """From the row group holding ``start``: the groups before it are not decoded."""
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(path) as parquet:
         _missing(uri, parquet.schema_arrow.names, columns)
-        yield from parquet.iter_batches(columns=columns, batch_size=BATCH_ROWS)
+        group_rows = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
+        group, first = 0, 0
+        while group < len(group_rows) - 1 and first + group_rows[group] <= start:
+            first += group_rows[group]
+            group += 1
+        groups = range(group, len(group_rows))
+        yield from _from_row(
+            parquet.iter_batches(columns=columns, batch_size=BATCH_ROWS, row_groups=groups), start - first
+        )
 
 
-def _arrow_batches(uri: str, path: str, columns: list[str]) -> Iterator[pa.RecordBatch]:
+def _arrow_batches(uri: str, path: str, columns: list[str], start: int = 0) -> Iterator[pa.RecordBatch]:
+    """Record batches of a memory-mapped file: those before ``start`` cost their length only."""
     with pa.memory_map(path) as source:
         try:
             reader: Any = pa.ipc.open_file(source)
@@ -267,7 +446,7 @@ def _arrow_batches(uri: str, path: str, columns: list[str]) -> Iterator[pa.Recor
             reader = pa.ipc.open_stream(source)
             batches = iter(reader)
         _missing(uri, reader.schema.names, columns)
-        for batch in batches:
+        for batch in _from_row(batches, start):
             yield batch.select(columns)
 
 

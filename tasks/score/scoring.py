@@ -255,6 +255,18 @@ def _device() -> Any:
     return device
 
 
+def batch_memory(device: Any, *, workers: int, budget: int) -> int:
+    """Bytes one worker's feature batches may take: on a CPU its share of the run's ``budget``, on a GPU
+    half that GPU's free memory shared by the workers on it. Without the share, N workers would each
+    take the whole budget, and memory would grow with the workers."""
+    import torch
+
+    if device.type == "cuda":
+        sharing = -(-workers // torch.cuda.device_count())
+        return int(torch.cuda.mem_get_info(device)[0] * 0.5) // sharing
+    return budget // workers
+
+
 def piece_done(plan: Plan, piece: Piece) -> dict[str, Any] | None:
     store = plan.store()
     key = f"pieces/{piece.name}.json"
@@ -267,13 +279,17 @@ def score_piece(
     *,
     threads: int | None = None,
     batch_size: int | None = None,
+    workers: int = 1,
+    memory_budget: int | None = None,
     on_rows: Any = None,
     on_batch: Any = None,
 ) -> dict[str, Any]:
     """Score one piece and publish its part, its rejects and then its ``pieces/`` record; a piece whose
     record exists is skipped (``skipped`` True). ``batch_size`` None: rows per batch sized by memory,
-    longest texts first, as the features path batches (``models.features.featurize``). ``on_rows`` is
-    told the piece's rows once they are known (its window read), ``on_batch`` each batch scored."""
+    longest texts first, as the features path batches (``models.features.featurize``): this worker's
+    share of ``memory_budget`` bytes among ``workers`` (``batch_memory``), or the features path's own
+    default where no budget is given. ``on_rows`` is told the piece's rows once they are known (its
+    window read), ``on_batch`` each batch scored."""
     if (done := piece_done(plan, piece)) is not None:
         return {**done, "skipped": True}
     import torch
@@ -307,14 +323,23 @@ def score_piece(
     good = np.array([t is not None for t in texts], dtype=bool)
     kept = [t for t in texts if t is not None]
     classifier = _classifier(plan.model.folder, plan.model.weights_sha256)
+    device = _device()
     if hasattr(classifier, "coef_H"):  # a probe on the frozen features
+        memory_bytes = (
+            None if memory_budget is None else batch_memory(device, workers=workers, budget=memory_budget)
+        )
         features_NH = featurize(
-            classifier.model, kept, batch_size=batch_size, device=_device(), on_batch=on_batch
+            classifier.model,
+            kept,
+            batch_size=batch_size,
+            device=device,
+            on_batch=on_batch,
+            memory_bytes=memory_bytes,
         )
         p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
         unit_N = features_NH[:, plan.model.unit]
     else:  # fine-tuned: its own pooling and head; no sentiment unit to report
-        classifier.model.to(_device())
+        classifier.model.to(device)
         p_N = classifier.predict_proba(kept, batch_size=batch_size or 64)
         unit_N = np.full(len(kept), np.nan, dtype=np.float32)
         if on_batch is not None:
@@ -401,7 +426,8 @@ def build_manifest(plan: Plan, records: list[dict[str, Any]], seconds: float) ->
         "model": {k: v for k, v in asdict(plan.model).items() if k != "folder"},
         "text_column": plan.text_column,
         "id_columns": list(plan.id_columns),
-        "inputs": [asdict(f) for f in plan.files],
+        # A file's row offsets are how to read it, not what was read: the manifest names inputs as before.
+        "inputs": [{k: v for k, v in asdict(f).items() if k != "offsets"} for f in plan.files],
         "rows_in": sum(f.rows for f in plan.files),
         "rows_out": rows_out,
         "rejected": {"rows": sum(r["rejected"] for r in records), "reasons": dict(sorted(reasons.items()))},

@@ -1,0 +1,153 @@
+"""The score command's readers (issue 30): a window of a file is read from where it begins, not from the
+file's start, and gives the rows a read from the start gives. No model, no Prefect: files written here."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.score import inputs
+
+ROWS = 3000  # three offsets at OFFSET_ROWS 1,024
+
+
+def _csv(path: Path) -> Path:
+    """Quoted texts over several lines, doubled quotes, and empty lines pyarrow skips."""
+    lines = ["id,text,extra"]
+    for i in range(ROWS):
+        text = f'"a review over\nlines, ""quoted"" {i}"' if i % 3 == 0 else f"plain review {i}"
+        lines.append(f"{i},{text},x{i % 7}")
+        if i % 500 == 0:
+            lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _jsonl(path: Path) -> Path:
+    """Blank lines (no row) and a line that is not JSON (a row, rejected later)."""
+    lines = []
+    for i in range(ROWS):
+        lines.append(json.dumps({"id": i, "text": f"review {i} " * (i % 5 + 1)}) if i % 700 else "{not json")
+        if i % 400 == 0:
+            lines.append("   ")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _read(file: inputs.InputFile, start: int, stop: int) -> pa.Table:
+    return inputs.read_rows(file, start, stop, text_column="text", id_columns=["id"])
+
+
+def _whole(file: inputs.InputFile) -> pa.Table:
+    batches = inputs.read_batches(file.uri, file.format, text_column="text", id_columns=["id"])
+    return pa.Table.from_batches(list(batches)).combine_chunks()
+
+
+@pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
+def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_start_does(
+    make: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make(tmp_path / ("reviews.csv" if make is _csv else "reviews.jsonl"))
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert file.rows == ROWS and len(file.offsets) == 3 and list(file.offsets) == sorted(set(file.offsets))
+    whole = _whole(file)
+
+    opened: list[int] = []
+    real = inputs._opened
+    monkeypatch.setattr(
+        inputs,
+        "_opened",
+        lambda uri, s3, offset=0, sha256="": opened.append(offset) or real(uri, s3, offset, sha256),
+    )
+    inputs._csv_layout.cache_clear()
+    for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS), (1500, 2100)]:
+        assert _read(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
+    # The rows' reads open the file at the offset at or before their first row (a CSV's layout, the
+    # header and the column types of its first block, is read from the start once and kept).
+    layout = [0, 0] if make is _csv else []
+    assert opened == [*layout, 0, file.offsets[1], file.offsets[2], file.offsets[1]], opened
+
+
+def test_a_gzip_file_has_no_offsets_and_reads_its_windows_from_its_start(tmp_path: Path) -> None:
+    plain = _jsonl(tmp_path / "reviews.jsonl")
+    path = tmp_path / "reviews.jsonl.gz"
+    path.write_bytes(gzip.compress(plain.read_bytes()))
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert file.rows == ROWS and file.offsets == ()
+    assert _read(file, 2048, 2100).equals(_whole(file).slice(2048, 52))
+
+
+def test_a_csv_whose_line_ends_the_scan_does_not_see_has_no_offsets(tmp_path: Path) -> None:
+    """Lone carriage returns end pyarrow's rows but not a Python line: the counts disagree, so the file's
+    windows are read from its start rather than from wrong offsets."""
+    path = tmp_path / "mac.csv"
+    path.write_bytes(b"id,text\r" + b"".join(b"%d,review %d\r" % (i, i) for i in range(ROWS)))
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert file.rows == ROWS and file.offsets == ()
+    assert _read(file, 2048, 2100).column("id").to_pylist() == list(range(2048, 2100))
+
+
+def test_a_parquet_window_is_read_from_its_row_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = pa.table({"id": list(range(ROWS)), "text": [f"review {i}" for i in range(ROWS)]})
+    path = tmp_path / "reviews.parquet"
+    pq.write_table(table, path, row_group_size=1000)
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    groups: list[list[int]] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        groups.append(list(kwargs["row_groups"]))
+        return iter_batches(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    assert _read(file, 2048, 2100).column("id").to_pylist() == list(range(2048, 2100))
+    assert groups == [[2]]
+
+
+def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_reads(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Describing copies a file once for its reading and its line scan (the object's stream is hashed)
+    and drops the copy; a worker's windows of it then cost one download; a third file drops the oldest
+    copy (COPIES_KEPT 2), and the folder goes with the process."""
+    import boto3
+
+    from tasks.store import S3Store
+
+    downloads: list[str] = []
+    download = S3Store.download
+    monkeypatch.setattr(
+        S3Store, "download", lambda self, key, local: downloads.append(key) or download(self, key, local)
+    )
+    inputs.drop_copies()
+    s3 = boto3.client("s3")
+    made = {"a.csv": _csv, "b.jsonl": _jsonl, "c.csv": _csv}
+    for name, make in made.items():
+        s3.upload_file(str(make(tmp_path / name)), s3_bucket, f"in/{name}")
+    files = {
+        name: inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
+        for name in made
+    }
+    assert downloads == list(made) and not any(inputs._copies_folder[0].iterdir())
+    local = inputs.describe(str(tmp_path / "a.csv"), text_column="text", id_columns=["id"])
+    a = files["a.csv"]
+    assert (a.rows, a.offsets, a.sha256) == (local.rows, local.offsets, local.sha256)
+
+    whole = _whole(local)
+    for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS)]:
+        assert _read(a, start, stop).equals(whole.slice(start, stop - start))
+    assert downloads == [*made, "a.csv"]
+    _read(files["b.jsonl"], 2048, 2100)
+    _read(files["c.csv"], 2048, 2100)
+    (folder,) = inputs._copies_folder
+    assert len(list(folder.iterdir())) == inputs.COPIES_KEPT
+    _read(a, 0, 10)  # a's copy was the oldest: copied again
+    assert downloads == [*made, "a.csv", "b.jsonl", "c.csv", "a.csv"]
+    inputs.drop_copies()
+    assert not folder.exists()
