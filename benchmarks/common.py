@@ -173,12 +173,13 @@ def record(
 
 
 @contextlib.contextmanager
-def peak_rss() -> Iterator[dict[str, int]]:
+def peak_rss() -> Iterator[dict[str, Any]]:
     """The largest sum of resident memory of this process and its descendants seen while the block ran
-    (``peak``), and what it was when the block began (``start``), sampled every 0.1 s."""
+    (``peak``), what it was when the block began (``start``), and each process's own peak (``each``:
+    pid → bytes; this process's is also ``own``), sampled every 0.1 s."""
     import psutil
 
-    seen = {"peak": 0, "start": 0}
+    seen: dict[str, Any] = {"peak": 0, "start": 0, "own": 0, "each": {}}
     stop = threading.Event()
 
     def sample() -> None:
@@ -187,8 +188,11 @@ def peak_rss() -> Iterator[dict[str, int]]:
             total = 0
             for process in [me, *me.children(recursive=True)]:
                 with contextlib.suppress(psutil.Error):
-                    total += process.memory_info().rss
+                    rss = process.memory_info().rss
+                    total += rss
+                    seen["each"][process.pid] = max(seen["each"].get(process.pid, 0), rss)
             seen["peak"] = max(seen["peak"], total)
+            seen["own"] = seen["each"].get(me.pid, 0)
             stop.wait(0.1)
 
     seen["start"] = psutil.Process().memory_info().rss
