@@ -46,7 +46,8 @@ class FinetuneSettings(BaseModel):
     max_bytes: Annotated[int, WEIGHTS] = Field(default=1024, ge=2, description="Longer texts are cut to this many bytes before reading.")
     truncate: Annotated[Literal["front", "back"], WEIGHTS] = Field(default="front", description="Which end of a long text is cut: front (keep its end) or back (keep its start).")
     # fastai's SortishSampler (ULMFiT, Howard & Ruder 2018): a batch steps as long as its longest text, so
-    # random batches of SST sentences spend half their steps on padding; sorted groups spend 3 %.
+    # random batches of SST sentences spend half their steps on padding, sorted groups a few per cent
+    # (benchmarks/finetune.py measures both).
     sort_batches: Annotated[int, WEIGHTS] = Field(default=50, ge=1, description="Batches whose rows are ordered by length together (each epoch's shuffled rows cut into groups of this many batches, each group sorted, the batches then shuffled); 1: random batches.")
     # Howard & Ruder 2018: slanted triangular learning rates; their cut_frac 0.1 and ratio 32.
     lr: Annotated[float, WEIGHTS] = Field(default=3e-3, gt=0, description="Peak Adam learning rate of the slanted triangular schedule.")
