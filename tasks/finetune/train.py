@@ -7,8 +7,9 @@ from ``tasks.pretrain.world``, Adam from ``tasks.pretrain.sharding.wrap``, autoc
 What is its own: the data (each epoch's batches a function of the seed and the epoch: rows shuffled,
 then sorted by length within groups of batches, so where a step reads is a function of the step alone
 and a relaunch resumes exactly, with any number of ranks that divides the batch), the slanted
-triangular learning rate of Howard & Ruder (2018), and the choice on dev: at each epoch's end the dev split picks a threshold, and the epoch best on dev
-is the classifier the run hands on; test is scored once, at the end, with that one.
+triangular learning rate of Howard & Ruder (2018), and the choice on dev: at each epoch's end the dev
+split picks a threshold, and the epoch best on dev is the classifier the run hands on; test is scored
+once, at the end, with that one.
 
 Checkpoints go to ``<store>/finetune/runs/<run>/``, a folder of their own, so that a pretraining
 ``--checkpoint newest`` never finds a fine-tuning run. Each epoch's classifier (threshold folded in)
