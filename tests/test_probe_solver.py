@@ -497,6 +497,19 @@ def test_on_real_features_newton_matches_liblinear_at_every_C_and_chooses_its_C(
     assert reference.test_accuracy > 0.52
 
 
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 200])
+def test_the_gram_matrix_is_the_whole_symmetric_product_also_into_a_view(rows: int) -> None:
+    # syrk fills one triangle; the compiled mirror, blocked by 64, must fill the other at every size,
+    # also into the corner of a larger matrix (the lazy Hessian's, whose last row is the intercept's).
+    A = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, 50)).astype(np.float32))
+    expected = A.double().numpy() @ A.double().numpy().T
+    np.testing.assert_allclose(newton._gram(A), expected, rtol=1e-5, atol=1e-4)
+    matrix = np.full((rows + 1, rows + 1), -1.0, dtype=np.float32)
+    newton._gram(A, out=matrix[:rows, :rows])
+    np.testing.assert_allclose(matrix[:rows, :rows], expected, rtol=1e-5, atol=1e-4)
+    assert (matrix[rows] == -1).all() and (matrix[:, rows] == -1).all()
+
+
 @pytest.mark.parametrize("shape", [(3, 0), (0, 5)])
 def test_the_gram_of_an_empty_matrix_is_zeros_and_prints_nothing(
     shape: tuple[int, int], capfd: pytest.CaptureFixture[str]
