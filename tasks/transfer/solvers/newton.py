@@ -5,7 +5,8 @@ For each C, ascending, it minimises liblinear's objective divided by C (same min
     sum_i log(1 + exp(-s_i (w·x_i + b)))  +  (||w||_1 + |b|) / C,        s_i = ±1
 
 (liblinear penalises the intercept as one more feature of value 1). Each C starts from the previous
-C's solution. An outer loop takes the full gradient (one pass over X), stops if the point is optimal,
+C's solution, or from the line through the previous two continued to this C where that is lower
+(``_extrapolated_start``). An outer loop takes the full gradient (one pass over X), stops if the point is optimal,
 and otherwise picks a working set W: the non-zero weights plus the worst violators of the optimality
 conditions, a quarter as many (at least 100). On W it takes proximal Newton steps (Lee, Sun & Saunders
 2014; Yuan, Ho & Lin 2012): the Hessian restricted to W, X_Wᵀ diag(p(1-p)) X_W, is one dense
@@ -23,7 +24,7 @@ direction for the line search, so the extra (cheap) steps cost less than the bui
 sweep took half the time (docs/benchmarks.md). The converged point is the same: only the gradient,
 always exact, decides when a C is done.
 
-Three things keep it fast on features conditioned like real cell states (columns sharing a few
+Four things keep it fast on features conditioned like real cell states (columns sharing a few
 factors with little noise of their own, unit scales spread over orders of magnitude; issue 27), on
 which the sweeps above and the lazy Hessian had made it no faster than liblinear:
 
@@ -38,6 +39,9 @@ which the sweeps above and the lazy Hessian had made it no faster than liblinear
 - Working sets of at most 500 coordinates also take exact steps on their signs (``_orthant_step``): on
   cell states of a briefly trained model, whose nearly constant units are collinear with the intercept,
   the sweeps made no headway even on 30 coordinates and the large-C end never converged.
+- Each C after the second starts from the previous two solutions' line, continued in log C, where
+  that lowers the objective: at the large-C end the solutions move far from one C to the next, and
+  the extrapolated start cut the coordinate sweeps by a fifth and the Hessian builds by a quarter.
 
 The dense linear algebra other than syrk goes through torch (MKL) or compiled loops, not through
 scipy's or numpy's OpenBLAS: on two cores OpenBLAS's threads and torch's OpenMP threads spin against
@@ -97,9 +101,45 @@ def l1_logistic_path(
     w_H = np.zeros(H)
     b = 0.0
     z_N = torch.zeros_like(s_N)  # the scores X w + b, carried along the path
+    solved: list[tuple[np.ndarray, float, float]] = []  # the last two Cs' weights, intercepts and Cs
     for C in Cs:
-        w_H, b, z_N, iterations, converged = _solve(XT_HN, s_N, w_H, b, z_N, 1.0 / C, tol, max_outer)
+        start = (w_H, b, z_N)
+        if len(solved) == 2 and solved[0][2] < solved[1][2] < C:
+            start = _extrapolated_start(XT_HN, s_N, C, start, solved)
+        w_H, b, z_N, iterations, converged = _solve(XT_HN, s_N, *start, 1.0 / C, tol, max_outer)
+        solved = [*solved[-1:], (w_H, b, C)]
         yield PathPoint(C=float(C), coef=w_H.copy(), intercept=b, iterations=iterations, converged=converged)
+
+
+def _extrapolated_start(
+    XT_HN: torch.Tensor,
+    s_N: torch.Tensor,
+    C: float,
+    start: tuple[np.ndarray, float, torch.Tensor],
+    solved: list[tuple[np.ndarray, float, float]],
+) -> tuple[np.ndarray, float, torch.Tensor]:
+    """The start for ``C``: the last solution ``start`` (weights, intercept, scores) moved on along the
+    line through the two ``solved`` before (weights, intercept, C; the last is ``start``'s), if that
+    lowers C's objective; otherwise ``start`` itself.
+
+    The path is smooth in log C between changes of support, so a straight line in log C through the
+    solutions at the two C before guesses the next. A weight the line takes through zero stops at
+    zero (it is leaving the support), and a zero weight stays zero. On correlated features at the
+    large-C end the extrapolated start cut the sweep's coordinate-descent work by a fifth.
+    """
+    w_H, b, z_N = start
+    (w0_H, b0, C0), (_, _, last_C) = solved
+    t = np.log(C / last_C) / np.log(last_C / C0)  # 1 on a grid of constant ratio
+    guess_H = w_H + t * (w_H - w0_H)
+    guess_H = np.where(np.sign(guess_H) == np.sign(w_H), guess_H, 0.0)
+    guess_b = b + t * (b - b0)
+    guess_N = (torch.from_numpy(guess_H).to(XT_HN) @ XT_HN).double() + guess_b
+    lam = 1.0 / C
+    if _loss(s_N, guess_N) + lam * (np.abs(guess_H).sum() + abs(guess_b)) < _loss(s_N, z_N) + lam * (
+        np.abs(w_H).sum() + abs(b)
+    ):
+        return guess_H, float(guess_b), guess_N
+    return start
 
 
 def _residual(g: np.ndarray, w: np.ndarray, lam: float | np.ndarray) -> np.ndarray:
