@@ -254,6 +254,36 @@ def test_a_poor_newton_step_rebuilds_the_hessian_with_current_weights(stale: flo
     )
 
 
+def test_the_extrapolated_start_along_the_path_saves_newton_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Badly scaled, correlated columns; the large-C half of the path, where the solutions move most.
+    X, y = _badly_scaled(256, (1000, 10, 10))["train"]
+    Cs = DEFAULT_CS[4:]
+    extrapolated = list(newton.l1_logistic_path(X, y, Cs))
+    monkeypatch.setattr(newton, "_extrapolated_start", lambda XT_HN, s_N, C, start, solved: start)
+    plain = list(newton.l1_logistic_path(X, y, Cs))
+    steps, plain_steps = (sum(p.iterations for p in path) for path in (extrapolated, plain))
+    assert steps * 1.1 <= plain_steps, (steps, plain_steps)
+    assert all(p.converged for p in extrapolated)
+
+
+def test_an_extrapolated_start_that_would_raise_the_objective_is_refused() -> None:
+    # The line through the solutions at C and 2C, followed to 4C, and the same line turned back on
+    # itself (the solution at 2C given as the earlier one): only the first lowers 4C's objective.
+    X, y = _badly_scaled(64, (500, 10, 10))["train"]
+    XT_HN = torch.from_numpy(np.ascontiguousarray(X.T))
+    s_N = torch.from_numpy(y * 2.0 - 1)
+    (w1, b1), (w2, b2) = ((p.coef, p.intercept) for p in newton.l1_logistic_path(X, y, (0.25, 0.5)))
+    start = (w2, b2, (XT_HN.T.double() @ torch.from_numpy(w2)) + b2)
+    w_H, b, z_N = newton._extrapolated_start(XT_HN, s_N, 1.0, start, [(w1, b1, 0.25), (w2, b2, 0.5)])
+    assert not np.array_equal(w_H, w2)  # taken, with its own scores
+    scores = X.astype(np.float64) @ w_H + b
+    np.testing.assert_allclose(z_N.numpy(), scores, atol=1e-5 * np.abs(scores).max())
+    backwards = newton._extrapolated_start(
+        XT_HN, s_N, 1.0, start, [(2 * w2 - w1, 2 * b2 - b1, 0.25), (w2, b2, 0.5)]
+    )
+    assert backwards is start
+
+
 def test_an_unknown_solver_is_refused(data: Data) -> None:
     with pytest.raises(ValueError, match="solver must be one of liblinear, newton, torch"):
         _fit(data, "saga")
@@ -495,6 +525,19 @@ def test_on_real_features_newton_matches_liblinear_at_every_C_and_chooses_its_C(
     assert abs(fast.test_accuracy - reference.test_accuracy) <= 0.005
     # Above chance on 1,000 sentences: the features carry some sentiment.
     assert reference.test_accuracy > 0.52
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 200])
+def test_the_gram_matrix_is_the_whole_symmetric_product_also_into_a_view(rows: int) -> None:
+    # syrk fills one triangle; the compiled mirror, blocked by 64, must fill the other at every size,
+    # also into the corner of a larger matrix (the lazy Hessian's, whose last row is the intercept's).
+    A = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, 50)).astype(np.float32))
+    expected = A.double().numpy() @ A.double().numpy().T
+    np.testing.assert_allclose(newton._gram(A), expected, rtol=1e-5, atol=1e-4)
+    matrix = np.full((rows + 1, rows + 1), -1.0, dtype=np.float32)
+    newton._gram(A, out=matrix[:rows, :rows])
+    np.testing.assert_allclose(matrix[:rows, :rows], expected, rtol=1e-5, atol=1e-4)
+    assert (matrix[rows] == -1).all() and (matrix[:, rows] == -1).all()
 
 
 @pytest.mark.parametrize("shape", [(3, 0), (0, 5)])
