@@ -30,11 +30,17 @@ MAX_PADDING = 0.1  # of the bytes a batch holds: the issue's bound
 MAX_ROWS = 4096  # beyond this a batch no longer gets faster, only later to finish
 
 
+def batch_memory_default(device: torch.device, *, fraction: float = 0.5) -> int:
+    """Bytes feature batches may take when not told: ``fraction`` of the device's free memory, taken as
+    1 GiB on a CPU (where free memory says little: other processes and the page cache share it)."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**30
+    return int(free * fraction)
+
+
 def rows_for_memory(
     model: MLSTM, device: torch.device, *, fraction: float = 0.5, memory_bytes: int | None = None
 ) -> int:
-    """Rows per feature batch that fit in ``memory_bytes``, or else in ``fraction`` of the device's free
-    memory (1 GiB on a CPU)."""
+    """Rows per feature batch that fit in ``memory_bytes``, or else in ``batch_memory_default``."""
     H, E = model.config.hidden_size, model.config.embed_size
     elem = 2 if device.type == "cuda" else 4  # autocast's bf16/fp16 on a GPU
     # One chunk's embedding, xz [4H] and xm [H] per byte; h, c and the step's gate temporaries per row.
@@ -42,8 +48,7 @@ def rows_for_memory(
     # these 387, small 5,323 against 5,210; the rest is the padded bytes (int64) and their reordered copy.
     per_row = CHUNK_LEN * (E * elem + 5 * H * elem) + 12 * H * 4
     if memory_bytes is None:
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**30
-        memory_bytes = int(free * fraction)
+        memory_bytes = batch_memory_default(device, fraction=fraction)
     return max(1, min(MAX_ROWS, memory_bytes // per_row))
 
 

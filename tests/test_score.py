@@ -467,3 +467,24 @@ def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(
     assert summary["pieces_scored"] == 4
     assert budgets == [600 * 2**20 // 3] * 4, budgets
     assert get_settings().score_memory_mib == 600
+
+
+def test_workers_on_a_gpu_share_half_its_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the budget setting does not apply: the workers on one device share half its free memory,
+    the features path's own default (``models.features.batch_memory_default``), split among them. The
+    device's queries are answered here: the rule, not a GPU, is under test."""
+    import torch
+
+    from models.config import tiny
+    from models.features import rows_for_memory
+    from models.mlstm import MLSTM
+    from tasks.score.scoring import batch_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    gpu = torch.device("cuda", 0)
+    # 5 workers on 2 GPUs: up to 3 on one, each a third of half of 8 GiB; the CPU budget is ignored.
+    assert batch_memory(gpu, workers=5, budget=2**20) == 4 * 2**30 // 3
+    assert batch_memory(torch.device("cpu"), workers=4, budget=2**30) == 2**28
+    model = MLSTM(tiny())
+    assert rows_for_memory(model, gpu) == rows_for_memory(model, gpu, memory_bytes=4 * 2**30)

@@ -261,9 +261,11 @@ def batch_memory(device: Any, *, workers: int, budget: int) -> int:
     take the whole budget, and memory would grow with the workers."""
     import torch
 
+    from models.features import batch_memory_default
+
     if device.type == "cuda":
         sharing = -(-workers // torch.cuda.device_count())
-        return int(torch.cuda.mem_get_info(device)[0] * 0.5) // sharing
+        return batch_memory_default(device) // sharing
     return budget // workers
 
 
