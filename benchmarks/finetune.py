@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Fine-tuning against the frozen probe and the TF-IDF baseline, from one checkpoint, on the same splits.
 
-The checkpoint is the demo's tiny mLSTM (``mlstm-sentiment demo``'s pretraining: the generated sample
-corpus, batch 16 × 64 bytes, lr 3e-3, 300 steps), trained here first unless ``--checkpoint`` names one.
+The checkpoint is pretrained here first unless ``--checkpoint`` names one: by default the demo's tiny
+mLSTM (``mlstm-sentiment demo``'s pretraining: the generated sample corpus, batch 16 × 64 bytes, lr 3e-3,
+300 steps); ``--pretrain small:150`` the small preset, 150 steps on the shared Amazon reviews (the files,
+batch, length and lr of the probe benchmark's real cell states, ``cell_states.py``).
 Each ``--dataset`` is read by the transfer stage's loader; ``--train-rows`` keeps a fixed random subset
 of its train split (dev and test whole; default all of SST's 6,920) for shorter runs, and the probe,
 the baseline and the fine-tuning all see that same subset. Per dataset: test accuracy and seconds of
@@ -17,11 +19,13 @@ timed over a few steps after one warm-up step. Presets beyond the checkpoint's s
 their speed does not depend on the weights.
 
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --record
+    PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pretrain small:150 --epochs 1 --speed-presets small --record small
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pool last --lr 1e-3 --aux-lm-weight 0 --train-rows 2000
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import json
@@ -38,8 +42,13 @@ SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) /
 DEFAULT_DATASETS = [f"sst2={SHARED_DATA / 'sst2'}"]
 
 
-def demo_checkpoint(home: Path) -> tuple[str, float]:
-    """The demo's tiny mLSTM, trained in this process; its URI and the seconds it took."""
+def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, float]:
+    """A checkpoint of ``preset`` pretrained by the job in this process for ``steps`` steps; its URI and
+    the seconds it took (corpus included). tiny: the demo's (its generated sample, 16 × 64 bytes, lr
+    3e-3); any other preset: the shared Amazon reviews the probe's real cell states read
+    (``cell_states.AMAZON_FILES``), with their batch, length and lr."""
+    from cell_states import AMAZON_FILES, BATCH, LR, SEQ_LEN
+
     from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
     from tasks.corpus.sample import write_sample
     from tasks.pretrain.config import TrainConfig
@@ -49,18 +58,40 @@ def demo_checkpoint(home: Path) -> tuple[str, float]:
     from tasks.store import LocalStore
 
     started = time.perf_counter()
-    files = write_sample(home / "sample", num_reviews=3000)
+    if preset == "tiny":
+        files, batch, seq_len, lr = write_sample(home / "sample", num_reviews=3000), 16, 64, 3e-3
+    else:
+        files, batch, seq_len, lr = [SHARED_DATA / "amazon" / f for f in AMAZON_FILES], BATCH, SEQ_LEN, LR
+        if missing := [str(f) for f in files if not f.is_file()]:
+            raise SystemExit(f"finetune benchmark: the shared Amazon files are missing: {', '.join(missing)}")
     manifest = build_in_process(
         plan_corpus([str(f) for f in files], CorpusConfig()), LocalStore(home / "store")
     )
     corpus = str(home / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
     config = TrainConfig(
-        corpus=corpus, run_name="demo-tiny", preset="tiny", batch_size=16, seq_len=64, lr=3e-3,
-        max_steps=300, checkpoint_every=300, val_every=300, tracking="off",
+        corpus=corpus, run_name=f"bench-{preset}", preset=preset, batch_size=batch, seq_len=seq_len, lr=lr,
+        max_steps=steps, checkpoint_every=steps, val_every=steps, tracking="off",
     )  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         result = fit(config, World(), get_settings())
     return str(result["checkpoint_uri"]), time.perf_counter() - started
+
+
+def preset_steps(value: str) -> tuple[str, int]:
+    """``--pretrain``'s PRESET:STEPS, refused by name before any work."""
+    from models.config import PRESETS
+
+    preset, _, steps = value.partition(":")
+    if preset not in PRESETS or not steps.isdigit() or int(steps) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected PRESET:STEPS, a preset of {', '.join(PRESETS)} and a step count ≥ 1"
+        )
+    return preset, int(steps)
+
+
+def pretrained_here(preset: str, steps: int) -> str:
+    corpus = "the demo's generated sample" if preset == "tiny" else "the shared Amazon reviews"
+    return f"{preset}, pretrained here for {steps} steps on {corpus}"
 
 
 def subsample(spec: str, rows: int | None, folder: Path) -> tuple[str, dict[str, int]]:
@@ -185,7 +216,15 @@ def compare(spec: str, checkpoint: str, settings_of_tuning: dict[str, Any]) -> d
 
 def main(argv: list[str] | None = None) -> None:
     parser = new_parser(__doc__ or "", raw=True)
-    parser.add_argument("--checkpoint", help="A pretraining checkpoint. Default: train the demo's tiny one.")
+    parser.add_argument("--checkpoint", help="A pretraining checkpoint. Default: pretrain one (--pretrain).")
+    parser.add_argument(
+        "--pretrain",
+        default="tiny:300",
+        type=preset_steps,
+        metavar="PRESET:STEPS",
+        help="The checkpoint pretrained here: tiny on the demo's sample, any other preset on the shared "
+        "Amazon reviews. [tiny:300, the demo's]",
+    )
     parser.add_argument("--dataset", action="append", metavar="NAME=PATH", help="Default: the shared SST.")
     parser.add_argument("--train-rows", type=int, default=0, help="Train rows kept (0: all). [0]")
     from tasks.finetune.config import FinetuneSettings
@@ -221,8 +260,9 @@ def main(argv: list[str] | None = None) -> None:
         pretrain_seconds = None
         checkpoint = args.checkpoint
         if checkpoint is None:
-            say("pretraining the demo's tiny mLSTM (300 steps of 16 × 64 bytes)")
-            checkpoint, pretrain_seconds = demo_checkpoint(home)
+            preset, steps = args.pretrain
+            say(f"pretraining {preset} for {steps} steps")
+            checkpoint, pretrain_seconds = pretrained_checkpoint(home, preset, steps)
         texts: list[str] = []
         for spec in args.dataset or DEFAULT_DATASETS:
             name = spec.partition("=")[0]
@@ -253,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     results = {
         "machine": machine(torch.device("cpu")),
-        "checkpoint": args.checkpoint or "the demo's tiny mLSTM, trained here",
+        "checkpoint": args.checkpoint or pretrained_here(*args.pretrain),
         "pretrain_seconds": pretrain_seconds,
         "settings": tuning,
         "rows": rows,
