@@ -42,11 +42,12 @@ SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) /
 DEFAULT_DATASETS = [f"sst2={SHARED_DATA / 'sst2'}"]
 
 
-def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, float]:
-    """A checkpoint of ``preset`` pretrained by the job in this process for ``steps`` steps; its URI and
-    the seconds it took (corpus included). tiny: the demo's (its generated sample, 16 × 64 bytes, lr
-    3e-3); any other preset: the shared Amazon reviews the probe's real cell states read
-    (``cell_states.AMAZON_FILES``), with their batch, length and lr."""
+def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str, float]:
+    """A checkpoint of ``preset`` pretrained by the job in this process for ``steps`` steps; its URI, what
+    it is, and the seconds it took (corpus included). tiny: the demo's (its generated sample, 16 × 64
+    bytes, lr 3e-3, the schedule one epoch of it); any other preset: the shared Amazon reviews the probe's
+    real cell states read (``cell_states.AMAZON_FILES``), with their batch, length and lr, the schedule
+    ``steps`` long (an epoch of those files is about 127 steps: the job would stop there)."""
     from cell_states import AMAZON_FILES, BATCH, LR, SEQ_LEN
 
     from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
@@ -60,8 +61,10 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, flo
     started = time.perf_counter()
     if preset == "tiny":
         files, batch, seq_len, lr = write_sample(home / "sample", num_reviews=3000), 16, 64, 3e-3
+        total_steps = None
     else:
         files, batch, seq_len, lr = [SHARED_DATA / "amazon" / f for f in AMAZON_FILES], BATCH, SEQ_LEN, LR
+        total_steps = steps
         if missing := [str(f) for f in files if not f.is_file()]:
             raise SystemExit(f"finetune benchmark: the shared Amazon files are missing: {', '.join(missing)}")
     manifest = build_in_process(
@@ -70,11 +73,16 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, flo
     corpus = str(home / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
     config = TrainConfig(
         corpus=corpus, run_name=f"bench-{preset}", preset=preset, batch_size=batch, seq_len=seq_len, lr=lr,
-        max_steps=steps, checkpoint_every=steps, val_every=steps, tracking="off",
+        max_steps=steps, total_steps=total_steps, checkpoint_every=steps, val_every=steps, tracking="off",
     )  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         result = fit(config, World(), get_settings())
-    return str(result["checkpoint_uri"]), time.perf_counter() - started
+    corpus = "the demo's generated sample" if preset == "tiny" else "the shared Amazon reviews"
+    what = (
+        f"{preset}, pretrained here for {result['steps']} steps of {batch} × {seq_len} bytes on {corpus} "
+        f"(validation {result['val_bpc']:.3f} bits per byte)"
+    )
+    return str(result["checkpoint_uri"]), what, time.perf_counter() - started
 
 
 def preset_steps(value: str) -> tuple[str, int]:
@@ -87,11 +95,6 @@ def preset_steps(value: str) -> tuple[str, int]:
             f"{value!r}: expected PRESET:STEPS, a preset of {', '.join(PRESETS)} and a step count ≥ 1"
         )
     return preset, int(steps)
-
-
-def pretrained_here(preset: str, steps: int) -> str:
-    corpus = "the demo's generated sample" if preset == "tiny" else "the shared Amazon reviews"
-    return f"{preset}, pretrained here for {steps} steps on {corpus}"
 
 
 def subsample(spec: str, rows: int | None, folder: Path) -> tuple[str, dict[str, int]]:
@@ -258,11 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         home = Path(scratch) / "home"
         os.environ["MLSTM_HOME"] = str(home)
         pretrain_seconds = None
-        checkpoint = args.checkpoint
+        checkpoint, pretrained = args.checkpoint, args.checkpoint
         if checkpoint is None:
             preset, steps = args.pretrain
             say(f"pretraining {preset} for {steps} steps")
-            checkpoint, pretrain_seconds = pretrained_checkpoint(home, preset, steps)
+            checkpoint, pretrained, pretrain_seconds = pretrained_checkpoint(home, preset, steps)
         texts: list[str] = []
         for spec in args.dataset or DEFAULT_DATASETS:
             name = spec.partition("=")[0]
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     results = {
         "machine": machine(torch.device("cpu")),
-        "checkpoint": args.checkpoint or pretrained_here(*args.pretrain),
+        "checkpoint": pretrained,
         "pretrain_seconds": pretrain_seconds,
         "settings": tuning,
         "rows": rows,
