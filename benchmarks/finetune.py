@@ -19,7 +19,7 @@ timed over a few steps after one warm-up step. Presets beyond the checkpoint's s
 their speed does not depend on the weights.
 
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --record
-    PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pretrain small:150 --epochs 1 --speed-presets small --record small
+    PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pretrain small:150 --epochs 1 --speed-presets "" --record small
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pool last --lr 1e-3 --aux-lm-weight 0 --train-rows 2000
 """
 
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", default=default["pool"], choices=("last", "mean", "max", "concat"))
     parser.add_argument("--head", default=default["head"], choices=("linear", "mlp"))
     parser.add_argument("--aux-lm-weight", type=float, default=default["aux_lm_weight"])
+    parser.add_argument("--lm-lr-factor", type=float, default=default["lm_lr_factor"])
     parser.add_argument("--freeze-lm", action="store_true", help="Train the head only.")
     parser.add_argument("--max-bytes", type=int, default=512)
     parser.add_argument("--sort-batches", type=int, default=default["sort_batches"])
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     tuning = {
         "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "pool": args.pool,
         "head": args.head, "aux_lm_weight": args.aux_lm_weight, "max_bytes": args.max_bytes,
-        "freeze_lm": args.freeze_lm, "sort_batches": args.sort_batches,
+        "freeze_lm": args.freeze_lm, "sort_batches": args.sort_batches, "lm_lr_factor": args.lm_lr_factor,
     }  # fmt: skip
     rows: list[dict[str, Any]] = []
     speeds: list[dict[str, Any]] = []

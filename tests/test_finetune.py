@@ -241,6 +241,46 @@ def test_an_epochs_batches_are_of_like_length_yet_shuffled_and_a_function_of_the
     assert not np.array_equal(np.sort(batches, axis=1), np.sort(again, axis=1))  # other texts meet
 
 
+def test_lm_lr_factor_moves_the_mlstm_by_that_fraction_of_the_head_s_rate(world: dict[str, Any]) -> None:
+    """Discriminative fine-tuning: with --lm-lr-factor f, a first Adam step from the same weights on the
+    same batch moves every mLSTM weight by f times what it moves at f = 1 (Adam's first step is the rate
+    times g/(|g| + eps), and the gradients are the same), and the head exactly as far; the schedule keeps
+    the ratio at later steps."""
+    from tasks.finetune.train import Trainer
+    from tasks.pretrain.world import World
+    from tasks.settings import get_settings
+
+    def stepped(run: str, factor: float, steps: int) -> Trainer:
+        config = world["job"].config.model_copy(
+            update={"run_name": run, "tracking": "off", "mlflow_run_id": None, "lm_lr_factor": factor}
+        )
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
+            trainer = Trainer(FinetuneConfig(**config.model_dump()), World(), get_settings())
+        for _ in range(steps):
+            trainer.train_step()
+        return trainer
+
+    before = {k: v.clone() for k, v in stepped("f1-0", 1.0, 0).model.state_dict().items()}
+    one = stepped("f1", 1.0, 1).model.state_dict()
+    quarter_trainer = stepped("f025", 0.25, 1)
+    quarter = quarter_trainer.model.state_dict()
+    moved = [name for name in before if name.startswith("lm.") and not torch.equal(one[name], before[name])]
+    assert "lm.w_x" in moved and "lm.out.weight" in moved, moved  # the aux loss trains the read-out too
+    for name in moved:
+        expected = 0.25 * (one[name] - before[name])
+        # Within float32's rounding of the weights themselves (an ulp of values near 1 is 1.2e-7), far
+        # below the steps (a quarter of the first step's rate, 3e-3 / 32: 2.3e-5).
+        torch.testing.assert_close(quarter[name] - before[name], expected, rtol=1e-3, atol=2e-7, msg=name)
+        assert expected.abs().max() > 1e-5, name
+    for name in (n for n in before if n.startswith("head.")):
+        torch.testing.assert_close(quarter[name], one[name], rtol=0, atol=0, msg=name)
+    for _ in range(3):
+        quarter_trainer.train_step()
+    head_lr, lm_lr = quarter_trainer.schedule.get_last_lr()
+    assert lm_lr == pytest.approx(0.25 * head_lr)
+
+
 def test_freeze_lm_turns_the_default_aux_loss_off_and_refuses_one_given() -> None:
     from pydantic import ValidationError
 

@@ -53,6 +53,8 @@ class FinetuneSettings(BaseModel):
     lr: Annotated[float, WEIGHTS] = Field(default=3e-3, gt=0, description="Peak Adam learning rate of the slanted triangular schedule.")
     lr_cut_frac: Annotated[float, WEIGHTS] = Field(default=0.1, gt=0, lt=1, description="Fraction of the steps the learning rate rises.")
     lr_ratio: Annotated[float, WEIGHTS] = Field(default=32.0, ge=1, description="How much smaller the lowest learning rate is than the peak.")
+    # Discriminative fine-tuning (Howard & Ruder 2018): the pretrained layers move slower than the new head.
+    lm_lr_factor: Annotated[float, WEIGHTS] = Field(default=1.0, gt=0, le=1, description="The mLSTM's learning rate as a fraction of the head's, at every step of the schedule; 1: one rate for both.")
     clip: Annotated[float, WEIGHTS] = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
     seed: Annotated[int, WEIGHTS] = Field(default=0, description="Seed of the head's weights and the order of the rows.")
     precision: Annotated[Precision, WEIGHTS] = Field(default="auto", description="auto (bf16 or fp16 on GPUs, fp32 on CPU), bf16, fp16 or fp32.")

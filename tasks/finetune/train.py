@@ -96,6 +96,18 @@ def pick_threshold(z_N: np.ndarray, y_N: np.ndarray) -> tuple[float, float]:
     return float(candidates[chosen]), float(accuracy[chosen])
 
 
+def param_groups(model: torch.nn.Module, lr: float, lm_factor: float) -> list[dict[str, Any]]:
+    """Adam's param groups: the head's at ``lr`` (first: the one whose rate is logged), the mLSTM's
+    (``lm.``) at ``lm_factor`` × ``lr``; the schedule scales each group's own rate, so the ratio holds at
+    every step. One group when the factor is 1, as runs saved before the factor existed have."""
+    if lm_factor == 1:
+        return [{"params": list(model.parameters()), "lr": lr}]
+    named = list(model.named_parameters())
+    head = [p for name, p in named if not name.startswith("lm.")]
+    lm = [p for name, p in named if name.startswith("lm.")]
+    return [{"params": head, "lr": lr}, {"params": lm, "lr": lr * lm_factor}]
+
+
 class Trainer:
     """One run: the model, its optimizer and schedule, the rows of each step, the epochs so far."""
 
@@ -138,8 +150,9 @@ class Trainer:
             parameter.requires_grad_(not config.freeze_lm)
         self.model.lm.out.requires_grad_(config.aux_lm_weight > 0)
         self.ddp, self.optimizer = shard.wrap(
-            self.model, "none", world_size=W, device=world.device, dtype=self.dtype, lr=config.lr
-        )
+            self.model, "none", world_size=W, device=world.device, dtype=self.dtype, lr=config.lr,
+            params=lambda model: param_groups(model, config.lr, config.lm_lr_factor),
+        )  # fmt: skip
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: slanted_triangular(

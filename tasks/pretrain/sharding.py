@@ -21,6 +21,7 @@ consolidated on first use (``consolidate``, in one process) and cached beside it
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +52,15 @@ def wrap(
     device: torch.device,
     dtype: torch.dtype,
     lr: float,
+    params: Callable[[nn.Module], Any] = nn.Module.parameters,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The module to run forward through and its Adam, for a sharding. On one rank ``none`` and
     ``optimizer`` are plain Adam (nothing to share: the same numbers); ``full`` is FSDP2 over a world of
-    one, so that the many-rank code and its DCP checkpoints run, and resume, on one GPU too."""
+    one, so that the many-rank code and its DCP checkpoints run, and resume, on one GPU too. ``params``:
+    what Adam updates (its parameters, or param groups with their own lr), read from the model after it
+    is sharded (FSDP2 puts DTensors in place of its parameters)."""
     if world_size == 1 and sharding != "full":
-        return model, torch.optim.Adam(model.parameters(), lr=lr)
+        return model, torch.optim.Adam(params(model), lr=lr)
     if sharding == "full" and dtype == torch.float16:
         # GradScaler's unscale and skip do not see FSDP2's sharded gradients as one step; not verified.
         raise ValueError(
@@ -73,11 +77,11 @@ def wrap(
             param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
         )
         fully_shard(model, mp_policy=policy)
-        return model, torch.optim.Adam(model.parameters(), lr=lr)
+        return model, torch.optim.Adam(params(model), lr=lr)
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if sharding == "optimizer":
-        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
-    return ddp, torch.optim.Adam(model.parameters(), lr=lr)
+        return ddp, ZeroRedundancyOptimizer(params(model), optimizer_class=torch.optim.Adam, lr=lr)
+    return ddp, torch.optim.Adam(params(model), lr=lr)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
