@@ -2,7 +2,8 @@
 
 Finding the files and hashing them are the corpus stage's own (``tasks.corpus.sources``); an s3://
 file is read from a local copy, one a process (Parquet and Arrow need random access, and a window of a
-CSV or JSON-lines file is read from its byte offset). Here a file is read as a sequence of Arrow record
+CSV or JSON-lines file is read from its byte offset: in a gzip file, its offset in the uncompressed stream,
+reached through a seek-point index the process builds as it reads, ``_gzip_range``). Here a file is read as a sequence of Arrow record
 batches holding the text column and the id columns only. A row whose text cannot be scored (empty, not text, not UTF-8, longer
 than the model reads) is not an error: ``texts_of`` says why, and the run writes it aside. A file that
 cannot be read as its extension says, or lacks the text column, is one ``InputError`` naming it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gzip
+import io
 import json
 import shutil
 import tempfile
@@ -32,11 +34,17 @@ from tasks.store import LocalStore, Store, split_object_uri
 
 BATCH_ROWS = 4096  # rows per record batch read from a JSON-lines file
 CSV_BLOCK_BYTES = 16 * 2**20  # pyarrow infers a CSV's column types from its first block
-# A plain CSV or JSON-lines file's byte offset is recorded every OFFSET_ROWS rows when it is described
-# (it is read whole then anyway), so a window is read from the offset at or before its first row, not
-# from the file's start: reading a file's windows costs one reading of it, not one per window. Windows
-# start at multiples of piece_rows × WINDOW_PIECES (16,384 by default), so they start on an offset.
+# A CSV or JSON-lines file's byte offset is recorded every OFFSET_ROWS rows when it is described (it
+# is read whole then anyway), so a window is read from the offset at or before its first row, not from
+# the file's start: reading a file's windows costs one reading of it, not one per window (a gzip file:
+# one decompression of it a process, ``_gzip_range``). Windows start at multiples of piece_rows ×
+# WINDOW_PIECES (16,384 by default), so they start on an offset.
 OFFSET_ROWS = 1024
+# A gzip file's seek points, one every GZIP_SPACING bytes of its uncompressed stream, each holding the
+# 32 KiB of text before it: a window read decompresses at most this much beside its own bytes, and a
+# process's index of a file takes 1/512 of its uncompressed size (80 MB for 40 GB).
+GZIP_SPACING = 16 * 2**20
+GZIP_READ_BYTES = 2**20  # of compressed bytes a gzip index reads at a time
 
 
 class InputError(SourceError):
@@ -53,8 +61,8 @@ class InputFile:
     sha256: str
     size: int
     rows: int
-    # Byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, …: a plain CSV or JSON-lines file only (empty:
-    # read from the start; a gzip stream has no offsets to seek to, Parquet and Arrow seek themselves).
+    # Byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, …: a CSV or JSON-lines file only, in a gzip
+    # file's uncompressed stream (empty: read from the start; Parquet and Arrow seek themselves).
     offsets: tuple[int, ...] = ()
 
 
@@ -128,6 +136,7 @@ def read_rows(
         id_columns=id_columns,
         s3_endpoint_url=s3_endpoint_url,
         start=start,
+        stop=stop,
         offsets=file.offsets,
         sha256=file.sha256,
     ):
@@ -150,6 +159,7 @@ def read_batches(
     id_columns: list[str],
     s3_endpoint_url: str | None = None,
     start: int = 0,
+    stop: int | None = None,
     offsets: tuple[int, ...] = (),
     sha256: str = "",
 ) -> Iterator[pa.RecordBatch]:
@@ -157,15 +167,19 @@ def read_batches(
     lines carry the text as bytes (``binary``), so one row of bad UTF-8 is that row's problem, not the
     file's. A CSV or JSON-lines file is read from the byte offset in ``offsets`` (``InputFile.offsets``)
     at or before ``start``, a Parquet file from the row group holding it, an Arrow IPC file from the
-    record batch holding it; without offsets (gzip) from its start. ``sha256``: the file's, where it was
-    described, to keep what a read from an offset needs of its start (``_csv_layout``)."""
+    record batch holding it; without offsets from its start. A gzip file read from an offset is read up to
+    the offset at or after ``stop`` (``_gzip_range``); rows past ``stop`` may follow, as from any file.
+    ``sha256``: the file's, where it was described, to keep what a read from an offset needs of its start
+    (``_csv_layout``) and, for a gzip file, its index."""
     columns = [text_column, *id_columns]
     try:
         if kind in ("csv", "jsonl"):
             index = min(start // OFFSET_ROWS, len(offsets) - 1) if offsets else -1
             first, offset = (index * OFFSET_ROWS, offsets[index]) if index > 0 else (0, 0)
+            last = -(-stop // OFFSET_ROWS) if stop is not None and offsets else len(offsets)
+            end = offsets[last] if last < len(offsets) else None  # None: to the file's end
             batches = (_csv_batches if kind == "csv" else _jsonl_batches)(
-                uri, columns, s3_endpoint_url, offset=offset, sha256=sha256
+                uri, columns, s3_endpoint_url, offset=offset, end=end, sha256=sha256
             )
             yield from _from_row(batches, start - first)
         else:
@@ -189,17 +203,14 @@ def _from_row(batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.Recor
 def row_offsets(
     uri: str, kind: str, s3_endpoint_url: str | None = None, sha256: str = ""
 ) -> tuple[tuple[int, ...], int]:
-    """The byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, … of a plain CSV or JSON-lines file, and
-    the rows it has, by one scan of its lines: a JSON-lines row is a line that is not blank (as
-    ``_jsonl_batches`` reads), a CSV row a record after the header, ending at a line end outside quotes
-    (an even count of ``"`` so far: RFC 4180, as pyarrow reads it), empty lines skipped. A gzip file: none
-    (its stream has no offsets to seek to: its windows are read from its start)."""
+    """The byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, … of a CSV or JSON-lines file (a gzip
+    file's in its uncompressed stream), and the rows it has, by one scan of its lines: a JSON-lines row is
+    a line that is not blank (as ``_jsonl_batches`` reads), a CSV row a record after the header, ending at
+    a line end outside quotes (an even count of ``"`` so far: RFC 4180, as pyarrow reads it), empty lines
+    skipped."""
     offsets: list[int] = []
     rows = 0
-    with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
-        if raw.read(2) == GZIP_MAGIC:
-            return (), -1
-        raw.seek(0)
+    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as raw:
         position, header, quoted = 0, kind == "csv", False
         for line in raw:
             begins, position = position, position + len(line)
@@ -229,22 +240,75 @@ def _missing(uri: str, names: list[str], columns: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _opened(uri: str, s3_endpoint_url: str | None, offset: int = 0, sha256: str = "") -> Iterator[IO[bytes]]:
+def _opened(
+    uri: str, s3_endpoint_url: str | None, offset: int = 0, end: int | None = None, sha256: str = ""
+) -> Iterator[IO[bytes]]:
     """The file's bytes from ``offset``, gunzipped when they are gzip (by their magic bytes, as the
-    corpus reads; a gzip file has no offsets)."""
+    corpus reads). Read from its start, a gzip file is streamed; from an offset, its bytes up to ``end``
+    are read through the process's index of it (``_gzip_range``)."""
     with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
-        if raw.read(2) == GZIP_MAGIC:
-            assert offset == 0, "a gzip stream is read from its start"
+        if raw.read(2) != GZIP_MAGIC:
+            raw.seek(offset)
+            yield raw
+        elif offset:
+            yield io.BytesIO(_gzip_range(path, sha256, offset, end))
+        else:
             raw.seek(0)
             with gzip.GzipFile(fileobj=raw) as unzipped:
                 yield unzipped  # type: ignore[misc]
-        else:
-            raw.seek(offset)
-            yield raw
+
+
+_gzip_files: OrderedDict[tuple[str, str], tuple[IO[bytes], Any]] = (
+    OrderedDict()
+)  # (path, sha256) → file, index
+_gzip_lock = threading.Lock()
+
+
+def _gzip_range(path: str, sha256: str, begin: int, end: int | None) -> bytes:
+    """Bytes ``[begin, end)`` of a gzip file's uncompressed stream (``end`` None: to its end), through a
+    seek-point index (``indexed_gzip``) the process keeps for the file and extends as it reads: a
+    process decompresses a file once, up to the furthest window it reads, whatever the order of its
+    windows; then each read costs its own bytes and at most ``GZIP_SPACING`` more. Kept open for the
+    last ``COPIES_KEPT`` files, by content (a Dask worker outlives a run)."""
+    import indexed_gzip
+
+    with _gzip_lock:
+        if (kept := _gzip_files.get((path, sha256))) is None:
+            raw = open(path, "rb")  # noqa: SIM115 (kept open across reads: _close_gzip); tests count its reads
+            kept = (
+                raw,
+                indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZIP_SPACING, readbuf_size=GZIP_READ_BYTES),
+            )
+            _gzip_files[(path, sha256)] = kept
+            while len(_gzip_files) > COPIES_KEPT:
+                _close_gzip(*_gzip_files.popitem(last=False)[1])
+        _gzip_files.move_to_end((path, sha256))
+        unzipped = kept[1]
+        unzipped.seek(begin)
+        data: bytes = unzipped.read(-1 if end is None else end - begin)
+        return data
+
+
+def _close_gzip(raw: IO[bytes], unzipped: Any) -> None:
+    unzipped.close()
+    raw.close()
+
+
+def _drop_gzip(path: Path | None = None) -> None:
+    """Close the process's index of ``path`` (of every file: None): its copy is being deleted."""
+    with _gzip_lock:
+        for key in [k for k in _gzip_files if path is None or k[0] == str(path)]:
+            _close_gzip(*_gzip_files.pop(key))
 
 
 def _csv_batches(
-    uri: str, columns: list[str], s3_endpoint_url: str | None, *, offset: int = 0, sha256: str = ""
+    uri: str,
+    columns: list[str],
+    s3_endpoint_url: str | None,
+    *,
+    offset: int = 0,
+    end: int | None = None,
+    sha256: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """From the file's start, or from a row's ``offset`` with the header's names and the column types
     pyarrow inferred from the file's first block (as a read from the start has them)."""
@@ -252,7 +316,7 @@ def _csv_batches(
 
     layout = _csv_layout if sha256 else _csv_layout.__wrapped__  # kept by content only
     names, types = layout(uri, tuple(columns), s3_endpoint_url, sha256)
-    with _opened(uri, s3_endpoint_url, offset, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, offset, end, sha256) as stream:
         reader = pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(
@@ -274,11 +338,11 @@ def _csv_layout(
     infers from the first block). Kept by the file's content: a worker needs it for each window."""
     import pyarrow.csv as pacsv
 
-    with _opened(uri, s3_endpoint_url, 0, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as stream:
         # The header alone first, to name a missing column before pyarrow's own error does.
         header = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
         _missing(uri, header.schema.names, list(columns))
-    with _opened(uri, s3_endpoint_url, 0, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as stream:
         reader = pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
@@ -290,14 +354,20 @@ def _csv_layout(
 
 
 def _jsonl_batches(
-    uri: str, columns: list[str], s3_endpoint_url: str | None, *, offset: int = 0, sha256: str = ""
+    uri: str,
+    columns: list[str],
+    s3_endpoint_url: str | None,
+    *,
+    offset: int = 0,
+    end: int | None = None,
+    sha256: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """One record a line; a line that is not a JSON object keeps its row (its text is null, with the
     reason in ``_problem``) so that row numbers stay line numbers of records. A file with no object
     holding the text field is no JSON-lines table of reviews: one error (read from its start)."""
     text, ids = columns[0], columns[1:]
     found = offset > 0
-    with _opened(uri, s3_endpoint_url, offset, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, offset, end, sha256) as stream:
         values: dict[str, list[Any]] = {name: [] for name in columns}
         problems: list[str | None] = []
         for line in stream:
@@ -398,6 +468,7 @@ def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
         _copies[(uri, sha256)] = path
         while len(_copies) > COPIES_KEPT:
             _, oldest = _copies.popitem(last=False)
+            _drop_gzip(oldest)
             oldest.unlink(missing_ok=True)
         return path
 
@@ -405,11 +476,13 @@ def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
 def _drop_copy(uri: str, sha256: str) -> None:
     with _copies_lock:
         if (path := _copies.pop((uri, sha256), None)) is not None:
+            _drop_gzip(path)
             path.unlink(missing_ok=True)
 
 
 def drop_copies() -> None:
-    """Delete the process's copies of s3:// inputs and their folder."""
+    """Delete the process's copies of s3:// inputs and their folder (and close its gzip indexes)."""
+    _drop_gzip()
     with _copies_lock:
         _copies.clear()
         while _copies_folder:
