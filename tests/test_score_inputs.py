@@ -3,6 +3,7 @@ file's start, and gives the rows a read from the start gives. No model, no Prefe
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -64,8 +65,8 @@ def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_sta
     monkeypatch.setattr(
         inputs,
         "_opened",
-        lambda uri, s3, offset=0, end=None, sha256="": (
-            opened.append(offset) or real(uri, s3, offset, end, sha256)
+        lambda uri, s3, offset=0, end=None, sha256="", index="": (
+            opened.append(offset) or real(uri, s3, offset, end, sha256, index)
         ),
     )
     inputs._csv_layout.cache_clear()
@@ -129,24 +130,24 @@ class _CountedFile:
         self._raw.close()
 
 
-def test_a_gzip_file_s_windows_cost_about_one_reading_of_it_not_one_each(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Reading every window of a gzip file, in any order, reads its compressed bytes about three times
-    (the first windows' stream, the process's index of it, each window's own bytes and the distance from
-    a seek point), not once for each window before the one read, as a gzip stream must."""
+def _counted_gzip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, windows: int
+) -> tuple[inputs.InputFile, list[int]]:
+    """A JSON-lines gzip file of ``windows`` × OFFSET_ROWS rows of noise (3 MB for 24), described with
+    seek points and reads as dense, for its size, as for a file of gigabytes; then every byte read from
+    it is counted."""
     import random
 
-    windows, window_rows = 24, inputs.OFFSET_ROWS
     noise = random.Random(0)
-    lines = [json.dumps({"id": i, "text": noise.randbytes(64).hex()}) for i in range(windows * window_rows)]
+    lines = [
+        json.dumps({"id": i, "text": noise.randbytes(64).hex()}) for i in range(windows * inputs.OFFSET_ROWS)
+    ]
     path = tmp_path / "reviews.jsonl.gz"
     path.write_bytes(gzip.compress("\n".join(lines).encode() + b"\n"))
-    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
-    assert file.rows == windows * window_rows and len(file.offsets) == windows
-    # The index's seek points and reads as dense, for this file's 3 MB, as for a file of gigabytes.
     monkeypatch.setattr(inputs, "GZIP_SPACING", 2**16)
     monkeypatch.setattr(inputs, "GZIP_READ_BYTES", 2**14)
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert file.rows == windows * inputs.OFFSET_ROWS and len(file.offsets) == windows and file.gzip_index
     counts: list[int] = []
 
     def counted(*args: Any, **kwargs: Any) -> _CountedFile:
@@ -154,11 +155,50 @@ def test_a_gzip_file_s_windows_cost_about_one_reading_of_it_not_one_each(
 
     monkeypatch.setattr(inputs, "open", counted, raising=False)
     inputs._drop_gzip()
+    return file, counts
+
+
+def _window(file: inputs.InputFile, w: int) -> None:
+    rows = inputs.OFFSET_ROWS
+    assert _read(file, w * rows, (w + 1) * rows).column("id").to_pylist() == list(
+        range(w * rows, (w + 1) * rows)
+    )
+
+
+@pytest.mark.parametrize("index", ["described", "built here"])
+def test_a_gzip_file_s_windows_cost_about_one_reading_of_it_not_one_each(
+    index: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading every window of a gzip file, in any order, reads its compressed bytes two or three times
+    (the first windows' stream, the index built where the describing process's is not found, each
+    window's own bytes and the distance from a seek point), not once for each window before the one
+    read, as a gzip stream must."""
+    windows = 24
+    file, counts = _counted_gzip(tmp_path, monkeypatch, windows)
+    if index == "built here":  # a Dask worker on another machine
+        file = dataclasses.replace(file, gzip_index="")
     for w in [*range(0, windows, 2), *reversed(range(1, windows, 2))]:
-        table = _read(file, w * window_rows, (w + 1) * window_rows)
-        assert table.column("id").to_pylist() == list(range(w * window_rows, (w + 1) * window_rows))
-    readings = sum(counts) / path.stat().st_size
+        _window(file, w)
+    readings = sum(counts) / Path(file.uri).stat().st_size
     assert readings <= 4, f"{readings:.1f} readings of the file for its {windows} windows"
+
+
+def test_a_worker_with_the_described_index_reads_its_window_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index the describing process exported reaches a worker (``InputFile.gzip_index``): its one
+    window near the file's end costs that window's bytes, not the file's before it; without the index
+    the same window costs the whole file."""
+    windows = 24
+    file, counts = _counted_gzip(tmp_path, monkeypatch, windows)
+    size = Path(file.uri).stat().st_size
+    _window(file, windows - 2)
+    with_index = sum(counts) / size
+    inputs._drop_gzip()
+    counts.clear()
+    _window(dataclasses.replace(file, gzip_index=""), windows - 2)
+    without = sum(counts) / size
+    assert with_index <= 0.25 and without >= 0.9, f"{with_index:.2f}, without the index {without:.2f}"
 
 
 def test_a_csv_whose_line_ends_the_scan_does_not_see_has_no_offsets(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Finding the files and hashing them are the corpus stage's own (``tasks.corpus.sources``); an s3://
 file is read from a local copy, one a process (Parquet and Arrow need random access, and a window of a
 CSV or JSON-lines file is read from its byte offset: in a gzip file, its offset in the uncompressed stream,
-reached through a seek-point index the process builds as it reads, ``_gzip_range``). Here a file is read as a sequence of Arrow record
+reached through a seek-point index, ``_gzip_range``). Here a file is read as a sequence of Arrow record
 batches holding the text column and the id columns only. A row whose text cannot be scored (empty, not text, not UTF-8, longer
 than the model reads) is not an error: ``texts_of`` says why, and the run writes it aside. A file that
 cannot be read as its extension says, or lacks the text column, is one ``InputError`` naming it.
@@ -36,8 +36,8 @@ BATCH_ROWS = 4096  # rows per record batch read from a JSON-lines file
 CSV_BLOCK_BYTES = 16 * 2**20  # pyarrow infers a CSV's column types from its first block
 # A CSV or JSON-lines file's byte offset is recorded every OFFSET_ROWS rows when it is described (it
 # is read whole then anyway), so a window is read from the offset at or before its first row, not from
-# the file's start: reading a file's windows costs one reading of it, not one per window (a gzip file:
-# one decompression of it a process, ``_gzip_range``). Windows start at multiples of piece_rows ×
+# the file's start: reading a file's windows costs one reading of it, not one per window (a gzip file
+# through a seek-point index, ``_gzip_range``). Windows start at multiples of piece_rows ×
 # WINDOW_PIECES (16,384 by default), so they start on an offset.
 OFFSET_ROWS = 1024
 # A gzip file's seek points, one every GZIP_SPACING bytes of its uncompressed stream, each holding the
@@ -64,6 +64,10 @@ class InputFile:
     # Byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, …: a CSV or JSON-lines file only, in a gzip
     # file's uncompressed stream (empty: read from the start; Parquet and Arrow seek themselves).
     offsets: tuple[int, ...] = ()
+    # A gzip file's seek-point index as the describing process exported it (a local path, kept while
+    # that process lives): a worker that finds it reads only its windows' bytes; one that does not
+    # (a Dask worker on another machine) builds its own.
+    gzip_index: str = ""
 
 
 def format_of(uri: str) -> str:
@@ -98,11 +102,12 @@ def describe(
         sha256=source.sha256,  # an s3:// file: one copy for the reading, the scan and the workers here
     )
     rows = sum(batch.num_rows for batch in batches)
-    offsets, scanned = (
-        row_offsets(uri, kind, s3_endpoint_url, source.sha256) if kind in ("csv", "jsonl") else ((), 0)
+    offsets, scanned, index = (
+        row_offsets(uri, kind, s3_endpoint_url, source.sha256) if kind in ("csv", "jsonl") else ((), 0, "")
     )
     if scanned != rows:
-        offsets = ()  # the line scan and pyarrow disagree on this CSV (a lone \r line end): from the start
+        # The line scan and pyarrow disagree on this CSV (a lone \r line end): read from the start.
+        offsets, index = (), ""
     # The describing process scores nothing: its copy of an s3:// file goes now, not when it exits.
     _drop_copy(uri, source.sha256)
     return InputFile(
@@ -113,6 +118,7 @@ def describe(
         size=source.size,
         rows=rows,
         offsets=offsets,
+        gzip_index=index,
     )
 
 
@@ -139,6 +145,7 @@ def read_rows(
         stop=stop,
         offsets=file.offsets,
         sha256=file.sha256,
+        gzip_index=file.gzip_index,
     ):
         end = seen + batch.num_rows
         if end > start:
@@ -162,6 +169,7 @@ def read_batches(
     stop: int | None = None,
     offsets: tuple[int, ...] = (),
     sha256: str = "",
+    gzip_index: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """The file's text and id columns as record batches, text first, from row ``start`` on. CSV and JSON
     lines carry the text as bytes (``binary``), so one row of bad UTF-8 is that row's problem, not the
@@ -170,7 +178,7 @@ def read_batches(
     record batch holding it; without offsets from its start. A gzip file read from an offset is read up to
     the offset at or after ``stop`` (``_gzip_range``); rows past ``stop`` may follow, as from any file.
     ``sha256``: the file's, where it was described, to keep what a read from an offset needs of its start
-    (``_csv_layout``) and, for a gzip file, its index."""
+    (``_csv_layout``) and, for a gzip file, its index; ``gzip_index``: the index describing exported."""
     columns = [text_column, *id_columns]
     try:
         if kind in ("csv", "jsonl"):
@@ -179,7 +187,7 @@ def read_batches(
             last = -(-stop // OFFSET_ROWS) if stop is not None and offsets else len(offsets)
             end = offsets[last] if last < len(offsets) else None  # None: to the file's end
             batches = (_csv_batches if kind == "csv" else _jsonl_batches)(
-                uri, columns, s3_endpoint_url, offset=offset, end=end, sha256=sha256
+                uri, columns, s3_endpoint_url, offset=offset, end=end, sha256=sha256, index=gzip_index
             )
             yield from _from_row(batches, start - first)
         else:
@@ -202,30 +210,37 @@ def _from_row(batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.Recor
 
 def row_offsets(
     uri: str, kind: str, s3_endpoint_url: str | None = None, sha256: str = ""
-) -> tuple[tuple[int, ...], int]:
+) -> tuple[tuple[int, ...], int, str]:
     """The byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, … of a CSV or JSON-lines file (a gzip
     file's in its uncompressed stream), and the rows it has, by one scan of its lines: a JSON-lines row is
     a line that is not blank (as ``_jsonl_batches`` reads), a CSV row a record after the header, ending at
     a line end outside quotes (an even count of ``"`` so far: RFC 4180, as pyarrow reads it), empty lines
-    skipped."""
+    skipped. A gzip file is scanned through a seek-point index, exported for the workers (its path is
+    the third value; empty for a plain file)."""
     offsets: list[int] = []
     rows = 0
-    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as raw:
-        position, header, quoted = 0, kind == "csv", False
-        for line in raw:
-            begins, position = position, position + len(line)
-            if kind == "jsonl":
-                record = bool(line.strip())
-            else:
-                record = not quoted and bool(line.strip(b"\r\n"))
-                quoted ^= line.count(b'"') % 2 == 1
-                if record and header:
-                    header, record = False, False
-            if record:
-                if rows % OFFSET_ROWS == 0:
-                    offsets.append(begins)
-                rows += 1
-    return tuple(offsets), rows
+    index = ""
+    with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
+        packed = raw.read(2) == GZIP_MAGIC
+        raw.seek(0)
+        with _new_index(raw) if packed else contextlib.nullcontext(raw) as stream:
+            position, header, quoted = 0, kind == "csv", False
+            for line in stream:
+                begins, position = position, position + len(line)
+                if kind == "jsonl":
+                    record = bool(line.strip())
+                else:
+                    record = not quoted and bool(line.strip(b"\r\n"))
+                    quoted ^= line.count(b'"') % 2 == 1
+                    if record and header:
+                        header, record = False, False
+                if record:
+                    if rows % OFFSET_ROWS == 0:
+                        offsets.append(begins)
+                    rows += 1
+            if packed:
+                index = _export_index(stream, sha256)
+    return tuple(offsets), rows, index
 
 
 _FORMAT_NAMES = {"csv": "CSV", "jsonl": "JSON-lines", "parquet": "Parquet", "arrow": "Arrow IPC"}
@@ -241,44 +256,75 @@ def _missing(uri: str, names: list[str], columns: list[str]) -> None:
 
 @contextlib.contextmanager
 def _opened(
-    uri: str, s3_endpoint_url: str | None, offset: int = 0, end: int | None = None, sha256: str = ""
+    uri: str,
+    s3_endpoint_url: str | None,
+    offset: int = 0,
+    end: int | None = None,
+    sha256: str = "",
+    index: str = "",
 ) -> Iterator[IO[bytes]]:
     """The file's bytes from ``offset``, gunzipped when they are gzip (by their magic bytes, as the
     corpus reads). Read from its start, a gzip file is streamed; from an offset, its bytes up to ``end``
-    are read through the process's index of it (``_gzip_range``)."""
+    are read through the process's index of it (``_gzip_range``; ``index``: the one describing exported)."""
     with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
         if raw.read(2) != GZIP_MAGIC:
             raw.seek(offset)
             yield raw
         elif offset:
-            yield io.BytesIO(_gzip_range(path, sha256, offset, end))
+            yield io.BytesIO(_gzip_range(path, sha256, offset, end, index))
         else:
             raw.seek(0)
             with gzip.GzipFile(fileobj=raw) as unzipped:
                 yield unzipped  # type: ignore[misc]
 
 
-_gzip_files: OrderedDict[tuple[str, str], tuple[IO[bytes], Any]] = (
-    OrderedDict()
-)  # (path, sha256) → file, index
+# (path, sha256) → the open file and its index
+_gzip_files: OrderedDict[tuple[str, str], tuple[IO[bytes], Any]] = OrderedDict()
 _gzip_lock = threading.Lock()
+_index_folder: list[Path] = []  # this process's folder of exported indexes, made on the first
 
 
-def _gzip_range(path: str, sha256: str, begin: int, end: int | None) -> bytes:
-    """Bytes ``[begin, end)`` of a gzip file's uncompressed stream (``end`` None: to its end), through a
-    seek-point index (``indexed_gzip``) the process keeps for the file and extends as it reads: a
-    process decompresses a file once, up to the furthest window it reads, whatever the order of its
-    windows; then each read costs its own bytes and at most ``GZIP_SPACING`` more. Kept open for the
-    last ``COPIES_KEPT`` files, by content (a Dask worker outlives a run)."""
+def _new_index(raw: IO[bytes]) -> Any:
+    """A gzip file read through a seek-point index (``indexed_gzip``) it builds as it is read."""
     import indexed_gzip
 
+    return indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZIP_SPACING, readbuf_size=GZIP_READ_BYTES)
+
+
+def _export_index(unzipped: Any, sha256: str) -> str:
+    """Write the index to this process's folder (removed when the process exits, as the copies are)."""
+    if not _index_folder:
+        import multiprocessing.util
+
+        _index_folder.append(Path(tempfile.mkdtemp(prefix="mlstm-score-gzip-index-")))
+        multiprocessing.util.Finalize(
+            None, shutil.rmtree, args=(_index_folder[0],), kwargs={"ignore_errors": True}, exitpriority=0
+        )
+    path = _index_folder[0] / f"{sha256[:16] or 'file'}.gzidx"
+    partial = path.with_suffix(".partial")
+    unzipped.export_index(filename=str(partial))
+    partial.replace(path)  # a worker never imports half an index
+    return str(path)
+
+
+def _gzip_range(path: str, sha256: str, begin: int, end: int | None, index: str = "") -> bytes:
+    """Bytes ``[begin, end)`` of a gzip file's uncompressed stream (``end`` None: to its end), through a
+    seek-point index (``indexed_gzip``) the process keeps for the file: the one describing exported
+    (``index``) where this machine has it, then a read costs its own bytes and at most ``GZIP_SPACING``
+    more; otherwise one built as the process reads, which decompresses the file once, up to the furthest
+    window the process reads, whatever their order. Kept open for the last ``COPIES_KEPT`` files, by
+    content (a Dask worker outlives a run)."""
     with _gzip_lock:
         if (kept := _gzip_files.get((path, sha256))) is None:
             raw = open(path, "rb")  # noqa: SIM115 (kept open across reads: _close_gzip); tests count its reads
-            kept = (
-                raw,
-                indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZIP_SPACING, readbuf_size=GZIP_READ_BYTES),
-            )
+            kept = raw, _new_index(raw)
+            if index and Path(index).is_file():
+                try:
+                    kept[1].import_index(filename=index)
+                except OSError:  # not this file's, or unreadable: built here as the reads go
+                    _close_gzip(*kept)
+                    raw = open(path, "rb")  # noqa: SIM115 (as above)
+                    kept = raw, _new_index(raw)
             _gzip_files[(path, sha256)] = kept
             while len(_gzip_files) > COPIES_KEPT:
                 _close_gzip(*_gzip_files.popitem(last=False)[1])
@@ -309,6 +355,7 @@ def _csv_batches(
     offset: int = 0,
     end: int | None = None,
     sha256: str = "",
+    index: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """From the file's start, or from a row's ``offset`` with the header's names and the column types
     pyarrow inferred from the file's first block (as a read from the start has them)."""
@@ -316,7 +363,7 @@ def _csv_batches(
 
     layout = _csv_layout if sha256 else _csv_layout.__wrapped__  # kept by content only
     names, types = layout(uri, tuple(columns), s3_endpoint_url, sha256)
-    with _opened(uri, s3_endpoint_url, offset, end, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, offset, end, sha256, index) as stream:
         reader = pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(
@@ -361,13 +408,14 @@ def _jsonl_batches(
     offset: int = 0,
     end: int | None = None,
     sha256: str = "",
+    index: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """One record a line; a line that is not a JSON object keeps its row (its text is null, with the
     reason in ``_problem``) so that row numbers stay line numbers of records. A file with no object
     holding the text field is no JSON-lines table of reviews: one error (read from its start)."""
     text, ids = columns[0], columns[1:]
     found = offset > 0
-    with _opened(uri, s3_endpoint_url, offset, end, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, offset, end, sha256, index) as stream:
         values: dict[str, list[Any]] = {name: [] for name in columns}
         problems: list[str | None] = []
         for line in stream:
