@@ -18,6 +18,8 @@ depend on them) logged and registered as champion in a temporary MLflow store, o
   scoring the slice and the slice four times over (``--grow``): flat means within 10 %; beside it this
   process's own peak and the largest other process's (a worker's, or Prefect's server's).
 
+``--gzip`` writes the slices as ``.csv.gz`` (read by windows through a seek-point index; off by default).
+
 ratio = rows/s ÷ the features path's. Goal (issue 30): score ≥ 0.8 of features; Dask within 10 % of
 the process pool. A run is one run (no repeats): the machine's load average is recorded beside it.
 
@@ -63,8 +65,15 @@ def imdb_slice(rows: int) -> list[dict[str, str]]:
         return [r for i, r in enumerate(csv.DictReader(stream)) if i % every == 0][:rows]
 
 
-def write_csv(path: Path, rows: list[dict[str, str]], copies: int = 1) -> Path:
-    with path.open("w", encoding="utf-8", newline="") as stream:
+def write_csv(path: Path, rows: list[dict[str, str]], copies: int = 1, *, packed: bool = False) -> Path:
+    """The rows as CSV (``packed``: gzip, ``.csv.gz``: read by windows through a seek-point index)."""
+    if packed:
+        path = path.with_name(path.name + ".gz")
+    with (
+        gzip.open(path, "wt", encoding="utf-8", newline="")
+        if packed
+        else path.open("w", encoding="utf-8", newline="")
+    ) as stream:
         writer = csv.DictWriter(stream, fieldnames=["id", "rating", "label", "text"])
         writer.writeheader()
         for _ in range(copies):
@@ -113,6 +122,7 @@ def main() -> None:
     )
     parser.add_argument("--grow", type=int, default=4, help="The larger input, in copies of the slice.")
     parser.add_argument("--no-dask", action="store_true", help="Skip the Dask run.")
+    parser.add_argument("--gzip", action="store_true", help="Write the slices as .csv.gz for `score`.")
     parser.add_argument("--json", action="store_true", help="Print the results as JSON on stdout.")
     add_record_option(parser)
     args = parser.parse_args()
@@ -134,7 +144,7 @@ def main() -> None:
     rows = imdb_slice(args.rows)
     texts = [r["text"] for r in rows]
     chars = sum(len(t) for t in texts)
-    data = write_csv(root / "imdb-slice.csv", rows)
+    data = write_csv(root / "imdb-slice.csv", rows, packed=args.gzip)
     say(f"{len(rows):,} IMDB test reviews, {chars:,} characters; registering a {args.preset} classifier")
     classifier = register(args.preset)
     results: list[dict[str, Any]] = []
@@ -183,7 +193,7 @@ def main() -> None:
             add(name, seconds, flow_seconds=manifest["seconds"], workers=args.workers, peak_rss=peak["peak"])
             if runner == "process":
                 memory.update(by_process("1x", peak))
-        grown = write_csv(root / f"imdb-slice-x{args.grow}.csv", rows, copies=args.grow)
+        grown = write_csv(root / f"imdb-slice-x{args.grow}.csv", rows, copies=args.grow, packed=args.gzip)
         started = time.perf_counter()
         with peak_rss() as peak:
             summary = run_score(
@@ -222,7 +232,8 @@ def main() -> None:
             "workers": args.workers,
             "piece_rows": args.piece_rows or PIECE_ROWS,
             "grow": args.grow,
-        },
+        }
+        | ({"gzip": True} if args.gzip else {}),
         "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
         "runs": results,
         "memory": memory,

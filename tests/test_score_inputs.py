@@ -3,7 +3,9 @@ file's start, and gives the rows a read from the start gives. No model, no Prefe
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -63,7 +65,9 @@ def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_sta
     monkeypatch.setattr(
         inputs,
         "_opened",
-        lambda uri, s3, offset=0, sha256="": opened.append(offset) or real(uri, s3, offset, sha256),
+        lambda uri, s3, offset=0, end=None, sha256="", index="": (
+            opened.append(offset) or real(uri, s3, offset, end, sha256, index)
+        ),
     )
     inputs._csv_layout.cache_clear()
     for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS), (1500, 2100)]:
@@ -74,13 +78,127 @@ def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_sta
     assert opened == [*layout, 0, file.offsets[1], file.offsets[2], file.offsets[1]], opened
 
 
-def test_a_gzip_file_has_no_offsets_and_reads_its_windows_from_its_start(tmp_path: Path) -> None:
-    plain = _jsonl(tmp_path / "reviews.jsonl")
-    path = tmp_path / "reviews.jsonl.gz"
-    path.write_bytes(gzip.compress(plain.read_bytes()))
+@pytest.mark.parametrize("members", [1, 9])
+@pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
+def test_a_gzip_window_is_read_from_its_offset_in_the_uncompressed_stream(
+    make: Any, members: int, tmp_path: Path
+) -> None:
+    """A gzip file's offsets are the plain file's; its windows, in any order, hold the rows a read from
+    the start does, in one gzip member or several (concatenated, cut anywhere)."""
+    plain = make(tmp_path / ("reviews.csv" if make is _csv else "reviews.jsonl"))
+    path = plain.with_name(plain.name + ".gz")
+    data = plain.read_bytes()
+    cut = -(-len(data) // members)
+    path.write_bytes(b"".join(gzip.compress(data[i : i + cut]) for i in range(0, len(data), cut)))
     file = inputs.describe(str(path), text_column="text", id_columns=["id"])
-    assert file.rows == ROWS and file.offsets == ()
-    assert _read(file, 2048, 2100).equals(_whole(file).slice(2048, 52))
+    assert (file.rows, file.offsets) == (
+        ROWS,
+        inputs.describe(str(plain), text_column="text", id_columns=[]).offsets,
+    )
+    whole = _whole(file)
+    for start, stop in [(2048, ROWS), (0, 1024), (1500, 2100), (1024, 2048)]:
+        assert _read(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
+
+
+class _CountedFile:
+    """A file that counts the bytes read from it, with no ``fileno``: indexed_gzip reads through it
+    rather than from the descriptor."""
+
+    def __init__(self, raw: Any, counts: list[int]) -> None:
+        self._raw, self._counts = raw, counts
+
+    def read(self, size: int = -1) -> bytes:
+        data: bytes = self._raw.read(size)
+        self._counts.append(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        done: int = self._raw.readinto(buffer)
+        self._counts.append(done)
+        return done
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def __enter__(self) -> _CountedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._raw.close()
+
+
+def _counted_gzip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, windows: int
+) -> tuple[inputs.InputFile, list[int]]:
+    """A JSON-lines gzip file of ``windows`` × OFFSET_ROWS rows of noise (3 MB for 24), described with
+    seek points and reads as dense, for its size, as for a file of gigabytes; then every byte read from
+    it is counted."""
+    import random
+
+    noise = random.Random(0)
+    lines = [
+        json.dumps({"id": i, "text": noise.randbytes(64).hex()}) for i in range(windows * inputs.OFFSET_ROWS)
+    ]
+    path = tmp_path / "reviews.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(lines).encode() + b"\n"))
+    monkeypatch.setattr(inputs, "GZIP_SPACING", 2**16)
+    monkeypatch.setattr(inputs, "GZIP_READ_BYTES", 2**14)
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert file.rows == windows * inputs.OFFSET_ROWS and len(file.offsets) == windows and file.gzip_index
+    counts: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> _CountedFile:
+        return _CountedFile(open(*args, **kwargs), counts)
+
+    monkeypatch.setattr(inputs, "open", counted, raising=False)
+    inputs._drop_gzip()
+    return file, counts
+
+
+def _window(file: inputs.InputFile, w: int) -> None:
+    rows = inputs.OFFSET_ROWS
+    assert _read(file, w * rows, (w + 1) * rows).column("id").to_pylist() == list(
+        range(w * rows, (w + 1) * rows)
+    )
+
+
+@pytest.mark.parametrize("index", ["described", "built here"])
+def test_a_gzip_file_s_windows_cost_about_one_reading_of_it_not_one_each(
+    index: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading every window of a gzip file, in any order, reads its compressed bytes two or three times
+    (the first windows' stream, the index built where the describing process's is not found, each
+    window's own bytes and the distance from a seek point), not once for each window before the one
+    read, as a gzip stream must."""
+    windows = 24
+    file, counts = _counted_gzip(tmp_path, monkeypatch, windows)
+    if index == "built here":  # a Dask worker on another machine
+        file = dataclasses.replace(file, gzip_index="")
+    for w in [*range(0, windows, 2), *reversed(range(1, windows, 2))]:
+        _window(file, w)
+    readings = sum(counts) / Path(file.uri).stat().st_size
+    assert readings <= 4, f"{readings:.1f} readings of the file for its {windows} windows"
+
+
+def test_a_worker_with_the_described_index_reads_its_window_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index the describing process exported reaches a worker (``InputFile.gzip_index``): its one
+    window near the file's end costs that window's bytes, not the file's before it; without the index
+    the same window costs the whole file."""
+    windows = 24
+    file, counts = _counted_gzip(tmp_path, monkeypatch, windows)
+    size = Path(file.uri).stat().st_size
+    _window(file, windows - 2)
+    with_index = sum(counts) / size
+    inputs._drop_gzip()
+    counts.clear()
+    _window(dataclasses.replace(file, gzip_index=""), windows - 2)
+    without = sum(counts) / size
+    assert with_index <= 0.25 and without >= 0.9, f"{with_index:.2f}, without the index {without:.2f}"
 
 
 def test_a_csv_whose_line_ends_the_scan_does_not_see_has_no_offsets(tmp_path: Path) -> None:
@@ -151,3 +269,37 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     assert downloads == [*made, "a.csv", "b.jsonl", "c.csv", "a.csv"]
     inputs.drop_copies()
     assert not folder.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_gzip_file_is_one_error_naming_it(damage: str, tmp_path: Path) -> None:
+    packed = gzip.compress(_jsonl(tmp_path / "reviews.jsonl").read_bytes())
+    path = tmp_path / "reviews.jsonl.gz"
+    if damage == "truncated":
+        path.write_bytes(packed[: len(packed) // 2])
+    else:  # a run of bytes overwritten in the middle of the stream
+        middle = len(packed) // 2
+        path.write_bytes(packed[:middle] + bytes(64) + packed[middle + 64 :])
+    with pytest.raises(inputs.InputError, match=f"^{path}: not a readable JSON-lines file"):
+        inputs.describe(str(path), text_column="text", id_columns=["id"])
+
+
+def test_an_s3_gzip_input_is_read_by_windows_from_the_process_s_copy(s3_bucket: str, tmp_path: Path) -> None:
+    """The index is of the process's copy: it goes when the copy does."""
+    import boto3
+
+    plain = _csv(tmp_path / "reviews.csv")
+    path = tmp_path / "reviews.csv.gz"
+    path.write_bytes(gzip.compress(plain.read_bytes()))
+    boto3.client("s3").upload_file(str(path), s3_bucket, "in/reviews.csv.gz")
+    inputs.drop_copies()
+    remote = inputs.describe(f"s3://{s3_bucket}/in/reviews.csv.gz", text_column="text", id_columns=["id"])
+    local = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert (remote.rows, remote.offsets, remote.sha256) == (local.rows, local.offsets, local.sha256)
+    whole = _whole(local)
+    for start, stop in [(2048, ROWS), (1024, 2048), (0, 1024)]:
+        assert _read(remote, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
+    (folder,) = inputs._copies_folder
+    assert [Path(p).parent for p, _ in inputs._gzip_files] == [folder]
+    inputs.drop_copies()
+    assert not inputs._gzip_files and not folder.exists()

@@ -2,7 +2,8 @@
 
 Finding the files and hashing them are the corpus stage's own (``tasks.corpus.sources``); an s3://
 file is read from a local copy, one a process (Parquet and Arrow need random access, and a window of a
-CSV or JSON-lines file is read from its byte offset). Here a file is read as a sequence of Arrow record
+CSV or JSON-lines file is read from its byte offset: in a gzip file, its offset in the uncompressed stream,
+reached through a seek-point index, ``_gzip_range``). Here a file is read as a sequence of Arrow record
 batches holding the text column and the id columns only. A row whose text cannot be scored (empty, not text, not UTF-8, longer
 than the model reads) is not an error: ``texts_of`` says why, and the run writes it aside. A file that
 cannot be read as its extension says, or lacks the text column, is one ``InputError`` naming it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gzip
+import io
 import json
 import shutil
 import tempfile
@@ -32,11 +34,17 @@ from tasks.store import LocalStore, Store, split_object_uri
 
 BATCH_ROWS = 4096  # rows per record batch read from a JSON-lines file
 CSV_BLOCK_BYTES = 16 * 2**20  # pyarrow infers a CSV's column types from its first block
-# A plain CSV or JSON-lines file's byte offset is recorded every OFFSET_ROWS rows when it is described
-# (it is read whole then anyway), so a window is read from the offset at or before its first row, not
-# from the file's start: reading a file's windows costs one reading of it, not one per window. Windows
-# start at multiples of piece_rows × WINDOW_PIECES (16,384 by default), so they start on an offset.
+# A CSV or JSON-lines file's byte offset is recorded every OFFSET_ROWS rows when it is described (it
+# is read whole then anyway), so a window is read from the offset at or before its first row, not from
+# the file's start: reading a file's windows costs one reading of it, not one per window (a gzip file
+# through a seek-point index, ``_gzip_range``). Windows start at multiples of piece_rows ×
+# WINDOW_PIECES (16,384 by default), so they start on an offset.
 OFFSET_ROWS = 1024
+# A gzip file's seek points, one every GZIP_SPACING bytes of its uncompressed stream, each holding the
+# 32 KiB of text before it: a window read decompresses at most this much beside its own bytes, and a
+# process's index of a file takes 1/512 of its uncompressed size (80 MB for 40 GB).
+GZIP_SPACING = 16 * 2**20
+GZIP_READ_BYTES = 2**20  # of compressed bytes a gzip index reads at a time
 
 
 class InputError(SourceError):
@@ -53,9 +61,13 @@ class InputFile:
     sha256: str
     size: int
     rows: int
-    # Byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, …: a plain CSV or JSON-lines file only (empty:
-    # read from the start; a gzip stream has no offsets to seek to, Parquet and Arrow seek themselves).
+    # Byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, …: a CSV or JSON-lines file only, in a gzip
+    # file's uncompressed stream (empty: read from the start; Parquet and Arrow seek themselves).
     offsets: tuple[int, ...] = ()
+    # A gzip file's seek-point index as the describing process exported it (a local path, kept while
+    # that process lives): a worker that finds it reads only its windows' bytes; one that does not
+    # (a Dask worker on another machine) builds its own.
+    gzip_index: str = ""
 
 
 def format_of(uri: str) -> str:
@@ -90,11 +102,12 @@ def describe(
         sha256=source.sha256,  # an s3:// file: one copy for the reading, the scan and the workers here
     )
     rows = sum(batch.num_rows for batch in batches)
-    offsets, scanned = (
-        row_offsets(uri, kind, s3_endpoint_url, source.sha256) if kind in ("csv", "jsonl") else ((), 0)
+    offsets, scanned, index = (
+        row_offsets(uri, kind, s3_endpoint_url, source.sha256) if kind in ("csv", "jsonl") else ((), 0, "")
     )
     if scanned != rows:
-        offsets = ()  # the line scan and pyarrow disagree on this CSV (a lone \r line end): from the start
+        # The line scan and pyarrow disagree on this CSV (a lone \r line end): read from the start.
+        offsets, index = (), ""
     # The describing process scores nothing: its copy of an s3:// file goes now, not when it exits.
     _drop_copy(uri, source.sha256)
     return InputFile(
@@ -105,6 +118,7 @@ def describe(
         size=source.size,
         rows=rows,
         offsets=offsets,
+        gzip_index=index,
     )
 
 
@@ -128,8 +142,10 @@ def read_rows(
         id_columns=id_columns,
         s3_endpoint_url=s3_endpoint_url,
         start=start,
+        stop=stop,
         offsets=file.offsets,
         sha256=file.sha256,
+        gzip_index=file.gzip_index,
     ):
         end = seen + batch.num_rows
         if end > start:
@@ -150,22 +166,28 @@ def read_batches(
     id_columns: list[str],
     s3_endpoint_url: str | None = None,
     start: int = 0,
+    stop: int | None = None,
     offsets: tuple[int, ...] = (),
     sha256: str = "",
+    gzip_index: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """The file's text and id columns as record batches, text first, from row ``start`` on. CSV and JSON
     lines carry the text as bytes (``binary``), so one row of bad UTF-8 is that row's problem, not the
     file's. A CSV or JSON-lines file is read from the byte offset in ``offsets`` (``InputFile.offsets``)
     at or before ``start``, a Parquet file from the row group holding it, an Arrow IPC file from the
-    record batch holding it; without offsets (gzip) from its start. ``sha256``: the file's, where it was
-    described, to keep what a read from an offset needs of its start (``_csv_layout``)."""
+    record batch holding it; without offsets from its start. A gzip file read from an offset is read up to
+    the offset at or after ``stop`` (``_gzip_range``); rows past ``stop`` may follow, as from any file.
+    ``sha256``: the file's, where it was described, to keep what a read from an offset needs of its start
+    (``_csv_layout``) and, for a gzip file, its index; ``gzip_index``: the index describing exported."""
     columns = [text_column, *id_columns]
     try:
         if kind in ("csv", "jsonl"):
             index = min(start // OFFSET_ROWS, len(offsets) - 1) if offsets else -1
             first, offset = (index * OFFSET_ROWS, offsets[index]) if index > 0 else (0, 0)
+            last = -(-stop // OFFSET_ROWS) if stop is not None and offsets else len(offsets)
+            end = offsets[last] if last < len(offsets) else None  # None: to the file's end
             batches = (_csv_batches if kind == "csv" else _jsonl_batches)(
-                uri, columns, s3_endpoint_url, offset=offset, sha256=sha256
+                uri, columns, s3_endpoint_url, offset=offset, end=end, sha256=sha256, index=gzip_index
             )
             yield from _from_row(batches, start - first)
         else:
@@ -188,33 +210,37 @@ def _from_row(batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.Recor
 
 def row_offsets(
     uri: str, kind: str, s3_endpoint_url: str | None = None, sha256: str = ""
-) -> tuple[tuple[int, ...], int]:
-    """The byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, … of a plain CSV or JSON-lines file, and
-    the rows it has, by one scan of its lines: a JSON-lines row is a line that is not blank (as
-    ``_jsonl_batches`` reads), a CSV row a record after the header, ending at a line end outside quotes
-    (an even count of ``"`` so far: RFC 4180, as pyarrow reads it), empty lines skipped. A gzip file: none
-    (its stream has no offsets to seek to: its windows are read from its start)."""
+) -> tuple[tuple[int, ...], int, str]:
+    """The byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, … of a CSV or JSON-lines file (a gzip
+    file's in its uncompressed stream), and the rows it has, by one scan of its lines: a JSON-lines row is
+    a line that is not blank (as ``_jsonl_batches`` reads), a CSV row a record after the header, ending at
+    a line end outside quotes (an even count of ``"`` so far: RFC 4180, as pyarrow reads it), empty lines
+    skipped. A gzip file is scanned through a seek-point index, exported for the workers (its path is
+    the third value; empty for a plain file)."""
     offsets: list[int] = []
     rows = 0
+    index = ""
     with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
-        if raw.read(2) == GZIP_MAGIC:
-            return (), -1
+        packed = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
-        position, header, quoted = 0, kind == "csv", False
-        for line in raw:
-            begins, position = position, position + len(line)
-            if kind == "jsonl":
-                record = bool(line.strip())
-            else:
-                record = not quoted and bool(line.strip(b"\r\n"))
-                quoted ^= line.count(b'"') % 2 == 1
-                if record and header:
-                    header, record = False, False
-            if record:
-                if rows % OFFSET_ROWS == 0:
-                    offsets.append(begins)
-                rows += 1
-    return tuple(offsets), rows
+        with _new_index(raw) if packed else contextlib.nullcontext(raw) as stream:
+            position, header, quoted = 0, kind == "csv", False
+            for line in stream:
+                begins, position = position, position + len(line)
+                if kind == "jsonl":
+                    record = bool(line.strip())
+                else:
+                    record = not quoted and bool(line.strip(b"\r\n"))
+                    quoted ^= line.count(b'"') % 2 == 1
+                    if record and header:
+                        header, record = False, False
+                if record:
+                    if rows % OFFSET_ROWS == 0:
+                        offsets.append(begins)
+                    rows += 1
+            if packed:
+                index = _export_index(stream, sha256)
+    return tuple(offsets), rows, index
 
 
 _FORMAT_NAMES = {"csv": "CSV", "jsonl": "JSON-lines", "parquet": "Parquet", "arrow": "Arrow IPC"}
@@ -229,22 +255,107 @@ def _missing(uri: str, names: list[str], columns: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _opened(uri: str, s3_endpoint_url: str | None, offset: int = 0, sha256: str = "") -> Iterator[IO[bytes]]:
+def _opened(
+    uri: str,
+    s3_endpoint_url: str | None,
+    offset: int = 0,
+    end: int | None = None,
+    sha256: str = "",
+    index: str = "",
+) -> Iterator[IO[bytes]]:
     """The file's bytes from ``offset``, gunzipped when they are gzip (by their magic bytes, as the
-    corpus reads; a gzip file has no offsets)."""
+    corpus reads). Read from its start, a gzip file is streamed; from an offset, its bytes up to ``end``
+    are read through the process's index of it (``_gzip_range``; ``index``: the one describing exported)."""
     with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
-        if raw.read(2) == GZIP_MAGIC:
-            assert offset == 0, "a gzip stream is read from its start"
+        if raw.read(2) != GZIP_MAGIC:
+            raw.seek(offset)
+            yield raw
+        elif offset:
+            yield io.BytesIO(_gzip_range(path, sha256, offset, end, index))
+        else:
             raw.seek(0)
             with gzip.GzipFile(fileobj=raw) as unzipped:
                 yield unzipped  # type: ignore[misc]
-        else:
-            raw.seek(offset)
-            yield raw
+
+
+# (path, sha256) → the open file and its index
+_gzip_files: OrderedDict[tuple[str, str], tuple[IO[bytes], Any]] = OrderedDict()
+_gzip_lock = threading.Lock()
+_index_folder: list[Path] = []  # this process's folder of exported indexes, made on the first
+
+
+def _new_index(raw: IO[bytes]) -> Any:
+    """A gzip file read through a seek-point index (``indexed_gzip``) it builds as it is read."""
+    import indexed_gzip
+
+    return indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZIP_SPACING, readbuf_size=GZIP_READ_BYTES)
+
+
+def _export_index(unzipped: Any, sha256: str) -> str:
+    """Write the index to this process's folder (removed when the process exits, as the copies are)."""
+    if not _index_folder:
+        import multiprocessing.util
+
+        _index_folder.append(Path(tempfile.mkdtemp(prefix="mlstm-score-gzip-index-")))
+        multiprocessing.util.Finalize(
+            None, shutil.rmtree, args=(_index_folder[0],), kwargs={"ignore_errors": True}, exitpriority=0
+        )
+    path = _index_folder[0] / f"{sha256[:16] or 'file'}.gzidx"
+    partial = path.with_suffix(".partial")
+    unzipped.export_index(filename=str(partial))
+    partial.replace(path)  # a worker never imports half an index
+    return str(path)
+
+
+def _gzip_range(path: str, sha256: str, begin: int, end: int | None, index: str = "") -> bytes:
+    """Bytes ``[begin, end)`` of a gzip file's uncompressed stream (``end`` None: to its end), through a
+    seek-point index (``indexed_gzip``) the process keeps for the file: the one describing exported
+    (``index``) where this machine has it, then a read costs its own bytes and at most ``GZIP_SPACING``
+    more; otherwise one built as the process reads, which decompresses the file once, up to the furthest
+    window the process reads, whatever their order. Kept open for the last ``COPIES_KEPT`` files, by
+    content (a Dask worker outlives a run)."""
+    with _gzip_lock:
+        if (kept := _gzip_files.get((path, sha256))) is None:
+            raw = open(path, "rb")  # noqa: SIM115 (kept open across reads: _close_gzip); tests count its reads
+            kept = raw, _new_index(raw)
+            if index and Path(index).is_file():
+                try:
+                    kept[1].import_index(filename=index)
+                except OSError:  # not this file's, or unreadable: built here as the reads go
+                    _close_gzip(*kept)
+                    raw = open(path, "rb")  # noqa: SIM115 (as above)
+                    kept = raw, _new_index(raw)
+            _gzip_files[(path, sha256)] = kept
+            while len(_gzip_files) > COPIES_KEPT:
+                _close_gzip(*_gzip_files.popitem(last=False)[1])
+        _gzip_files.move_to_end((path, sha256))
+        unzipped = kept[1]
+        unzipped.seek(begin)
+        data: bytes = unzipped.read(-1 if end is None else end - begin)
+        return data
+
+
+def _close_gzip(raw: IO[bytes], unzipped: Any) -> None:
+    unzipped.close()
+    raw.close()
+
+
+def _drop_gzip(path: Path | None = None) -> None:
+    """Close the process's index of ``path`` (of every file: None): its copy is being deleted."""
+    with _gzip_lock:
+        for key in [k for k in _gzip_files if path is None or k[0] == str(path)]:
+            _close_gzip(*_gzip_files.pop(key))
 
 
 def _csv_batches(
-    uri: str, columns: list[str], s3_endpoint_url: str | None, *, offset: int = 0, sha256: str = ""
+    uri: str,
+    columns: list[str],
+    s3_endpoint_url: str | None,
+    *,
+    offset: int = 0,
+    end: int | None = None,
+    sha256: str = "",
+    index: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """From the file's start, or from a row's ``offset`` with the header's names and the column types
     pyarrow inferred from the file's first block (as a read from the start has them)."""
@@ -252,7 +363,7 @@ def _csv_batches(
 
     layout = _csv_layout if sha256 else _csv_layout.__wrapped__  # kept by content only
     names, types = layout(uri, tuple(columns), s3_endpoint_url, sha256)
-    with _opened(uri, s3_endpoint_url, offset, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, offset, end, sha256, index) as stream:
         reader = pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(
@@ -274,11 +385,11 @@ def _csv_layout(
     infers from the first block). Kept by the file's content: a worker needs it for each window."""
     import pyarrow.csv as pacsv
 
-    with _opened(uri, s3_endpoint_url, 0, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as stream:
         # The header alone first, to name a missing column before pyarrow's own error does.
         header = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
         _missing(uri, header.schema.names, list(columns))
-    with _opened(uri, s3_endpoint_url, 0, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as stream:
         reader = pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
@@ -290,14 +401,21 @@ def _csv_layout(
 
 
 def _jsonl_batches(
-    uri: str, columns: list[str], s3_endpoint_url: str | None, *, offset: int = 0, sha256: str = ""
+    uri: str,
+    columns: list[str],
+    s3_endpoint_url: str | None,
+    *,
+    offset: int = 0,
+    end: int | None = None,
+    sha256: str = "",
+    index: str = "",
 ) -> Iterator[pa.RecordBatch]:
     """One record a line; a line that is not a JSON object keeps its row (its text is null, with the
     reason in ``_problem``) so that row numbers stay line numbers of records. A file with no object
     holding the text field is no JSON-lines table of reviews: one error (read from its start)."""
     text, ids = columns[0], columns[1:]
     found = offset > 0
-    with _opened(uri, s3_endpoint_url, offset, sha256) as stream:
+    with _opened(uri, s3_endpoint_url, offset, end, sha256, index) as stream:
         values: dict[str, list[Any]] = {name: [] for name in columns}
         problems: list[str | None] = []
         for line in stream:
@@ -398,6 +516,7 @@ def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
         _copies[(uri, sha256)] = path
         while len(_copies) > COPIES_KEPT:
             _, oldest = _copies.popitem(last=False)
+            _drop_gzip(oldest)
             oldest.unlink(missing_ok=True)
         return path
 
@@ -405,11 +524,13 @@ def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
 def _drop_copy(uri: str, sha256: str) -> None:
     with _copies_lock:
         if (path := _copies.pop((uri, sha256), None)) is not None:
+            _drop_gzip(path)
             path.unlink(missing_ok=True)
 
 
 def drop_copies() -> None:
-    """Delete the process's copies of s3:// inputs and their folder."""
+    """Delete the process's copies of s3:// inputs and their folder (and close its gzip indexes)."""
+    _drop_gzip()
     with _copies_lock:
         _copies.clear()
         while _copies_folder:
