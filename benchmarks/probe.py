@@ -228,6 +228,22 @@ def features_of(case: Case, args: argparse.Namespace) -> Splits:
     return cell_state_like(ROWS[case.rows], case.width, scales=case.scales, noise=case.noise)
 
 
+def same_answer(base: dict[str, Any], fast: ProbeResult, dev_at: dict[float, float]) -> bool:
+    """Whether the solver's probe is liblinear's answer: the same C or a dev tie, and test within 0.5 point.
+
+    A dev tie is either of: liblinear scored the solver's C as well on dev as its own (``dev_at``: its
+    dev accuracy per C, rounded as the row keeps them), or the solver's probe at its C scores on dev
+    what liblinear's scores at liblinear's C. The second is a tie of the choice itself: both solvers
+    pick the dev argmax and reach the same best dev accuracy. Looking up liblinear's own dev at the
+    solver's C instead judges the solver by liblinear's probe there, which on nearly collinear
+    features (real cell states) is another minimiser of the same objective (they agreed to 1.9e-16)
+    with other dev predictions. The objective is checked apart, at every C, without this latitude.
+    """
+    best = round(base["dev_accuracy"], 4)
+    tie = dev_at.get(fast.C) == best or round(fast.dev_accuracy, 4) == best
+    return (base["C"] == fast.C or tie) and abs(fast.test_accuracy - base["test_accuracy"]) <= 0.005
+
+
 def row_of(
     case: Case, solver: str, base: dict[str, Any], fast: ProbeResult, fast_s: float, peak: int
 ) -> dict[str, Any]:
@@ -263,9 +279,7 @@ def row_of(
         "peak_rss": [base.get("peak_rss"), peak],
         "goal": {
             "speedup": goal,
-            # The same C, or one liblinear scored as well on dev (a tie), and test within 0.5 point.
-            "same_answer": (base["C"] == fast.C or dev_at.get(fast.C) == round(base["dev_accuracy"], 4))
-            and abs(fast.test_accuracy - base["test_accuracy"]) <= 0.005,
+            "same_answer": same_answer(base, fast, dev_at),
             "objective": not gaps or max(gaps) <= OBJECTIVE_SLACK,
             "met": (goal is None or speedup >= goal),
         },
