@@ -327,6 +327,15 @@ def main() -> None:
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = machine(torch.device(device))
+    # A process's first fit of a solver pays once what no later fit does (numba's cached machine code
+    # loaded, BLAS and OpenMP threads started): each is fitted first on a small case, so that every row
+    # times its sweep alone, whichever case comes first. Reported apart.
+    small = cell_state_like((400, 100, 100), 256)
+    warm_up_s = {
+        solver: round(timed(small, solver, Cs[:2], "cpu" if solver == "liblinear" else device)[0], 2)
+        for solver in (["liblinear"] if not recorded else []) + solvers
+    }
+    say(f"first fits in this process, not in the rows (s): {warm_up_s}")
     rows = []
     for case in cases:
         splits = features_of(case, args)
@@ -383,6 +392,7 @@ def main() -> None:
     report = {
         "machine": info,
         "Cs": list(Cs),
+        "warm_up_s": warm_up_s,
         "rows": rows,
         "goal": goals,
         "liblinear_source": liblinear_source,
