@@ -385,7 +385,7 @@ def probe_tables(results: dict[str, Any]) -> str:
     if warm := results.get("warm_up_s"):  # records from before the warm-up have none
         parts.insert(
             1,
-            "Each solver's first fit in the process (400 train rows × 256, two values of C), which loads "
+            "Each solver's first fit in the process (400 train rows × 256, the two largest values of C), which loads "
             "what later fits reuse, is left out of the rows: "
             + ", ".join(f"{solver} {num(seconds)} s" for solver, seconds in warm.items())
             + ".",
