@@ -61,10 +61,10 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str
     started = time.perf_counter()
     if preset == "tiny":
         files, batch, seq_len, lr = write_sample(home / "sample", num_reviews=3000), 16, 64, 3e-3
-        total_steps = None
+        total_steps, source = None, "the demo's generated sample"
     else:
         files, batch, seq_len, lr = [SHARED_DATA / "amazon" / f for f in AMAZON_FILES], BATCH, SEQ_LEN, LR
-        total_steps = steps
+        total_steps, source = steps, "the shared Amazon reviews"
         if missing := [str(f) for f in files if not f.is_file()]:
             raise SystemExit(f"finetune benchmark: the shared Amazon files are missing: {', '.join(missing)}")
     manifest = build_in_process(
@@ -77,9 +77,8 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str
     )  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         result = fit(config, World(), get_settings())
-    corpus = "the demo's generated sample" if preset == "tiny" else "the shared Amazon reviews"
     what = (
-        f"{preset}, pretrained here for {result['steps']} steps of {batch} × {seq_len} bytes on {corpus} "
+        f"{preset}, pretrained here for {result['steps']} steps of {batch} × {seq_len} bytes on {source} "
         f"(validation {result['val_bpc']:.3f} bits per byte)"
     )
     return str(result["checkpoint_uri"]), what, time.perf_counter() - started
