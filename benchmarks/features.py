@@ -5,12 +5,14 @@ Feature throughput, per preset, on the device at hand (CUDA when torch sees one,
 ``models.features.featurize`` uses; else the CPU in fp32), on real review text (SST-2 test sentences by
 default on a CPU, IMDB test reviews on a GPU, as issue 13 measures; ``--data`` takes any CSV with a ``sentence``, ``text`` or ``review`` column, ``.csv.gz`` too):
 
-- fast: ``models.features.featurize``, the code the features CLI and the served model run: texts read
-  longest first in length-bucketed batches (padding under 10% of the bytes a batch holds) of as many rows
-  as fit half the device's free memory, or ``--batch-size``; padding masked in ``final_cell_state``,
-  through the fused recurrence (``models/recurrence.py``: rows leave the batch as their text ends);
-- reference: the same, with the model's ``recurrence="reference"`` (the cell step by step, padding
-  masked with ``torch.where``): the path features took before the fused recurrence;
+- fast: ``models.features.featurize``, the code the features CLI and the served model run: texts
+  packed end to end (``models.features.pack``) into as many rows as fit half the device's free memory,
+  or ``--batch-size``, and no more than can be kept reading until the longest text ends; each row's
+  state restarts where a text starts, through the fused recurrence (``models/recurrence.py``:
+  ``packed_states``, rows leave as they run out of texts);
+- reference: ``featurize`` with the model's ``recurrence="reference"``: texts read longest first in
+  length-bucketed batches (padding under 10% of the bytes a batch holds), the cell step by step, padding
+  masked with ``torch.where``: the path features took before the fused recurrence;
 - baseline: the same model, one text at a time (batch of 1, no sorting, no padding) through
   ``model(bytes[None])``, the feature being the final cell state it returns.
 
@@ -63,7 +65,7 @@ from common import (  # the working tree on the path
     say,
 )
 
-from models.features import featurize, length_batches, rows_for_memory
+from models.features import featurize, length_batches, pack, rows_for_memory
 from models.mlstm import MLSTM, PRESETS, preset
 from models.precision import PRECISION_NAMES, autocast, resolve_precision
 from models.text import encode
@@ -132,7 +134,10 @@ class FeatureRow:
     batch_sized_by: str  # "memory" or "--batch-size"
     texts: int
     chars: int  # bytes the model read
-    padding: float  # padding bytes ÷ the bytes the fast path's batches hold
+    padding: float  # padding bytes ÷ the bytes the reference path's length-bucketed batches hold
+    rows: int  # rows the fast path packed the texts into (models.features.pack)
+    steps: int  # its steps
+    idle: float  # its row-steps that read no byte (as rows run out of texts at the end) ÷ all of them
     seconds: float
     chars_per_s: float
     reference_seconds: float
@@ -218,6 +223,8 @@ def feature_row(
     lengths = np.array([len(encode(t)) for t in fast_texts])
     chars = int(lengths.sum())
     held = sum(len(batch) * int(lengths[batch].max()) for batch in length_batches(lengths.tolist(), rows))
+    packing = pack(lengths.tolist(), rows)
+    row_steps = len(packing.row_steps_S) * packing.steps
     baseline_chars = sum(len(encode(t)) for t in baseline_texts)
     precision = precision_of(device)
     row = FeatureRow(
@@ -230,6 +237,9 @@ def feature_row(
         texts=n_fast,
         chars=chars,
         padding=(held - chars) / held,
+        rows=len(packing.row_steps_S),
+        steps=packing.steps,
+        idle=(row_steps - chars) / row_steps,
         seconds=seconds,
         chars_per_s=chars / seconds,
         reference_seconds=reference_seconds,
@@ -269,11 +279,11 @@ def profile_features(
     seconds = time.perf_counter() - started
     lengths = [len(encode(t)) for t in texts]
     chars = sum(lengths)
-    batches = [len(b) for b in length_batches(lengths, rows)]
+    packing = pack(lengths, rows)
     text = profile_table(profiler, device)
     header = (
         f"{name} featurize on {device}: {len(texts)} texts, {chars:,} chars (longest {max(lengths):,}), "
-        f"{len(batches)} batches of at most {rows} rows ({batches[:8]}…), {seconds:.3f} s profiled, "
+        f"packed into {len(packing.row_steps_S)} rows × {packing.steps:,} steps, {seconds:.3f} s profiled, "
         f"{chars / seconds:,.0f} chars/s"
     )
     path.write_text(header + "\n" + text + "\n")
@@ -398,9 +408,11 @@ def print_report(
     where = info.get("gpu") or f"{info['cores']} cores ({info['cpu']}), {info['torch_threads']} torch threads"
     console.print(f"{where}, torch {info['torch']}; texts: {source}; random-init weights", highlight=False)
     table = Table(
-        title="Feature extraction: featurize (length-bucketed batches) vs the reference recurrence and one text at a time"
+        title="Feature extraction: featurize (texts packed end to end) vs the reference recurrence "
+        "(length-bucketed batches) and one text at a time"
     )
-    columns = ("preset", "device", "precision", "batch", "texts", "chars", "padding", "fast chars/s")
+    columns = ("preset", "device", "precision", "batch", "texts", "chars", "rows × steps", "idle", "padding")
+    columns += ("fast chars/s",)
     columns += ("reference chars/s", "fast ÷ reference", "baseline texts", "baseline chars/s")
     columns += ("fast ÷ baseline", "max rel diff")
     for column in columns:
@@ -413,6 +425,8 @@ def print_report(
             f"{r.batch_size} ({r.batch_sized_by})",
             str(r.texts),
             f"{r.chars:,}",
+            f"{r.rows} × {r.steps:,}",
+            f"{r.idle:.1%}",
             f"{r.padding:.1%}",
             f"{r.chars_per_s:,.0f}",
             f"{r.reference_chars_per_s:,.0f}",

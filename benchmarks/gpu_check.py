@@ -124,7 +124,8 @@ def summarise_features(logs: Path) -> tuple[bool, str, dict[str, Any]]:
         goals.append({"preset": r["preset"], "chars_per_s": r["chars_per_s"], "met": met})
         line.append(
             f"{r['preset']} {r['chars_per_s']:,.0f} chars/s (goal {GOAL_FEATURES_CHARS_PER_S:,.0f}), "
-            f"{r['vs_reference']:.2f}× reference, batch {r['batch_size']}, diff {r['max_rel_diff']:.1e}"
+            f"{r['vs_reference']:.2f}× reference, {r['rows']} rows × {r['steps']:,} steps "
+            f"({r['idle']:.1%} idle), diff {r['max_rel_diff']:.1e}"
         )
     source = report["texts_source"]
     line.append("IMDB texts" if "imdb" in source else f"texts: {source}")

@@ -186,6 +186,7 @@ def features_tables(results: dict[str, Any]) -> str:
             row["preset"],
             row["precision"],
             f"{row['texts']:,}",
+            f"{row['rows']} × {row['steps']:,}, {row['idle']:.1%}" if "idle" in row else "–",
             f"{row['padding']:.1%}",
             num(row["chars_per_s"]),
             num(row["reference_chars_per_s"]),
@@ -197,7 +198,8 @@ def features_tables(results: dict[str, Any]) -> str:
         ]
         for row in results["features"]
     ]
-    header = ["preset", "precision", "texts", "padding", "chars/s", "reference chars/s", "vs reference"]
+    header = ["preset", "precision", "texts", "packed: rows × steps, idle", "reference padding", "chars/s"]
+    header += ["reference chars/s", "vs reference"]
     header += ["baseline texts", "baseline chars/s", "vs baseline", "max rel diff"]
     lines = [f"Texts: {results['texts_source']}; {results['weights']}.", "", table(header, rows)]
     if results["serving"]:

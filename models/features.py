@@ -1,16 +1,26 @@
 """Texts to features: the mLSTM's final cell state after reading each cleaned text (Radford et al. 2017).
 
-Texts are read longest first in batches of similar length (a batch closes before its padding passes
-``max_padding`` of the bytes it holds), as many rows as fit the device's memory unless a batch size is
-given, and the model masks what padding there is: a text's feature is the same alone or in any batch.
+The fused recurrence reads texts packed end to end: each of a batch's rows (as many as fit the
+device's memory unless a batch size is given, and no more than the texts' bytes over the longest text's)
+reads one text after another, longest first, each next text going to the row that frees first, and a
+row's state restarts from zero where a text starts.
+Every step reads a byte of a text in every row until the rows run out of texts at the end, so the
+steps are about (bytes ÷ rows) and wide, whatever the texts' lengths: length-sorted batches of
+reviews (mostly short, a few very long) ran thousands of narrow steps per batch. The reference
+recurrence reads batches of similar length instead (a batch closes before its padding passes
+``max_padding`` of the bytes it holds) and masks the padding. Either way a text's feature is the same
+alone or in any batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from models.mlstm import MLSTM
 from models.precision import autocast, resolve_precision
@@ -71,6 +81,58 @@ def length_batches(
         start += max(count, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where each text is read when texts are laid end to end in rows (``pack``).
+
+    Rows are numbered by how long they read, longest first, so the rows still reading at any step are a
+    prefix of the batch."""
+
+    row_N: np.ndarray  # the row text n is read in
+    start_N: np.ndarray  # the step its first byte is read at
+    lengths_N: np.ndarray
+    row_steps_S: np.ndarray  # steps each row reads: non-increasing
+
+    @property
+    def steps(self) -> int:
+        return int(self.row_steps_S[0]) if len(self.row_steps_S) else 0
+
+    def reading(self, t0: int, t1: int) -> list[int]:
+        """Rows reading at each step from t0 to t1 (exclusive)."""
+        ascending = self.row_steps_S[::-1]
+        reading: list[int] = (
+            len(ascending) - np.searchsorted(ascending, np.arange(t0, t1), "right")
+        ).tolist()
+        return reading
+
+
+def pack(lengths: Sequence[int], rows: int) -> Packing:
+    """Texts longest first, each to the row that frees first (the longest-processing-time rule: the
+    rows end within one text's length of each other), then the rows ordered by their ends.
+
+    At most ``rows`` rows, and no more than the texts can keep reading until the longest ends (their
+    bytes over its length): more would only add steps where a few rows read, since the longest text's
+    length is the least number of steps anyway."""
+    lengths_N = np.asarray(lengths, dtype=np.int64)
+    if len(lengths_N) and int(lengths_N.min()) < 1:
+        raise ValueError("every text must have at least one byte")
+    full = -(-int(lengths_N.sum()) // int(lengths_N.max())) if len(lengths_N) else 1
+    S = max(1, min(rows, full))
+    row_N, start_N = np.zeros(len(lengths_N), np.int64), np.zeros(len(lengths_N), np.int64)
+    free = [(0, s) for s in range(S)]  # (the step a row frees at, the row): a heap
+    for n in np.argsort(-lengths_N, kind="stable").tolist():
+        at, s = free[0]
+        row_N[n], start_N[n] = s, at
+        heapq.heapreplace(free, (at + int(lengths_N[n]), s))
+    steps_S = np.zeros(S, np.int64)
+    for at, s in free:
+        steps_S[s] = at
+    by_steps = np.argsort(-steps_S, kind="stable")  # old row numbers, longest first
+    renumber = np.empty(S, np.int64)
+    renumber[by_steps] = np.arange(S)
+    return Packing(renumber[row_N], start_N, lengths_N, steps_S[by_steps])
+
+
 def featurize(
     model: MLSTM,
     texts: Sequence[str],
@@ -83,8 +145,9 @@ def featurize(
 ) -> np.ndarray:
     """Features [N, H] (float32), one row per text in input order, each text cleaned as the corpus was.
 
-    ``batch_size`` None: as many rows as fit ``memory_bytes``, by default half the device's free memory
-    (``rows_for_memory``).
+    ``batch_size``: rows read at once; None: as many as fit ``memory_bytes``, by default half the
+    device's free memory (``rows_for_memory``). ``max_padding``: the reference recurrence's bound (the
+    fused one reads no padding). ``on_batch(texts, bytes)`` after each stretch of reading.
     """
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -93,18 +156,116 @@ def featurize(
     device = device or next(model.parameters()).device
     model = model.to(device).eval()
     encoded = [encode(text) for text in texts]
-    features_NH = np.zeros((len(encoded), model.config.hidden_size), dtype=np.float32)
     rows_per_batch = batch_size or rows_for_memory(model, device, memory_bytes=memory_bytes)
     dtype = resolve_precision("auto", device)  # bf16 or fp16 on a GPU, fp32 on the CPU
+    with autocast(device, dtype):
+        if model.recurrence == "fused":
+            return _read_packed(model, encoded, rows_per_batch, device, on_batch)
+        return _read_length_batches(model, encoded, rows_per_batch, device, on_batch, max_padding)
+
+
+def _read_packed(
+    model: MLSTM, encoded: list[bytes], rows: int, device: torch.device, on_batch: OnBatch | None
+) -> np.ndarray:
+    """The fused path: texts packed end to end (``pack``), read CHUNK_LEN steps at a time."""
+    H = model.config.hidden_size
+    features_NH = np.zeros((len(encoded), H), dtype=np.float32)
+    if not encoded:
+        return features_NH
+    packing = pack([len(b) for b in encoded], rows)
+    S, T = len(packing.row_steps_S), packing.steps
+    # The packed bytes and restart marks on the host, row-major: each text is one contiguous write.
+    bytes_ST = np.zeros((S, T), dtype=np.uint8)
+    keep_ST = np.ones((S, T), dtype=np.float32)
+    for n, text in enumerate(encoded):
+        s, t = packing.row_N[n], packing.start_N[n]
+        bytes_ST[s, t : t + len(text)] = np.frombuffer(text, dtype=np.uint8)
+        keep_ST[s, t] = 0.0
+    end_N = packing.start_N + packing.lengths_N - 1  # the step after which a text's feature is taken
+    ending_N = np.argsort(end_N, kind="stable")
+    ends_sorted_N = end_N[ending_N]
+    c_dtype = model.b.dtype
+    state = (torch.zeros(S, H, device=device, dtype=c_dtype), torch.zeros(S, H, device=device, dtype=c_dtype))
+    pending: _Stretch | None = None
+    for t0 in range(0, T, CHUNK_LEN):
+        t1 = min(T, t0 + CHUNK_LEN)
+        reading = packing.reading(t0, t1)
+        lo, hi = np.searchsorted(ends_sorted_N, [t0, t1])
+        stretch = _Stretch(
+            ending_N[lo:hi],
+            np.searchsorted(ends_sorted_N[lo:hi], np.arange(t0, t1 + 1)).tolist(),
+            torch.from_numpy(packing.row_N[ending_N[lo:hi]]).to(device),
+            torch.empty(hi - lo, H, device=device, dtype=c_dtype),
+            sum(reading),
+        )
+        n0 = reading[0]
+        bytes_TN = torch.from_numpy(np.ascontiguousarray(bytes_ST[:n0, t0:t1].T)).to(device).long()
+        keep_TN1 = torch.from_numpy(np.ascontiguousarray(keep_ST[:n0, t0:t1].T)).to(device, c_dtype)
+        state = model.read_packed(bytes_TN, keep_TN1[..., None], state, reading, stretch.take)
+        stretch.send_home()
+        # The stretch before went home while this one was queued: the device does not wait for the host.
+        if pending is not None:
+            pending.collect(features_NH, on_batch)
+        pending = stretch
+    if pending is not None:
+        pending.collect(features_NH, on_batch)
+    return features_NH
+
+
+@dataclasses.dataclass
+class _Stretch:
+    """The texts that end in one stretch of steps of the packed path, and their features."""
+
+    ids_K: np.ndarray  # the texts, by the step they end at
+    bounds: list[int]  # the texts ending at the stretch's step t are ids_K[bounds[t] : bounds[t + 1]]
+    rows_K: Tensor  # their rows, on the device
+    finals_KH: Tensor  # their final cell states, filled as the steps run
+    bytes_read: int
+    home_KH: Tensor | None = None
+    done: torch.cuda.Event | None = None
+
+    def take(self, t: int, c_NH: Tensor) -> None:
+        """After step t: the cell states of the texts that end there (the packed loop's ``on_step``)."""
+        a, b = self.bounds[t], self.bounds[t + 1]
+        if b > a:
+            self.finals_KH[a:b] = c_NH.index_select(0, self.rows_K[a:b])
+
+    def send_home(self) -> None:
+        if self.finals_KH.device.type != "cuda":
+            self.home_KH = self.finals_KH
+            return
+        self.home_KH = torch.empty(self.finals_KH.shape, dtype=self.finals_KH.dtype, pin_memory=True)
+        self.home_KH.copy_(self.finals_KH, non_blocking=True)
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.done.record()
+
+    def collect(self, features_NH: np.ndarray, on_batch: OnBatch | None) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+        assert self.home_KH is not None
+        features_NH[self.ids_K] = self.home_KH.float().numpy()
+        if on_batch is not None:
+            on_batch(len(self.ids_K), self.bytes_read)
+
+
+def _read_length_batches(
+    model: MLSTM,
+    encoded: list[bytes],
+    rows_per_batch: int,
+    device: torch.device,
+    on_batch: OnBatch | None,
+    max_padding: float,
+) -> np.ndarray:
+    """The reference path: batches of similar length, padding masked in ``final_cell_state``."""
+    features_NH = np.zeros((len(encoded), model.config.hidden_size), dtype=np.float32)
     for rows in length_batches([len(b) for b in encoded], rows_per_batch, max_padding=max_padding):
         lengths = [len(encoded[r]) for r in rows]
         bytes_BT = np.zeros((len(rows), max(lengths)), dtype=np.int64)
         for b, r in enumerate(rows):
             bytes_BT[b, : lengths[b]] = np.frombuffer(encoded[r], dtype=np.uint8)
-        with autocast(device, dtype):
-            c_BH = model.final_cell_state(
-                torch.from_numpy(bytes_BT).to(device), torch.tensor(lengths, device=device)
-            )
+        c_BH = model.final_cell_state(
+            torch.from_numpy(bytes_BT).to(device), torch.tensor(lengths, device=device)
+        )
         features_NH[rows] = c_BH.float().cpu().numpy()
         if on_batch is not None:
             on_batch(len(rows), sum(lengths))

@@ -20,6 +20,8 @@ job adds those.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -37,7 +39,7 @@ from models.config import (
     small,
     tiny,
 )
-from models.recurrence import final_states, recurrence
+from models.recurrence import final_states, packed_states, recurrence
 
 State = tuple[Tensor, Tensor]  # (h_BH, c_BH)
 # The sizes and presets live in models/config.py (no torch there); the model's users import them from here.
@@ -162,6 +164,30 @@ class MLSTM(nn.Module):
         h_TBH, c_TBH = recurrence(xz_TBG, xm_TBH, *state, W_h, W_mh, compile_gates=self.compile_gates)
         # The read-out is smaller than h (V < H): transpose the logits, not h.
         return self.out(h_TBH).transpose(0, 1), (h_TBH[-1], c_TBH[-1]), c_TBH.transpose(0, 1)
+
+    @torch.no_grad()
+    def read_packed(
+        self,
+        bytes_TN: Tensor,
+        keep_TN1: Tensor,
+        state: State,
+        reading_T: list[int],
+        on_step: Callable[[int, Tensor], None],
+    ) -> State:
+        """T steps of rows that each hold texts end to end (``models.features``' packed batches).
+
+        A row starts a text where ``keep`` is 0 (its state restarts from zero); at step t the first
+        ``reading_T[t]`` rows read; ``on_step(t, c)`` sees the cell state after each step. The fused
+        recurrence only: the state it returns is (h in the products' dtype, c), the rows still reading.
+        """
+        W_x, W_h, W_mx, W_mh = self.cell_weights()
+        x_TNE = self.embed(bytes_TN)
+        xz_TNG = self._input_gates(x_TNE, W_x)
+        xm_TNH = (x_TNE @ W_mx).mul_(keep_TN1)  # m = 0 where a text starts: the last text's h stays out
+        del x_TNE
+        return packed_states(
+            xz_TNG, xm_TNH, *state, W_h, W_mh, reading_T, keep_TN1, on_step, compile_gates=self.compile_gates
+        )
 
     @torch.no_grad()
     def final_cell_state(self, bytes_BT: Tensor, lengths_B: Tensor, *, chunk_len: int = 256) -> Tensor:

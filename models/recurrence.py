@@ -32,11 +32,15 @@ import torch
 from torch import Tensor
 
 GateStep = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
-GateBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+GateBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+ProductBackward = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+ReadingStep = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def gates(z_BG: Tensor, c_BH: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One step's gate math: (σ(i, f, o) [B, 3H], tanh(u) [B, H], the new c, the new h), in c's dtype."""
+    """One step's gate math: σ(i, f, o) [B, 3H], tanh(u) [B, H] and the new c, in c's dtype, and the new
+    h in z's (the products' dtype: the next step's product reads it, with no cast of its own)."""
+    dt = z_BG.dtype
     z_BG = z_BG.to(c_BH.dtype)
     H = c_BH.shape[1]
     s_B3H = torch.sigmoid(z_BG[:, : 3 * H])
@@ -44,22 +48,49 @@ def gates(z_BG: Tensor, c_BH: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     si_BH, sf_BH, so_BH = s_B3H.chunk(3, dim=1)
     c_BH = torch.addcmul(sf_BH * c_BH, si_BH, tu_BH)
     h_BH = so_BH * torch.tanh(c_BH)
-    return s_B3H, tu_BH, c_BH, h_BH
+    return s_B3H, tu_BH, c_BH, h_BH.to(dt)
+
+
+def reading_gates(z_BG: Tensor, c_BH: Tensor, keep_B1: Tensor) -> tuple[Tensor, Tensor]:
+    """The feature path's step: the new c (in c's dtype) and h (in z's, the products' dtype).
+
+    The previous cell state is ``c ⊙ keep``: ``keep`` is 0 where a row starts a new text, 1 elsewhere.
+    Only what reading needs is written (no gate values for a backward) and h comes out ready for the
+    next product: one kernel where ``gates``, a mask and a cast would be three."""
+    dt = z_BG.dtype
+    i_BH, f_BH, o_BH, u_BH = z_BG.to(c_BH.dtype).chunk(4, dim=1)
+    c_BH = torch.addcmul(torch.sigmoid(f_BH) * (c_BH * keep_B1), torch.sigmoid(i_BH), torch.tanh(u_BH))
+    return c_BH, (torch.sigmoid(o_BH) * torch.tanh(c_BH)).to(dt)
 
 
 def gates_backward(
-    s_B3H: Tensor, tu_BH: Tensor, c_prev_BH: Tensor, c_BH: Tensor, dh_BH: Tensor, dc_BH: Tensor
+    s_B3H: Tensor,
+    tu_BH: Tensor,
+    c_prev_BH: Tensor,
+    c_BH: Tensor,
+    dh_next_BH: Tensor,
+    dh_out_BH: Tensor,
+    dc_BH: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """The gradients of one step's gate pre-activations dz [B, G] and of the previous cell state.
 
-    Few, wide operations: on a CPU at small widths each costs about as much as its arithmetic."""
+    h's gradient comes in two shares, added here: the next step's (from its product, in the products'
+    dtype) and the output's. dz goes out in the products' dtype (the next product reads it), the cell
+    state's in c's. Few, wide operations: on a CPU at small widths each costs about as much as its
+    arithmetic; on a GPU, compiled, the adds and casts cost no kernels of their own."""
+    dh_BH = dh_next_BH.to(c_BH.dtype) + dh_out_BH
     si_BH, sf_BH, so_BH = s_B3H.chunk(3, dim=1)
     tc_BH = torch.tanh(c_BH)
     dc_BH = torch.addcmul(dc_BH, dh_BH * so_BH, 1 - tc_BH * tc_BH)
     # dσ(i, f, o): the upstream gradients of the three sigmoid gates at once, times σ' = σ(1 − σ).
     ds_B3H = torch.cat([dc_BH * tu_BH, dc_BH * c_prev_BH, dh_BH * tc_BH], dim=1) * (s_B3H - s_B3H * s_B3H)
     du_BH = dc_BH * si_BH * (1 - tu_BH * tu_BH)
-    return torch.cat([ds_B3H, du_BH], dim=1), dc_BH * sf_BH
+    return torch.cat([ds_B3H, du_BH], dim=1).to(dh_next_BH.dtype), dc_BH * sf_BH
+
+
+def product_backward(dm_BH: Tensor, hm_BH: Tensor, xm_BH: Tensor) -> tuple[Tensor, Tensor]:
+    """m = xm ⊙ hm: the gradients of its two factors (dxm, dhm), in one pass over dm."""
+    return dm_BH * hm_BH, dm_BH * xm_BH
 
 
 class _CompiledOrPlain:
@@ -111,22 +142,25 @@ def _describe(error: BaseException) -> str:
 
 
 @functools.cache
-def _compiled() -> tuple[GateStep, GateBackward] | None:
-    """The gate functions through torch.compile (one fused kernel each), or None where it cannot run."""
+def _compiled(plain: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``plain`` through torch.compile (one fused kernel), or None where it cannot run."""
     try:
         import triton  # noqa: F401  (torch.compile's CUDA code generator)
     except ImportError:
         return None
-    return _CompiledOrPlain(gates), _CompiledOrPlain(gates_backward)
+    return _CompiledOrPlain(plain)
+
+
+def _compiled_on(device: torch.device, compile_gates: bool, plain: Callable[..., Any]) -> Callable[..., Any]:
+    """Compiled on CUDA when asked and available (it pays there: launches dominate); plain otherwise."""
+    if compile_gates and device.type == "cuda":
+        return _compiled(plain) or plain
+    return plain
 
 
 def gate_functions(device: torch.device, compile_gates: bool) -> tuple[GateStep, GateBackward]:
-    """Compiled on CUDA when asked and available (it pays there: launches dominate); plain otherwise."""
-    if compile_gates and device.type == "cuda":
-        compiled = _compiled()
-        if compiled is not None:
-            return compiled
-    return gates, gates_backward
+    """The training step's gate math, forward and backward (``_compiled_on``)."""
+    return _compiled_on(device, compile_gates, gates), _compiled_on(device, compile_gates, gates_backward)
 
 
 class Recurrence(torch.autograd.Function):
@@ -154,8 +188,7 @@ class Recurrence(torch.autograd.Function):
                 hm_BH = h_BH @ W_mh_d
                 m_BH = xm_BH * hm_BH
                 z_BG = torch.addmm(xz_BG, m_BH, W_h_d)
-                s_B3H, tu_BH, c_BH, h_acc_BH = step(z_BG, c_BH)
-                h_BH = h_acc_BH.to(dt)
+                s_B3H, tu_BH, c_BH, h_BH = step(z_BG, c_BH)
                 hs.append(h_BH)
                 cs.append(c_BH)
                 hms.append(hm_BH)
@@ -169,6 +202,7 @@ class Recurrence(torch.autograd.Function):
         ctx.save_for_backward(xm_TBH, h_T1BH, c_T1BH, torch.stack(hms), torch.stack(ms), W_h_d, W_mh_d)
         ctx.gates = (ss, tus)  # per-step tensors, read once each by the backward loop
         ctx.step_backward = step_backward
+        ctx.product_backward = _compiled_on(xz_TBG.device, compile_gates, product_backward)
         ctx.dtypes = (h0_BH.dtype, c0_BH.dtype, W_h.dtype, W_mh.dtype)
         return h_T1BH[1:], c_T1BH[1:]
 
@@ -177,25 +211,29 @@ class Recurrence(torch.autograd.Function):
         xm_TBH, h_T1BH, c_T1BH, hm_TBH, m_TBH, W_h_d, W_mh_d = ctx.saved_tensors
         ss, tus = ctx.gates
         step_backward: GateBackward = ctx.step_backward
+        m_backward: ProductBackward = ctx.product_backward
         h0_dtype, c0_dtype, W_h_dtype, W_mh_dtype = ctx.dtypes
         T, B, H = xm_TBH.shape
         dt, acc = W_h_d.dtype, c_T1BH.dtype
         with torch.autocast(xm_TBH.device.type, enabled=False):
-            dh_BH = torch.zeros(B, H, dtype=acc, device=xm_TBH.device)
+            # dh in two shares, added inside step_backward: the next step's product's (in the products'
+            # dtype, as it comes out of the product) and the output's (zeros where h's outputs had none).
+            dh_BH = torch.zeros(B, H, dtype=dt, device=xm_TBH.device)
+            if dh_out_TBH is None:  # one row of zeros for every step
+                dh_out_TBH = torch.zeros(1, B, H, dtype=acc, device=xm_TBH.device).expand(T, B, H)
             dc_BH = torch.zeros(B, H, dtype=acc, device=xm_TBH.device)
             dzs, dxms, dhms = [], [], []
             for t in range(T - 1, -1, -1):
-                if dh_out_TBH is not None:
-                    dh_BH = dh_BH + dh_out_TBH[t]
                 if dc_out_TBH is not None:
                     dc_BH = dc_BH + dc_out_TBH[t]
-                dz_BG, dc_BH = step_backward(ss[t], tus[t], c_T1BH[t], c_T1BH[t + 1], dh_BH, dc_BH)
-                dz_BG = dz_BG.to(dt)
+                dz_BG, dc_BH = step_backward(
+                    ss[t], tus[t], c_T1BH[t], c_T1BH[t + 1], dh_BH, dh_out_TBH[t], dc_BH
+                )
                 dm_BH = dz_BG @ W_h_d.T
-                dxms.append(dm_BH * hm_TBH[t])
-                dhm_BH = dm_BH * xm_TBH[t]
-                dh_BH = (dhm_BH @ W_mh_d.T).to(acc)
+                dxm_BH, dhm_BH = m_backward(dm_BH, hm_TBH[t], xm_TBH[t])
+                dh_BH = dhm_BH @ W_mh_d.T
                 dzs.append(dz_BG)
+                dxms.append(dxm_BH)
                 dhms.append(dhm_BH)
             dz_TBG, dhm_TBH = torch.stack(dzs[::-1]), torch.stack(dhms[::-1])
             # The weight gradients: two products over all T·B rows, not T small ones.
@@ -272,3 +310,40 @@ def final_states(
             _, _, c_NH, h_NH = step(z_NG, c_BH[:n])
             c_BH[:n] = c_NH
             h_BH[:n] = h_NH
+
+
+@torch.no_grad()
+def packed_states(
+    xz_TNG: Tensor,
+    xm_TNH: Tensor,
+    h_NH: Tensor,
+    c_NH: Tensor,
+    W_h: Tensor,
+    W_mh: Tensor,
+    reading_T: list[int],
+    keep_TN1: Tensor,
+    on_step: Callable[[int, Tensor], None],
+    *,
+    compile_gates: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """T steps over rows that each read texts laid end to end; the state (h, c) after the last.
+
+    A row starts a text where ``keep`` is 0: its cell state restarts from zero and its h does not
+    reach the step (xm comes in already multiplied by ``keep``, so m = 0 there). At step t only the
+    first ``reading_T[t]`` rows still read (rows are ordered by where their last text ends), so the
+    state shrinks to them and rows that have ended cost nothing. ``on_step(t, c)`` sees each step's
+    cell state, to take the final ones of the texts that end there. h is in the products' dtype.
+    """
+    step: ReadingStep = _compiled_on(xz_TNG.device, compile_gates, reading_gates)
+    xz_TNG, xm_TNH = _in_autocast_dtype(xz_TNG, xm_TNH)
+    dt = xz_TNG.dtype
+    W_h_d, W_mh_d = W_h.to(dt), W_mh.to(dt)
+    h_NH = h_NH.to(dt)
+    with torch.autocast(xz_TNG.device.type, enabled=False):
+        for t, n in enumerate(reading_T):
+            h_NH, c_NH = h_NH[:n], c_NH[:n]  # views: the rows that have ended drop out
+            m_NH = xm_TNH[t, :n] * (h_NH @ W_mh_d)
+            z_NG = torch.addmm(xz_TNG[t, :n], m_NH, W_h_d)
+            c_NH, h_NH = step(z_NG, c_NH, keep_TN1[t, :n])
+            on_step(t, c_NH)
+    return h_NH, c_NH

@@ -1,5 +1,5 @@
-"""Feature batches: sized by memory, bucketed by length so padding stays small, and padding never
-changes a feature."""
+"""Feature batches: sized by memory; texts packed end to end (the fused path) or bucketed by length so
+padding stays small (the reference path); neither packing nor padding changes a feature."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.features import MAX_PADDING, featurize, length_batches, rows_for_memory
+from models.features import MAX_PADDING, featurize, length_batches, pack, rows_for_memory
 from models.mlstm import MLSTM, MLSTMConfig, tiny
 
 
@@ -29,23 +29,56 @@ def test_without_a_padding_bound_batches_are_full() -> None:
     assert [len(rows) for rows in length_batches([1, 100, 3, 50, 7], 2, max_padding=1.0)] == [2, 2, 1]
 
 
+def test_packing_reads_every_byte_once_in_wide_steps() -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.lognormal(6.5, 0.8, 3000).astype(int) + 2, [2, 2, 5000]])  # review-like
+    packing = pack(lengths.tolist(), 256)
+    S = len(packing.row_steps_S)
+    assert S == 256 and (np.diff(packing.row_steps_S) <= 0).all()  # longest first: the reading rows a prefix
+    # In each row the texts follow one another without a gap or an overlap, from step 0 to the row's end.
+    for s in range(S):
+        mine = np.flatnonzero(packing.row_N == s)
+        mine = mine[np.argsort(packing.start_N[mine])]
+        ends = packing.start_N[mine] + lengths[mine]
+        assert packing.start_N[mine][0] == 0 and (packing.start_N[mine][1:] == ends[:-1]).all()
+        assert ends[-1] == packing.row_steps_S[s]
+    # Steps: the longest text, or the bytes over the rows and one more text; a length-sorted batch
+    # would run its longest text's length for every batch.
+    assert packing.steps <= max(lengths.max(), lengths.sum() / S + lengths.max())
+    assert packing.steps < 1.05 * max(lengths.max(), lengths.sum() / S)
+    reading = packing.reading(0, packing.steps)
+    assert sum(reading) == lengths.sum() and reading[0] == S
+    assert pack([3, 1], 8).row_steps_S.tolist() == [3, 1]  # no more rows than texts
+    assert pack([9, 3, 3, 3, 1, 1, 1, 1], 8).row_steps_S.tolist() == [9, 7, 6]  # nor than can be kept full
+    with pytest.raises(ValueError, match="at least one byte"):
+        pack([3, 0], 2)
+
+
 def test_rows_for_memory_fill_a_budget_and_stay_bounded() -> None:
     rows = rows_for_memory(MLSTM(tiny()), torch.device("cpu"))
     assert 1 <= rows <= 4096
     assert rows_for_memory(MLSTM(MLSTMConfig(hidden_size=4096)), torch.device("cpu")) < rows
 
 
-def test_padding_never_changes_a_feature() -> None:
+def test_packing_and_padding_never_change_a_feature() -> None:
     torch.manual_seed(0)
     model = MLSTM(tiny())
     rng = np.random.default_rng(1)
     texts = ["".join(rng.choice(list("abc de!"), size=n)) for n in [1, 3, 40, 41, 300, 7, 7, 90, 600, 12]]
     alone = featurize(model, texts, batch_size=1)
-    for batch_size, max_padding in ((None, MAX_PADDING), (4, 0.0), (10, 0.99)):
-        together = featurize(model, texts, batch_size=batch_size, max_padding=max_padding)
-        np.testing.assert_allclose(
-            together, alone, rtol=1e-5, atol=1e-6, err_msg=f"{batch_size}, {max_padding}"
-        )
+    reference = MLSTM(model.config, recurrence="reference")
+    reference.load_state_dict(model.state_dict())
+    for batch_size, max_padding in ((None, MAX_PADDING), (4, 0.0), (10, 0.99), (3, MAX_PADDING)):
+        # Packed (fused: rows read several texts, a row's state restarting at each) and length-bucketed.
+        for reader in (model, reference):
+            together = featurize(reader, texts, batch_size=batch_size, max_padding=max_padding)
+            np.testing.assert_allclose(
+                together,
+                alone,
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"{reader.recurrence} {batch_size}, {max_padding}",
+            )
 
 
 def test_bad_padding_bound_is_refused_by_name() -> None:

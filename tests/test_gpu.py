@@ -15,7 +15,7 @@ from train_helpers import run_job
 
 from models.features import featurize
 from models.mlstm import MLSTM, MLSTMConfig, small
-from models.recurrence import gate_functions, gates, gates_backward
+from models.recurrence import _compiled_on, gate_functions, gates, gates_backward, reading_gates
 from tasks.pretrain.checkpoint import load_checkpoint
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
@@ -74,7 +74,15 @@ def test_compiled_gates_equal_the_plain_ones() -> None:
     s, tu, c_new, _ = gates(z, c)
     dh, dc = torch.randn_like(c), torch.randn_like(c)
     for compiled, plain in zip(
-        step_backward(s, tu, c, c_new, dh, dc), gates_backward(s, tu, c, c_new, dh, dc), strict=True
+        step_backward(s, tu, c, c_new, dh.bfloat16(), dh, dc),
+        gates_backward(s, tu, c, c_new, dh.bfloat16(), dh, dc),
+        strict=True,
+    ):
+        torch.testing.assert_close(compiled, plain)
+    read = _compiled_on(CUDA, True, reading_gates)
+    keep = (torch.rand(8, 1, device=CUDA) > 0.5).float()
+    for compiled, plain in zip(
+        read(z.bfloat16(), c, keep), reading_gates(z.bfloat16(), c, keep), strict=True
     ):
         torch.testing.assert_close(compiled, plain)
 
@@ -149,11 +157,11 @@ def test_features_alone_equal_features_in_a_batch() -> None:
     rng = np.random.default_rng(0)
     texts = ["".join(rng.choice(list("good bad film!"), size=n)) for n in (1, 5, 300, 301, 40, 1200, 7)]
     alone = featurize(model, texts, batch_size=1)
-    together = featurize(
-        model, texts, batch_size=None
-    )  # memory-sized, length-bucketed, under bf16/fp16 autocast
     scale = np.abs(alone).max(axis=1, keepdims=True)
-    assert (np.abs(together - alone) / scale).max() < 5e-2
+    # Memory-sized (a row each), and 3 rows (rows read several texts, restarting): bf16/fp16 autocast.
+    for batch_size in (None, 3):
+        together = featurize(model, texts, batch_size=batch_size)
+        assert (np.abs(together - alone) / scale).max() < 5e-2, batch_size
 
 
 @pytest.mark.slow

@@ -78,7 +78,8 @@ def test_gate_backward_is_the_derivative_of_the_gate_math() -> None:
     s, tu, c_new, h_new = gates(z, c)
     dh, dc = torch.randn_like(h_new), torch.randn_like(c_new)
     dz_auto, dc_auto = torch.autograd.grad((h_new * dh).sum() + (c_new * dc).sum(), [z, c])
-    dz, dc_prev = gates_backward(s, tu, c, c_new, dh, dc)
+    dh_next = torch.randn_like(h_new)  # h's gradient in two shares: the next step's and the output's
+    dz, dc_prev = gates_backward(s, tu, c, c_new, dh_next, dh - dh_next, dc)
     torch.testing.assert_close(dz, dz_auto, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(dc_prev, dc_auto, rtol=RTOL, atol=ATOL)
 
