@@ -53,10 +53,11 @@ def rows_for_memory(
     """Rows per feature batch that fit in ``memory_bytes``, or else in ``batch_memory_default``."""
     H, E = model.config.hidden_size, model.config.embed_size
     elem = 2 if device.type == "cuda" else 4  # autocast's bf16/fp16 on a GPU
-    # One chunk's embedding, xz [4H] and xm [H] per byte; h, c and the step's gate temporaries per row.
-    # Measured on a CPU (peak RSS of featurize, 1,024 rows of 900 bytes): tiny 408 KiB a row against
-    # these 387, small 5,323 against 5,210; the rest is the padded bytes (int64) and their reordered copy.
-    per_row = CHUNK_LEN * (E * elem + 5 * H * elem) + 12 * H * 4
+    # One chunk's embedding, xz [4H] and xm [H] per byte, and its cell states (fp32, kept for the
+    # features, and stacked once); h, c and the step's gate temporaries per row. Measured on a CPU (peak
+    # RSS of featurize, 1,024 rows of 900 bytes): tiny 459 KiB a row against these 515, small 7,112
+    # against 7,280.
+    per_row = CHUNK_LEN * (E * elem + 5 * H * elem + 2 * H * 4) + 12 * H * 4
     if memory_bytes is None:
         memory_bytes = batch_memory_default(device, fraction=fraction)
     return max(1, min(MAX_ROWS, memory_bytes // per_row))
@@ -190,19 +191,16 @@ def _read_packed(
     for t0 in range(0, T, CHUNK_LEN):
         t1 = min(T, t0 + CHUNK_LEN)
         reading = packing.reading(t0, t1)
-        lo, hi = np.searchsorted(ends_sorted_N, [t0, t1])
-        stretch = _Stretch(
-            ending_N[lo:hi],
-            np.searchsorted(ends_sorted_N[lo:hi], np.arange(t0, t1 + 1)).tolist(),
-            torch.from_numpy(packing.row_N[ending_N[lo:hi]]).to(device),
-            torch.empty(hi - lo, H, device=device, dtype=c_dtype),
-            sum(reading),
-        )
         n0 = reading[0]
         bytes_TN = torch.from_numpy(np.ascontiguousarray(bytes_ST[:n0, t0:t1].T)).to(device).long()
         keep_TN1 = torch.from_numpy(np.ascontiguousarray(keep_ST[:n0, t0:t1].T)).to(device, c_dtype)
-        state = model.read_packed(bytes_TN, keep_TN1[..., None], state, reading, stretch.take)
-        stretch.send_home()
+        state, cs = model.read_packed(bytes_TN, keep_TN1[..., None], state, reading)
+        lo, hi = np.searchsorted(ends_sorted_N, [t0, t1])
+        ids_K = ending_N[lo:hi]  # the texts that end in this stretch, by step
+        stretch = _Stretch(
+            ids_K, _finals(cs, ends_sorted_N[lo:hi] - t0, packing.row_N[ids_K], device), sum(reading)
+        )
+        del cs
         # The stretch before went home while this one was queued: the device does not wait for the host.
         if pending is not None:
             pending.collect(features_NH, on_batch)
@@ -212,25 +210,38 @@ def _read_packed(
     return features_NH
 
 
+def _finals(cs: list[Tensor], steps_K: np.ndarray, rows_K: np.ndarray, device: torch.device) -> Tensor:
+    """The cell states ``cs[steps_K[k]][rows_K[k]]``: with every step as wide, one gather over them all
+    (two calls, not two for every step that ends a text)."""
+    if len(steps_K) == 0:
+        return cs[0].new_zeros((0, cs[0].shape[1]))
+    if len({c.shape[0] for c in cs}) == 1:
+        index = torch.from_numpy(np.stack([steps_K, rows_K])).to(device)
+        return torch.stack(cs)[index[0], index[1]]
+    # Rows leave within the stretch (the last stretches): one gather per step that ends a text.
+    steps, starts = np.unique(steps_K, return_index=True)
+    rows = torch.from_numpy(rows_K).to(device)
+    bounds = [*starts.tolist(), len(steps_K)]
+    return torch.cat(
+        [
+            cs[int(t)].index_select(0, rows[a:b])
+            for t, a, b in zip(steps, bounds[:-1], bounds[1:], strict=True)
+        ]
+    )
+
+
 @dataclasses.dataclass
 class _Stretch:
-    """The texts that end in one stretch of steps of the packed path, and their features."""
+    """The texts that end in one stretch of steps of the packed path, and their features on the way home."""
 
-    ids_K: np.ndarray  # the texts, by the step they end at
-    bounds: list[int]  # the texts ending at the stretch's step t are ids_K[bounds[t] : bounds[t + 1]]
-    rows_K: Tensor  # their rows, on the device
-    finals_KH: Tensor  # their final cell states, filled as the steps run
+    ids_K: np.ndarray
+    finals_KH: Tensor
     bytes_read: int
     home_KH: Tensor | None = None
     done: torch.cuda.Event | None = None
 
-    def take(self, t: int, c_NH: Tensor) -> None:
-        """After step t: the cell states of the texts that end there (the packed loop's ``on_step``)."""
-        a, b = self.bounds[t], self.bounds[t + 1]
-        if b > a:
-            self.finals_KH[a:b] = c_NH.index_select(0, self.rows_K[a:b])
-
-    def send_home(self) -> None:
+    def __post_init__(self) -> None:
+        """Start the copy to the host; on a GPU without waiting for it (pinned memory, an event)."""
         if self.finals_KH.device.type != "cuda":
             self.home_KH = self.finals_KH
             return

@@ -20,8 +20,6 @@ job adds those.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -167,27 +165,23 @@ class MLSTM(nn.Module):
 
     @torch.no_grad()
     def read_packed(
-        self,
-        bytes_TN: Tensor,
-        keep_TN1: Tensor,
-        state: State,
-        reading_T: list[int],
-        on_step: Callable[[int, Tensor], None],
-    ) -> State:
+        self, bytes_TN: Tensor, keep_TN1: Tensor, state: State, reading_T: list[int]
+    ) -> tuple[State, list[Tensor]]:
         """T steps of rows that each hold texts end to end (``models.features``' packed batches).
 
         A row starts a text where ``keep`` is 0 (its state restarts from zero); at step t the first
-        ``reading_T[t]`` rows read; ``on_step(t, c)`` sees the cell state after each step. The fused
-        recurrence only: the state it returns is (h in the products' dtype, c), the rows still reading.
+        ``reading_T[t]`` rows read. The fused recurrence only: the state after the last step (h in the
+        products' dtype, c; the rows still reading) and the cell state after each step.
         """
         W_x, W_h, W_mx, W_mh = self.cell_weights()
         x_TNE = self.embed(bytes_TN)
         xz_TNG = self._input_gates(x_TNE, W_x)
         xm_TNH = (x_TNE @ W_mx).mul_(keep_TN1)  # m = 0 where a text starts: the last text's h stays out
         del x_TNE
-        return packed_states(
-            xz_TNG, xm_TNH, *state, W_h, W_mh, reading_T, keep_TN1, on_step, compile_gates=self.compile_gates
+        h_NH, c_NH, cs = packed_states(
+            xz_TNG, xm_TNH, *state, W_h, W_mh, reading_T, keep_TN1, compile_gates=self.compile_gates
         )
+        return (h_NH, c_NH), cs
 
     @torch.no_grad()
     def final_cell_state(self, bytes_BT: Tensor, lengths_B: Tensor, *, chunk_len: int = 256) -> Tensor:
