@@ -48,3 +48,25 @@ def test_a_job_preempted_and_resumed_equals_one_left_alone_unsharded_and_fsdp_on
         assert row["signalled_at"] <= row["checkpointed_at"] < row["steps"]
         assert row["equal"] and row["max_weight_rel_diff"] <= 1e-5
     assert rows["full"]["sharded_checkpoint"] and not rows["none"]["sharded_checkpoint"]
+
+
+def test_a_part_marked_beside_the_next_runs_at_the_same_time_as_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tests and the job run side by side (each launches the training job); the others one by one."""
+    module = load_benchmark("gpu_check.py", "gpu_check", monkeypatch)
+    stamp = "import sys, time; open(sys.argv[1], 'a').write(f'{time.time()}\\n'); time.sleep(1.5)"
+
+    def stamped(name: str, beside_next: bool = False) -> object:
+        script = f"{stamp}; open(sys.argv[1], 'a').write(f'{{time.time()}}\\n')"
+        argv = ["-c", script, str(tmp_path / f"{name}.times")]
+        return module.Part(name, 30, argv, module.summarise_exit, beside_next=beside_next)
+
+    chosen = [stamped("first"), stamped("tests", beside_next=True), stamped("job"), stamped("last")]
+    monkeypatch.setattr(module, "parts", lambda args, logs: chosen)
+    assert module.main(["--rehearse", "--logs", str(tmp_path)]) == 0
+    spans = {p.name: [float(t) for t in (tmp_path / f"{p.name}.times").read_text().split()] for p in chosen}
+    assert spans["tests"][0] < spans["job"][1] and spans["job"][0] < spans["tests"][1]  # they overlap
+    assert (
+        spans["first"][1] <= spans["tests"][0] and max(spans["tests"][1], spans["job"][1]) <= spans["last"][0]
+    )
