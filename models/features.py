@@ -177,7 +177,7 @@ def _read_packed(
     S, T = len(packing.row_steps_S), packing.steps
     # The packed bytes and restart marks on the host, row-major: each text is one contiguous write.
     bytes_ST = np.zeros((S, T), dtype=np.uint8)
-    keep_ST = np.ones((S, T), dtype=np.float32)
+    keep_ST = np.ones((S, T), dtype=np.uint8)  # 0 where a text starts: made the state's dtype on the device
     for n, text in enumerate(encoded):
         s, t = packing.row_N[n], packing.start_N[n]
         bytes_ST[s, t : t + len(text)] = np.frombuffer(text, dtype=np.uint8)
