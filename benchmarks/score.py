@@ -5,7 +5,7 @@ On a slice of the shared IMDB test set (``--rows`` reviews, every k-th so both l
 come), with a classifier of ``--preset`` (random mLSTM weights, seed 0, random probe: speed does not
 depend on them) logged and registered as champion in a temporary MLflow store, one run each of:
 
-- features: ``models.features.featurize`` in this process (length-bucketed batches sized by memory, all
+- features: ``models.features.featurize`` in this process (texts packed end to end, batches sized by memory, all
   of torch's threads): what the model itself reads per second, the ceiling;
 - predict: what ``mlstm-sentiment predict --input FILE`` runs: the registered pyfunc's ``predict`` in one
   process, batches of 64 (its default), all of torch's threads;
