@@ -190,20 +190,32 @@ def task_runner(settings: Settings) -> Any:
 
 
 @contextlib.contextmanager
-def default_malloc_trim(settings: Settings) -> Iterator[None]:
-    """Local Dask workers started inside keep glibc's own heap trimming.
+def local_dask_workers(settings: Settings) -> Iterator[None]:
+    """Local Dask workers started inside run the features path as fast as a process pool's would.
 
-    Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` in its workers (and in this process's environment).
-    Setting it at all turns off glibc's adaptive mmap threshold, so each of the features path's large,
-    short-lived tensors is a fresh mmap whose pages fault in again. Measured (score, 4,000 IMDB reviews,
-    tiny, 2 workers): the process pool with the variable set 23.4 s, without 19.3 s; Dask 23.7 s.
-    """
+    - Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` in its workers (and in this process's
+      environment). Setting it at all turns off glibc's adaptive mmap threshold, so each of the features
+      path's large, short-lived tensors is a fresh mmap whose pages fault in again. Measured (score,
+      4,000 IMDB reviews, tiny, 2 workers): the process pool with the variable set 23.4 s, without
+      19.3 s; Dask 23.7 s.
+    - A worker's statistical profiler samples every thread's stack every 10 ms. The features path
+      steps in Python, and each sample takes the GIL from it: on the whole IMDB test set (tiny, 2
+      workers) the pieces took 202 s of work with it and 146 to 156 s without, against the pool's 126
+      to 135 (``docs/benchmarks.md``). The dashboard's profile page is empty for these workers.
+
+    A cluster given by address (``MLSTM_TASK_RUNNER_ADDRESS``) keeps its own settings: set them there
+    (``DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False``)."""
     if settings.task_runner != "dask" or settings.task_runner_address:
         yield
         return
     import dask
 
-    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+    with dask.config.set(
+        {
+            "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+            "distributed.worker.profile.enabled": False,
+        }
+    ):
         yield
 
 

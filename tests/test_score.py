@@ -14,6 +14,7 @@ import csv
 import gzip
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -419,24 +420,36 @@ def test_window_order_is_by_text_bytes_longest_first() -> None:
     assert window_order(pa.array([5, 7])).tolist() == [0, 1]  # not text: rejected later, order as read
 
 
-def test_local_dask_workers_keep_glibc_s_own_heap_trimming(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_dask_workers_keep_glibc_s_own_heap_trimming_and_do_not_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Dask's nanny sets MALLOC_TRIM_THRESHOLD_ in its workers, which turns glibc's adaptive mmap
-    threshold off and made the features path about 20 % slower there; `score` starts its local
-    cluster without it."""
+    threshold off and made the features path about 20 % slower there; a worker's profiler takes the GIL
+    every 10 ms from the features path's Python loop (about 30 % slower). `score` starts its local
+    cluster without either."""
     import os
 
     from distributed import Client, LocalCluster
 
-    from flows.runtime import default_malloc_trim
+    from flows.runtime import local_dask_workers
     from tasks.settings import get_settings
 
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)  # a nanny before this one leaves it set
     with (
-        default_malloc_trim(get_settings(task_runner="dask")),
+        local_dask_workers(get_settings(task_runner="dask")),
         LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
         Client(cluster) as client,
     ):
         assert list(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == [None]
+        client.submit(_spin, 1.5).result()  # the profiler, when on, sampled such a task 75 times here
+        assert client.profile()["count"] == 0
+
+
+def _spin(seconds: float) -> None:
+    """Busy for ``seconds`` in Python (a sleeping thread is not what the profiler counts)."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        pass
 
 
 def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(

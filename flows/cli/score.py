@@ -38,13 +38,13 @@ def run_score(
         inputs, text_column=text_column, id_columns=id_columns, s3_endpoint_url=settings.s3_endpoint_url
     )
     from flows import progress
-    from flows.runtime import default_malloc_trim, prefect_api
+    from flows.runtime import local_dask_workers, prefect_api
     from flows.runtime import task_runner as make_task_runner
     from flows.score import score
 
     flow = score.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar("rows", show=show_progress)
-    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)), default_malloc_trim(settings):
+    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)), local_dask_workers(settings):
         return flow(
             inputs=inputs,
             output=output,
