@@ -24,11 +24,16 @@ MLflow or boto3), the parts, in order:
 - render: ``docs/benchmarks.md`` rendered again from the result files.
 
 Each part is a process of its own, killed at its limit (``--budget`` caps the whole: a part gets what
-is left), so a hang costs that part only. The tests run beside the job (each launches the training job,
-and a launch's start is most of their time; neither is timed against a goal); the others one at a time. The benchmarks write their ``--record gpu`` files
+is left), so a hang costs that part only. The tests run beside the job (each launches the training
+job, and a launch's start is most of their time; neither is timed against a goal); the others one at a
+time. The benchmarks write their ``--record gpu`` files
 (``benchmarks/results/NAME-gpu.json``, the GPU named in each); this command writes its summary to
 ``benchmarks/results/gpu-check.json`` and every part's output to ``--logs``. The goals (issue 26): the
 graphed step ≥ 55 % MFU at batch 256 and ≥ 60 % at 512; features ≥ 2.5M chars/s; the probe sweep ≤ 10 s.
+
+Where the checkout's copy has a stale ``.git`` or none (a tree sent to a lent machine), name the commit
+it holds in ``MLSTM_BENCH_COMMIT``: the records say which code they measured (the H200 run of
+2026-11-27 first recorded its device copy's stale commit).
 
 Without a GPU it says so in one line and exits 2. ``--rehearse`` runs every part on the CPU at toy
 sizes instead, writing only to ``--logs``: the command's own check where no GPU is (nothing recorded).
@@ -211,7 +216,7 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
         Part(
             "probe", 90, ["benchmarks/probe.py", *probe, "--json", *record], summarise_probe, stdout_json=True
         ),
-        # The tests and the job launch the training job seven times between them, each launch paying
+        # The tests and the job launch the training job nine times between them, each launch paying
         # its start (imports, compilation, capture: about half a minute on an H200's host): one after
         # the other they took 333 s of the 480. Neither times anything the goals read.
         Part("tests", 180, tests, summarise_tests, beside_next=True),
