@@ -441,15 +441,15 @@ def test_local_dask_workers_keep_glibc_s_own_heap_trimming_and_do_not_profile(
         Client(cluster) as client,
     ):
         assert list(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == [None]
-        client.submit(_spin, 1.5).result()  # the profiler, when on, sampled such a task 75 times here
+
+        def spin(seconds: float) -> None:  # busy in Python: a sleeping thread is not what a profiler counts
+            started = time.monotonic()
+            while time.monotonic() - started < seconds:
+                pass
+
+        # Sent by value (a local function): a worker need not import this test module.
+        client.submit(spin, 1.5).result(timeout=60)  # the profiler, when on, sampled such a task 75 times
         assert client.profile()["count"] == 0
-
-
-def _spin(seconds: float) -> None:
-    """Busy for ``seconds`` in Python (a sleeping thread is not what the profiler counts)."""
-    started = time.monotonic()
-    while time.monotonic() - started < seconds:
-        pass
 
 
 def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(
