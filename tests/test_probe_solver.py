@@ -177,8 +177,8 @@ def test_anderson_extrapolation_cuts_the_sweeps_to_the_same_minimiser() -> None:
     hessian, g, w, lam = _correlated_model()
     target = 1e-4 * np.abs(g).max()
     # Sweeps alone, with and without the extrapolation (no exact steps, which would hide it).
-    plain, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, anderson=0, exact_below=0)
-    fast, fast_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_below=0)
+    plain, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, anderson=0, exact_every=0)
+    fast, fast_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_every=0)
     assert plain_sweeps < newton.MAX_SWEEPS  # both solved it, one faster
     assert fast_sweeps * 1.5 <= plain_sweeps, (fast_sweeps, plain_sweeps)
     np.testing.assert_allclose(fast, plain, atol=1e-3 * np.abs(plain).max())
@@ -195,7 +195,7 @@ def test_exact_steps_on_the_signs_solve_a_nearly_collinear_model_in_fewer_sweeps
     g = X.T @ (0.5 * rng.standard_normal(2000) + 0.05)
     w, lam = np.zeros(30), np.full(30, 0.02 * np.abs(g).max())
     target = 1e-3 * np.abs(g).max()
-    _, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_below=0)
+    _, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_every=0)
     d, sweeps = newton._model_minimiser(hessian, g, w, lam, target)
     assert sweeps * 2 <= plain_sweeps, (sweeps, plain_sweeps)
     residual = newton._residual(g + hessian.astype(np.float64) @ d, w + d, lam)
@@ -248,7 +248,9 @@ def test_a_poor_newton_step_rebuilds_the_hessian_with_current_weights(stale: flo
 
     hessian = Watched()
     hessian.on(XT, W, torch.full((500,), stale, dtype=torch.float64))
-    newton._newton(XT, W, hessian, s_N, torch.zeros(500, dtype=torch.float64), np.zeros(21), 1.0, 1e-6)
+    newton._newton(
+        XT, newton._Sums(XT), W, hessian, s_N, torch.zeros(500, dtype=torch.float64), np.zeros(21), 1.0, 1e-6
+    )
     assert any(not torch.allclose(D, torch.tensor(stale, dtype=D.dtype)) for D in weights[1:]), (
         "stale weights stayed"
     )

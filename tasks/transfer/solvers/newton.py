@@ -24,7 +24,7 @@ direction for the line search, so the extra (cheap) steps cost less than the bui
 sweep took half the time (docs/benchmarks.md). The converged point is the same: only the gradient,
 always exact, decides when a C is done.
 
-Four things keep it fast on features conditioned like real cell states (columns sharing a few
+Five things keep it fast on features conditioned like real cell states (columns sharing a few
 factors with little noise of their own, unit scales spread over orders of magnitude; issue 27), on
 which the sweeps above and the lazy Hessian had made it no faster than liblinear:
 
@@ -36,9 +36,18 @@ which the sweeps above and the lazy Hessian had made it no faster than liblinear
   as skglm does): on correlated columns plain sweeps creep along the model's flat valley and often
   stopped at their cap of 200; every 5 sweeps an extrapolation of the last iterates is taken where it
   lowers the model.
-- Working sets of at most 500 coordinates also take exact steps on their signs (``_orthant_step``): on
-  cell states of a briefly trained model, whose nearly constant units are collinear with the intercept,
-  the sweeps made no headway even on 30 coordinates and the large-C end never converged.
+- The models also take exact steps on their signs every 20 sweeps (``_orthant_step``): on cell
+  states of a briefly trained model, whose nearly constant units are collinear with the intercept,
+  the sweeps made no headway even on 30 coordinates and the large-C end never converged; on the
+  large working sets of a 4,096-wide IMDB-sized sweep they stopped at their cap, every time.
+- Gradients and scores are float64 sums where float32's would round too coarsely for the tolerance.
+  On IMDB-sized features with heavy-tailed scales, a float32 gradient entry (a sum of 22,500
+  products) was off by about 0.005, ten times the tolerance at C = 2: the residual could not fall
+  below it, each of those C ran to its 50 outer iterations, and the sweep spent three quarters of its
+  time there. The rounding is measured at each C's start (the float32 and float64 gradients at its
+  first point); where it exceeds a tenth of the tolerance, the C sums in float64 from a float64 copy
+  of the features (twice their float32 size) and recomputes the scores it starts from. The Hessian
+  stays float32: any positive semi-definite matrix gives a descent direction.
 - Each C after the second starts from the previous two solutions' line, continued in log C, where
   that lowers the objective: at the large-C end the solutions move far from one C to the next, and
   the extrapolated start cut the coordinate sweeps by a fifth and the Hessian builds by a quarter.
@@ -76,7 +85,11 @@ INNER = 0.3  # a working set is done when its residual is below this fraction of
 MODEL = 0.1  # the quadratic model is solved to this fraction of the residual it started from
 ANDERSON = 5  # coordinate-descent sweeps between Anderson extrapolations (skglm's choice)
 SLOW_STEP = 0.5  # a Newton step that leaves more than this of the residual rebuilds the Hessian
-EXACT_BELOW, EXACT_EVERY = 500, 10  # working sets this small take an exact step this many sweeps apart
+# Coordinate-descent sweeps between exact steps on the signs: 10 on working sets of up to 500
+# coordinates, where a solve costs a few sweeps, 20 on larger ones, where it costs about 50.
+EXACT_EVERY, EXACT_CHEAP_BELOW = (10, 20), 500
+ROUNDING = 0.1  # sums in float64 where float32's rounding of the gradient exceeds this share of the tolerance
+WHOLE_ABOVE = 0.25  # float64 working sets wider than this share of the features are not gathered
 
 
 def l1_logistic_path(
@@ -96,6 +109,7 @@ def l1_logistic_path(
     # Features as rows of Xᵀ: a working set's columns are then contiguous rows, gathered by one copy.
     # np.array copies: the input may be a read-only memory map, which torch will not wrap.
     XT_HN = torch.from_numpy(np.array(np.asarray(X_NH, dtype=np.float32).T, order="C")).to(device)
+    XT64_HN = XT_HN.double()
     s_N = torch.from_numpy(np.asarray(y_N, dtype=np.float64) * 2 - 1).to(device)  # 0/1 → -1/+1
     H = XT_HN.shape[0]
     w_H = np.zeros(H)
@@ -105,8 +119,8 @@ def l1_logistic_path(
     for C in Cs:
         start = (w_H, b, z_N)
         if len(solved) == 2 and solved[0][2] < solved[1][2] < C:
-            start = _extrapolated_start(XT_HN, s_N, C, start, solved)
-        w_H, b, z_N, iterations, converged = _solve(XT_HN, s_N, *start, 1.0 / C, tol, max_outer)
+            start = _extrapolated_start(XT64_HN, s_N, C, start, solved)
+        w_H, b, z_N, iterations, converged = _solve(XT_HN, XT64_HN, s_N, *start, 1.0 / C, tol, max_outer)
         solved = [*solved[-1:], (w_H, b, C)]
         yield PathPoint(C=float(C), coef=w_H.copy(), intercept=b, iterations=iterations, converged=converged)
 
@@ -155,6 +169,7 @@ def _loss(s_N: torch.Tensor, z_N: torch.Tensor) -> float:
 
 def _solve(
     XT_HN: torch.Tensor,
+    XT64_HN: torch.Tensor,
     s_N: torch.Tensor,
     w_H: np.ndarray,
     b: float,
@@ -165,9 +180,16 @@ def _solve(
 ) -> tuple[np.ndarray, float, torch.Tensor, int, bool]:
     newton_steps = 0
     hessian = _LazyHessian()  # one per C: its weights are this C's first step's
+    # Gradients and scores are sums over the rows: float32 sums where their rounding, measured here,
+    # stays well below this C's tolerance, else float64 ones, from scores recomputed exactly.
+    r_N = -s_N * torch.sigmoid(-s_N * z_N)
+    rounding = float(((XT_HN @ r_N.to(XT_HN.dtype)).double() - XT64_HN @ r_N).abs().max())
+    XG_HN = XT64_HN if rounding > ROUNDING * tol * lam else XT_HN
+    if XG_HN is XT64_HN:  # float32 steps along the path leave the scores off by about that much
+        z_N = torch.from_numpy(w_H).to(XT64_HN) @ XT64_HN + b
     for _ in range(max_outer):
         r_N = -s_N * torch.sigmoid(-s_N * z_N)  # d loss / d score
-        g_H = (XT_HN @ r_N.to(XT_HN.dtype)).double().cpu().numpy()
+        g_H = (XG_HN @ r_N.to(XG_HN.dtype)).double().cpu().numpy()
         g_b = float(r_N.sum())
         residual_H = _residual(g_H, w_H, lam)
         worst = max(float(residual_H.max()), float(_residual(np.array([g_b]), np.array([b]), lam)[0]))
@@ -180,9 +202,17 @@ def _solve(
         if violators.size > room:  # the worst ones; a stable sort keeps ties in index order
             violators = violators[np.argsort(-residual_H[violators], kind="stable")[:room]]
         W = np.sort(np.concatenate([support, violators]))
-        XT_WN = XT_HN[torch.from_numpy(W).to(XT_HN.device)]
+        rows = torch.from_numpy(W).to(XT_HN.device)
+        XT_WN = XT_HN[rows]
+        if XG_HN is XT_HN:
+            sums = _Sums(XT_WN)
+        elif W.size > WHOLE_ABOVE * XG_HN.shape[0]:
+            sums = _Sums(XG_HN, W)
+        else:
+            sums = _Sums(XG_HN[rows])
         u_W = np.append(w_H[W], b)  # the intercept is the last coordinate
-        u_W, z_N, steps = _newton(XT_WN, W, hessian, s_N, z_N, u_W, lam, max(tol * lam, INNER * worst))
+        target = max(tol * lam, INNER * worst)
+        u_W, z_N, steps = _newton(XT_WN, sums, W, hessian, s_N, z_N, u_W, lam, target)
         newton_steps += steps
         w_H = w_H.copy()
         w_H[W] = u_W[:-1]
@@ -190,8 +220,30 @@ def _solve(
     return w_H, b, z_N, newton_steps, False
 
 
+class _Sums:
+    """A working set's sums over the rows of X: its gradient X_Wᵀ r and a step's scores X_W d, from
+    ``X_KN``, the working set's rows, or, with ``W`` given, all the rows, of which W's are taken: a large
+    float64 working set is not gathered (copying 93 % of IMDB-sized float64 features took as long as
+    six products with them)."""
+
+    def __init__(self, X_KN: torch.Tensor, W: np.ndarray | None = None) -> None:
+        self.X_KN, self.W = X_KN, W
+
+    def gradient(self, r_N: torch.Tensor) -> np.ndarray:
+        g_K = (self.X_KN @ r_N.to(self.X_KN.dtype)).double().cpu().numpy()
+        return g_K if self.W is None else g_K[self.W]
+
+    def scores(self, d_W: np.ndarray) -> torch.Tensor:
+        if self.W is not None:
+            d_K = np.zeros(self.X_KN.shape[0])
+            d_K[self.W] = d_W
+            d_W = d_K
+        return (torch.from_numpy(d_W).to(self.X_KN) @ self.X_KN).double()
+
+
 def _newton(
     XT_WN: torch.Tensor,
+    sums: _Sums,
     W: np.ndarray,
     hessian: _LazyHessian,
     s_N: torch.Tensor,
@@ -210,7 +262,7 @@ def _newton(
         p_N = torch.sigmoid(-s_N * z_N)
         r_N = -s_N * p_N
         D_N = p_N * (1 - p_N)
-        g_W = np.append((XT_WN @ r_N.to(XT_WN.dtype)).double().cpu().numpy(), float(r_N.sum()))
+        g_W = np.append(sums.gradient(r_N), float(r_N.sum()))
         worst = float(_residual(g_W, u_W, lam_W).max())
         if worst <= target:
             return u_W, z_N, step_count
@@ -218,7 +270,7 @@ def _newton(
             hessian.forget()
         last_worst = worst
         d_W, _ = _model_minimiser(hessian.on(XT_WN, W, D_N), g_W, u_W, lam_W, MODEL * worst)
-        dz_N = (torch.from_numpy(d_W[:-1]).to(XT_WN) @ XT_WN).double() + float(d_W[-1])
+        dz_N = sums.scores(d_W[:-1]) + float(d_W[-1])
         # Armijo on the true objective; the model's decrease bounds the step's.
         penalty = lam * float(np.abs(u_W).sum())
         decrease = float(g_W @ d_W) + lam * float(np.abs(u_W + d_W).sum()) - penalty
@@ -310,7 +362,7 @@ def _model_minimiser(
     lam: np.ndarray,
     target: float,
     anderson: int = ANDERSON,
-    exact_below: int = EXACT_BELOW,
+    exact_every: int | None = None,
 ) -> tuple[np.ndarray, int]:
     """The step d minimising g·d + ½ dᵀ hessian d + Σ lam|w + d|, to a residual ≤ ``target``, and the
     sweeps it took.
@@ -321,13 +373,19 @@ def _model_minimiser(
     model: on correlated columns the sweeps creep along the model's long, flat valley, and the
     extrapolation jumps along it. ``anderson`` 0 turns it off.
 
-    A model of at most ``exact_below`` coordinates also takes, every EXACT_EVERY sweeps, the exact
-    minimiser on its current signs (``_orthant_step``): cell states of a model trained briefly hold
-    nearly constant units, nearly collinear with each other and the intercept, on which sweeps stop at
-    their cap even on 30 coordinates, so the Newton steps stall. (On large working sets the solve, k³/3,
-    cost more than it saved once the sweeps were compiled: most tries were cut short by a sign change.)
+    Every ``exact_every`` sweeps (0: never; by default EXACT_EVERY's for the model's size) the model
+    also takes its exact minimiser on the current signs (``_orthant_step``). Sweeps alone stall on two kinds of model: cell states of a model trained
+    briefly hold nearly constant units, nearly collinear with each other and the intercept, on which
+    sweeps stop at their cap even on 30 coordinates; and the large-C end of a 4,096-wide IMDB-sized
+    sweep (working sets of about 3,800 strongly correlated columns), where every model stopped at the
+    cap of 200 sweeps, each Newton step left half its residual, and the sweep took four times as long.
+    Past a few hundred coordinates one solve costs about 50 sweeps' time, so they are 20 sweeps apart
+    there: at 10 they were a third of a 4,096-wide SST-sized sweep, at 40 the IMDB-sized one slowed
+    again. On small models a solve costs a few sweeps, and the collinear ones need them 10 apart.
     """
     k = g.size
+    if exact_every is None:
+        exact_every = EXACT_EVERY[k > EXACT_CHEAP_BELOW]
     hd = np.zeros(k)  # hessian @ (u - w)
     diagonal = np.diag(hessian).astype(np.float64) + 1e-12
     u = w.copy()
@@ -345,7 +403,7 @@ def _model_minimiser(
             if kept == anderson + 1:
                 _extrapolate(us, hds, g, w, lam, u, hd)
                 us[0], hds[0], kept = u, hd, 1
-        if sweeps % EXACT_EVERY == 0 and k <= exact_below and _orthant_step(hessian, g, w, lam, u, hd):
+        if exact_every and sweeps % exact_every == 0 and _orthant_step(hessian, g, w, lam, u, hd):
             us[0], hds[0], kept = u, hd, 1  # a jump: the extrapolation starts again from here
         residual = _residual(g + hd, u, lam)
         if residual.max() <= target:
@@ -362,11 +420,15 @@ def _model_minimiser(
 def _orthant_step(
     hessian: np.ndarray, g: np.ndarray, w: np.ndarray, lam: np.ndarray, u: np.ndarray, hd: np.ndarray
 ) -> bool:
-    """Moves ``u`` (and ``hd``) in place toward the model's minimiser with the signs of u held, as far as
-    they hold (the first coordinate to reach zero stops there); says whether the model fell.
+    """Moves ``u`` (and ``hd``) in place toward the model's minimiser with the signs of u held; says
+    whether the model fell.
 
-    Within the signs' orthant the model is a smooth quadratic plus a linear term, so it falls all along
-    the segment to that minimiser: a Cholesky solve on the support, float64.
+    Within the signs' orthant the model is a smooth quadratic plus a linear term: its minimiser there is
+    a Cholesky solve on the support, float64, and the model falls all along the segment to it. Where
+    the step takes coordinates through zero, two points keep the signs: the segment cut where the first
+    of them reaches zero, and the whole step with those coordinates set to zero (a projection, not
+    always lower); the lower wins. The cut alone moved one coordinate to zero per solve, and on the
+    large working sets of the IMDB-sized sweep took three times as many solves.
     """
     S = np.flatnonzero(u)
     if S.size == 0:
@@ -383,18 +445,25 @@ def _orthant_step(
     rhs = torch.from_numpy(g[S] + hd[S] + lam[S] * sign)[:, None]
     step = -torch.cholesky_solve(rhs, factor)[:, 0].numpy()
     crossing = np.flatnonzero((u[S] + step) * sign < 0)
-    u_S = u[S] + step
+    candidates = [u[S] + step]
     if crossing.size:
+        candidates[0][crossing] = 0.0
         ratios = u[S][crossing] / -step[crossing]
-        u_S = u[S] + ratios.min() * step
-        u_S[crossing[np.argmin(ratios)]] = 0.0
-    hd_new = hd.copy()
-    _add_rows(hessian, S, u_S - u[S], hd_new)
-    u_new = u.copy()
-    u_new[S] = u_S
-    if _model_value(u_new, hd_new, g, w, lam) >= _model_value(u, hd, g, w, lam):  # the ridge, or rounding
+        cut = u[S] + ratios.min() * step
+        cut[crossing[np.argmin(ratios)]] = 0.0
+        candidates.append(cut)
+    best, best_value = None, _model_value(u, hd, g, w, lam)
+    for u_S in candidates:
+        hd_new = hd.copy()
+        _add_rows(hessian, S, u_S - u[S], hd_new)
+        u_new = u.copy()
+        u_new[S] = u_S
+        value = _model_value(u_new, hd_new, g, w, lam)
+        if value < best_value:  # neither, where the ridge or rounding left the model no lower
+            best, best_value = (u_new, hd_new), value
+    if best is None:
         return False
-    u[:], hd[:] = u_new, hd_new
+    u[:], hd[:] = best
     return True
 
 
