@@ -159,18 +159,21 @@ def test_the_lazy_hessian_keeps_its_first_weights_and_reuses_shared_rows() -> No
         np.testing.assert_allclose(got, expected(W), rtol=1e-5, atol=1e-4)
 
 
-def _correlated_model(k: int = 300, seed: int = 0) -> tuple[np.ndarray, ...]:
+def _correlated_model(
+    k: int = 300, seed: int = 0, *, noise: float = 0.3, penalty: float = 0.01, rows: int = 2000
+) -> tuple[np.ndarray, ...]:
     """A quadratic model as a Newton step meets it on cell states: the Hessian of k tanh columns sharing
     32 factors with little noise of their own, log-normal scales (σ = 1); the gradient of random
-    residuals, a zero start, and L1 weights leaving about 90 coordinates non-zero."""
+    residuals, a zero start, and L1 weights of ``penalty`` times the largest gradient entry (by default,
+    about 90 of 300 coordinates non-zero)."""
     rng = np.random.default_rng(seed)
     X = np.tanh(
-        rng.standard_normal((2000, 32)) @ rng.standard_normal((32, k)) / 4
-        + 0.3 * rng.standard_normal((2000, k))
+        rng.standard_normal((rows, 32)) @ rng.standard_normal((32, k)) / 4
+        + noise * rng.standard_normal((rows, k))
     )
     X *= rng.lognormal(0.0, 1.0, k)
-    g = X.T @ (0.5 * rng.standard_normal(2000))
-    return (X.T @ X / 4).astype(np.float32), g, np.zeros(k), np.full(k, 0.01 * np.abs(g).max())
+    g = X.T @ (0.5 * rng.standard_normal(rows))
+    return (X.T @ X / 4).astype(np.float32), g, np.zeros(k), np.full(k, penalty * np.abs(g).max())
 
 
 def test_anderson_extrapolation_cuts_the_sweeps_to_the_same_minimiser() -> None:
@@ -200,6 +203,62 @@ def test_exact_steps_on_the_signs_solve_a_nearly_collinear_model_in_fewer_sweeps
     assert sweeps * 2 <= plain_sweeps, (sweeps, plain_sweeps)
     residual = newton._residual(g + hessian.astype(np.float64) @ d, w + d, lam)
     assert residual.max() <= target
+
+
+def test_a_large_correlated_model_is_solved_by_exact_steps_where_sweeps_alone_stop_at_their_cap() -> None:
+    # 600 coordinates (past the small models' schedule) of columns sharing 32 factors with little noise
+    # of their own: the large-C end of a 4,096-wide IMDB-sized sweep, where every model stopped at the cap.
+    hessian, g, w, lam = _correlated_model(600, noise=0.05, penalty=0.001, rows=3000)
+    target = 1e-3 * np.abs(g).max()
+
+    def solved(d: np.ndarray) -> bool:
+        return bool(newton._residual(g + hessian.astype(np.float64) @ d, w + d, lam).max() <= target)
+
+    plain, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_every=0)
+    d, sweeps = newton._model_minimiser(hessian, g, w, lam, target)
+    assert plain_sweeps == newton.MAX_SWEEPS and not solved(plain)
+    assert sweeps <= newton.MAX_SWEEPS // 2 and solved(d), sweeps
+
+
+def test_an_exact_step_whose_signs_would_flip_keeps_the_projected_whole_step_where_it_is_lower() -> None:
+    # A separable model (hessian 2·I): its minimiser on the non-negative orthant is the unconstrained
+    # one with the negative coordinates set to zero. The whole step, projected, lands there at once;
+    # the step cut at the first coordinate to reach zero would stop short on every other one.
+    rng = np.random.default_rng(0)
+    hessian = 2 * np.eye(12, dtype=np.float32)
+    g, w, lam = 3 * rng.standard_normal(12), np.zeros(12), np.full(12, 0.5)
+    u = np.abs(rng.standard_normal(12)) + 0.1  # every coordinate positive: the signs held
+    hd = hessian.astype(np.float64) @ (u - w)
+    unconstrained = -np.sign(g) * np.maximum(np.abs(g) - lam, 0.0) / 2
+    assert (unconstrained < 0).sum() >= 3  # several would flip
+    assert newton._orthant_step(hessian, g, w, lam, u, hd)
+    np.testing.assert_allclose(u, np.maximum(unconstrained, 0.0), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9)
+
+
+def test_where_float32_sums_round_past_the_tolerance_every_C_still_converges() -> None:
+    # 20,000 rows and log-normal scales (σ = 2): a float32 gradient entry rounds past the tolerance from
+    # C = 1 on (float32 sums throughout left C ≥ 2 unconverged, up to 300 times the tolerance).
+    rng = np.random.default_rng(0)
+    mixing = (rng.standard_normal((16, 32)) / 4).astype(np.float32)
+    T = np.tanh(
+        rng.standard_normal((20000, 16)).astype(np.float32) @ mixing
+        + 0.05 * rng.standard_normal((20000, 32)).astype(np.float32)
+    )
+    y = (rng.random(20000) < 1 / (1 + np.exp(-(T[:, :4] @ np.array([2.0, -2.0, 2.0, -2.0]))))).astype(
+        np.int64
+    )
+    X = T * rng.lognormal(0.0, 2.0, 32).astype(np.float32)
+    s = y * 2.0 - 1
+    for point in newton.l1_logistic_path(X, y, tuple(2.0**c for c in range(-2, 7))):
+        scores = X.astype(np.float64) @ point.coef + point.intercept
+        r = -s / (1 + np.exp(s * scores))  # d loss / d score, exactly
+        lam = 1 / point.C
+        worst = max(
+            newton._residual(X.T.astype(np.float64) @ r, point.coef, lam).max(),
+            newton._residual(np.array([r.sum()]), np.array([point.intercept]), lam)[0],
+        )
+        assert point.converged and worst <= newton.TOL * lam * 1.01, (point.C, worst / (newton.TOL * lam))
 
 
 def test_an_extrapolation_that_would_raise_the_model_is_refused() -> None:

@@ -36,7 +36,7 @@ which the sweeps above and the lazy Hessian had made it no faster than liblinear
   as skglm does): on correlated columns plain sweeps creep along the model's flat valley and often
   stopped at their cap of 200; every 5 sweeps an extrapolation of the last iterates is taken where it
   lowers the model.
-- The models also take exact steps on their signs every 20 sweeps (``_orthant_step``): on cell
+- The models also take exact steps on their signs every 10 or 20 sweeps (``_orthant_step``): on cell
   states of a briefly trained model, whose nearly constant units are collinear with the intercept,
   the sweeps made no headway even on 30 coordinates and the large-C end never converged; on the
   large working sets of a 4,096-wide IMDB-sized sweep they stopped at their cap, every time.
@@ -374,11 +374,12 @@ def _model_minimiser(
     extrapolation jumps along it. ``anderson`` 0 turns it off.
 
     Every ``exact_every`` sweeps (0: never; by default EXACT_EVERY's for the model's size) the model
-    also takes its exact minimiser on the current signs (``_orthant_step``). Sweeps alone stall on two kinds of model: cell states of a model trained
-    briefly hold nearly constant units, nearly collinear with each other and the intercept, on which
-    sweeps stop at their cap even on 30 coordinates; and the large-C end of a 4,096-wide IMDB-sized
-    sweep (working sets of about 3,800 strongly correlated columns), where every model stopped at the
-    cap of 200 sweeps, each Newton step left half its residual, and the sweep took four times as long.
+    also takes its exact minimiser on the current signs (``_orthant_step``). Sweeps alone stall on two
+    kinds of model: cell states of a model trained briefly hold nearly constant units, nearly collinear
+    with each other and the intercept, on which sweeps stop at their cap even on 30 coordinates; and
+    the large-C end of a 4,096-wide IMDB-sized sweep (working sets of about 3,800 strongly correlated
+    columns), where every model stopped at the cap of 200 sweeps, each Newton step left half its
+    residual, and the sweep took over twice as long.
     Past a few hundred coordinates one solve costs about 50 sweeps' time, so they are 20 sweeps apart
     there: at 10 they were a third of a 4,096-wide SST-sized sweep, at 40 the IMDB-sized one slowed
     again. On small models a solve costs a few sweeps, and the collinear ones need them 10 apart.
