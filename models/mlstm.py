@@ -13,14 +13,14 @@ Weight normalisation on the four matrices of the cell: ``W = g · v / ‖v‖`` 
 The input projections x W_x and x W_mx are one matrix product for all T steps; only the recurrence
 loops, through the fused recurrence of ``models/recurrence.py`` unless ``recurrence="reference"``
 (``MLSTM.cell`` below, step by step under autograd: the same numbers, kept for tests and debugging).
-``final_cell_state`` is the feature of Radford et al.: the cell state after a text's last
-byte, with padding masked out. Single device, no mixed precision or distribution here: the training
+The feature of Radford et al. is the cell state after a text's last byte: ``read_packed`` reads it
+for texts laid end to end (``models.features``, the fused recurrence), ``final_cell_state`` for a
+padded batch, step by step with the padding masked (the reference the packed path is tested against). Single device, no mixed precision or distribution here: the training
 job adds those.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -37,7 +37,7 @@ from models.config import (
     small,
     tiny,
 )
-from models.recurrence import final_states, packed_states, recurrence
+from models.recurrence import packed_states, recurrence
 
 State = tuple[Tensor, Tensor]  # (h_BH, c_BH)
 # The sizes and presets live in models/config.py (no torch there); the model's users import them from here.
@@ -187,10 +187,12 @@ class MLSTM(nn.Module):
     def final_cell_state(self, bytes_BT: Tensor, lengths_B: Tensor, *, chunk_len: int = 256) -> Tensor:
         """The cell state [B, H] after each row's own first ``lengths_B[b]`` bytes, from a zero state.
 
-        Radford et al.'s feature. Bytes past a row's length (padding) never reach its state: the row's
-        state stops changing at its length. Rows are read longest first and leave the batch once read,
-        and the input projections are made ``chunk_len`` steps at a time, so memory stays bounded for
-        long texts.
+        Radford et al.'s feature, read one step at a time through ``cell`` whatever the recurrence: the
+        reference path of ``models.features`` (length-bucketed batches) and what the packed, fused one
+        is tested against. Bytes past a row's length (padding) never reach its state: the row's state
+        stops changing at its length. Rows are read longest first and leave the batch once read, and
+        the input projections are made ``chunk_len`` steps at a time, so memory stays bounded for long
+        texts.
         """
         if bytes_BT.shape[0] == 0:
             return bytes_BT.new_zeros((0, self.config.hidden_size), dtype=self.b.dtype)
@@ -200,21 +202,6 @@ class MLSTM(nn.Module):
         bytes_BT, lengths_B = bytes_BT[order_B], lengths_B[order_B]
         W_x, W_h, W_mx, W_mh = self.cell_weights()
         h_BH, c_BH = self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
-        if self.recurrence == "fused":
-            # Rows reading at each step, counted once on the host: no device sync inside the loop.
-            lengths = np.sort(lengths_B.cpu().numpy())
-            num_reading = (
-                len(lengths) - np.searchsorted(lengths, np.arange(int(lengths[-1])), "right")
-            ).tolist()
-            for t0 in range(0, len(num_reading), chunk_len):
-                n = num_reading[t0]
-                x_TNE = self.embed(bytes_BT[:n, t0 : t0 + chunk_len].T)
-                xz_TNG, xm_TNH = self._input_gates(x_TNE, W_x), x_TNE @ W_mx
-                reading = num_reading[t0 : t0 + chunk_len]
-                final_states(xz_TNG, xm_TNH, h_BH, c_BH, W_h, W_mh, reading, compile_gates=self.compile_gates)
-                # Freed before the next chunk's are made: held over, they would double a batch's peak.
-                del x_TNE, xz_TNG, xm_TNH
-            return c_BH[order_B.argsort()]
         for t0 in range(0, int(lengths_B[0]), chunk_len):
             n = int((lengths_B > t0).sum())  # rows still reading: a prefix, since the longest come first
             x_NTE = self.embed(bytes_BT[:n, t0 : t0 + chunk_len])

@@ -282,37 +282,6 @@ def recurrence(
 
 
 @torch.no_grad()
-def final_states(
-    xz_TBG: Tensor,
-    xm_TBH: Tensor,
-    h_BH: Tensor,
-    c_BH: Tensor,
-    W_h: Tensor,
-    W_mh: Tensor,
-    num_reading_T: list[int],
-    *,
-    compile_gates: bool = True,
-) -> None:
-    """Advance the state (h_BH, c_BH) in place, T steps, without keeping anything for a backward.
-
-    Rows must come longest first: at step t only the first ``num_reading_T[t]`` rows still read a
-    byte of their own, and only they change, so padding never reaches a state and rows that have
-    ended cost nothing.
-    """
-    step, _ = gate_functions(xz_TBG.device, compile_gates)
-    xz_TBG, xm_TBH = _in_autocast_dtype(xz_TBG, xm_TBH)
-    dt = xz_TBG.dtype
-    W_h_d, W_mh_d = W_h.to(dt), W_mh.to(dt)
-    with torch.autocast(xz_TBG.device.type, enabled=False):
-        for t, n in enumerate(num_reading_T):
-            hm_NH = h_BH[:n].to(dt) @ W_mh_d
-            z_NG = torch.addmm(xz_TBG[t, :n], xm_TBH[t, :n] * hm_NH, W_h_d)
-            _, _, c_NH, h_NH = step(z_NG, c_BH[:n])
-            c_BH[:n] = c_NH
-            h_BH[:n] = h_NH
-
-
-@torch.no_grad()
 def packed_states(
     xz_TNG: Tensor,
     xm_TNH: Tensor,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.features import _read_packed
 from models.mlstm import MLSTM, MLSTMConfig
 from models.recurrence import _CompiledOrPlain, _describe, gates, gates_backward, recurrence
 
@@ -102,18 +103,6 @@ def test_both_recurrences_have_the_same_checkpoint() -> None:
     assert fused.state_dict().keys() == reference.state_dict().keys()
 
 
-def test_final_cell_state_is_the_same_on_both_paths() -> None:
-    fused, reference = _pair(hidden=10)
-    lengths = torch.tensor([5, 70, 1, 70, 33])
-    bytes_BT = torch.randint(0, 256, (5, 75))
-    torch.testing.assert_close(
-        fused.final_cell_state(bytes_BT, lengths, chunk_len=16),
-        reference.final_cell_state(bytes_BT, lengths, chunk_len=16),
-        rtol=RTOL,
-        atol=ATOL,
-    )
-
-
 class _ProductDtypes(TorchDispatchMode):
     """Records the dtypes of every matrix product as it reaches its kernel (after autocast's casts)."""
 
@@ -137,8 +126,8 @@ def test_under_autocast_the_fused_products_run_in_its_dtype() -> None:
         with _ProductDtypes() as training:
             logits, (h, c), _ = model(bytes_BT)
             logits.float().sum().backward()
-        with _ProductDtypes() as features:
-            model.final_cell_state(bytes_BT, torch.tensor([5, 2, 4]))
+        with _ProductDtypes() as features:  # the features path: texts packed end to end
+            _read_packed(model, [b"hello", b"ab", b"abcd"], 2, torch.device("cpu"), None)
     assert training.dtypes == {torch.bfloat16}, training.dtypes
     assert features.dtypes == {torch.bfloat16}, features.dtypes
     assert h.dtype == torch.bfloat16 and c.dtype == torch.float32  # the cell state stays wide
