@@ -15,8 +15,8 @@ loops, through the fused recurrence of ``models/recurrence.py`` unless ``recurre
 (``MLSTM.cell`` below, step by step under autograd: the same numbers, kept for tests and debugging).
 The feature of Radford et al. is the cell state after a text's last byte: ``read_packed`` reads it
 for texts laid end to end (``models.features``, the fused recurrence), ``final_cell_state`` for a
-padded batch, step by step with the padding masked (the reference the packed path is tested against). Single device, no mixed precision or distribution here: the training
-job adds those.
+padded batch, step by step with the padding masked (the reference the packed path is tested against).
+Single device, no mixed precision or distribution here: the training job adds those.
 """
 
 from __future__ import annotations
