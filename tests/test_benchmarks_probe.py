@@ -39,3 +39,24 @@ def test_liblinears_own_tie_at_the_solvers_C_counts_too(probe: ModuleType) -> No
     fast = SimpleNamespace(C=1.0, dev_accuracy=0.79, test_accuracy=0.75)
     assert probe.same_answer(BASE, fast, {0.5: 0.8, 1.0: 0.8})
     assert not probe.same_answer(BASE, fast, LIBLINEAR_DEV)
+
+
+def test_liblinear_refitted_tighter_reaches_newtons_objective_and_the_line_says_so(probe: ModuleType) -> None:
+    # Badly scaled, correlated columns, where liblinear at its default tolerance stops above the minimum.
+    from tasks.transfer.probe import fit_probe
+
+    splits = probe.cell_state_like((800, 200, 200), 64, scales="lognormal-2", noise=0.05)
+    Cs = (0.5, 1.0)
+    lib, new = (
+        fit_probe(*splits[0], *splits[1], *splits[2], Cs=Cs, solver=s) for s in ("liblinear", "newton")
+    )
+    row = probe.row_of(
+        probe.parse_case("sst:64:lognormal-2:0.05"), "newton", probe.baseline_of(lib, 1.0), new, 0.5, 1
+    )
+    row["liblinear_tightened"] = tight = probe.tightened_liblinear(splits, list(Cs))
+    for p, default, ours in zip(tight["per_C"], lib.sweep, new.sweep, strict=True):
+        assert p["objective"] < default.objective  # the default stopped short here
+        assert abs(p["objective"] - ours.objective) <= 1e-7 * ours.objective  # the minimum newton reached
+    line = probe.tightened_line(row)
+    assert line.startswith("sst-sized × 64, lognormal-2 scales, noise 0.05: liblinear refitted at tol 1e-08")
+    assert f"picks C = {tight['C']:g} (newton chose {new.C:g})" in line
