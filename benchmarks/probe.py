@@ -59,8 +59,8 @@ from common import (
 )
 
 from models.config import PRESETS
-from tasks.transfer.probe import ProbeResult, SweepPoint, fit_probe, objective
-from tasks.transfer.solvers import SOLVERS, Solver
+from tasks.transfer.probe import ProbeResult, SweepPoint, accuracy, fit_probe, objective
+from tasks.transfer.solvers import SOLVERS, Solver, liblinear
 
 ROWS = {"sst": (6920, 872, 1821), "imdb": (22500, 2500, 25000)}
 LATENT = 64  # shared factors behind every column: the features' correlation
@@ -82,7 +82,7 @@ GOAL_SPEEDUP, GOAL_WIDTH, OBJECTIVE_SLACK = {"sst": 10.0, "imdb": 5.0}, 4096, 1e
 DEFAULT_CASES = "sst:1024,sst:4096,sst:4096:lognormal-1:0.05,sst:4096:lognormal-2,real-sst:1024"
 CACHE = Path.home() / ".cache" / "mlstm-sentiment" / "benchmarks"
 # Where a solver's answer parts from liblinear's, liblinear is refitted at both C this much tighter than
-# its default tolerance (1e-4): is the difference the solver's, or liblinear stopping short?
+# its default tolerance (liblinear.TOL): is the difference the solver's, or liblinear stopping short?
 TIGHT_TOL = 1e-8
 Splits = list[tuple[np.ndarray, np.ndarray]]
 
@@ -260,24 +260,19 @@ def same_answer(base: dict[str, Any], fast: ProbeResult, dev_at: dict[float, flo
 def tightened_liblinear(splits: Splits, Cs: list[float]) -> dict[str, Any]:
     """liblinear refitted at each of ``Cs`` with TIGHT_TOL: objective (as the rows keep it), non-zero
     count, dev and test accuracy per C, and which C a dev argmax over them picks (ties: the smaller)."""
-    from sklearn.linear_model import LogisticRegression  # only where an answer differs
-
     (X_tr, y_tr), (X_dev, y_dev), (X_te, y_te) = splits
-    per_C = []
-    for C in sorted(set(Cs)):
-        model = LogisticRegression(
-            C=C, l1_ratio=1.0, solver="liblinear", tol=TIGHT_TOL, max_iter=100_000, random_state=0
-        ).fit(X_tr, y_tr)
-        coef, intercept = model.coef_.ravel().astype(np.float64), float(model.intercept_[0])
-        per_C.append(
-            {
-                "C": C,
-                "objective": objective(coef, intercept, X_tr, y_tr, C),
-                "nonzero": int(np.count_nonzero(coef)),
-                "dev_accuracy": round(float(model.score(X_dev, y_dev)), 4),
-                "test_accuracy": round(float(model.score(X_te, y_te)), 4),
-            }
+    per_C = [
+        {
+            "C": p.C,
+            "objective": objective(p.coef, p.intercept, X_tr, y_tr, p.C),
+            "nonzero": int(np.count_nonzero(p.coef)),
+            "dev_accuracy": round(accuracy(p.coef, p.intercept, X_dev, y_dev), 4),
+            "test_accuracy": round(accuracy(p.coef, p.intercept, X_te, y_te), 4),
+        }
+        for p in liblinear.l1_logistic_path(
+            X_tr, y_tr, tuple(sorted(set(Cs))), tol=TIGHT_TOL, max_iter=100_000
         )
+    ]
     best = max(p["dev_accuracy"] for p in per_C)
     return {"tol": TIGHT_TOL, "per_C": per_C, "C": next(p["C"] for p in per_C if p["dev_accuracy"] == best)}
 

@@ -562,12 +562,12 @@ def real(shared_data: Path, one_thread: None) -> Data:
 
 def _per_C(data: Data, solver: Solver) -> list[tuple[float, float]]:
     """(dev accuracy, test accuracy) of each C of the default sweep."""
-    from tasks.transfer.probe import _accuracy, solver_path
+    from tasks.transfer.probe import accuracy, solver_path
 
     X, y = data["train"]
     path = solver_path(solver, X, y, DEFAULT_CS)
     return [
-        (_accuracy(p.coef, p.intercept, *data["dev"]), _accuracy(p.coef, p.intercept, *data["test"]))
+        (accuracy(p.coef, p.intercept, *data["dev"]), accuracy(p.coef, p.intercept, *data["test"]))
         for p in path
     ]
 

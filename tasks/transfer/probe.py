@@ -130,7 +130,7 @@ def fit_probe(
         coef_H, intercept = fit.coef, fit.intercept
         point = SweepPoint(
             C=C,
-            dev_accuracy=_accuracy(coef_H, intercept, X_dev, y_dev),
+            dev_accuracy=accuracy(coef_H, intercept, X_dev, y_dev),
             nonzero=int(np.count_nonzero(coef_H)),
             objective=objective(coef_H, intercept, X_tr, y_tr, C),
             seconds=time.perf_counter() - started,
@@ -160,7 +160,7 @@ def fit_probe(
     return ProbeResult(
         C=float(sweep[best].C),
         dev_accuracy=sweep[best].dev_accuracy,
-        test_accuracy=_accuracy(coef, intercept, X_te, y_te),
+        test_accuracy=accuracy(coef, intercept, X_te, y_te),
         nonzero=sweep[best].nonzero,
         top_unit=top_unit,
         top_unit_accuracy=float(alone.score(X_te[:, [top_unit]], y_te)),
@@ -241,7 +241,7 @@ def _scores(X_NH: np.ndarray, coef_H: np.ndarray, intercept: float, rows: int = 
     )
 
 
-def _accuracy(coef_H: np.ndarray, intercept: float, X: np.ndarray, y: np.ndarray) -> float:
+def accuracy(coef_H: np.ndarray, intercept: float, X: np.ndarray, y: np.ndarray) -> float:
     # scikit-learn's predict: positive where the score is > 0.
     predicted = _scores(X, coef_H, intercept) > 0
     return float((predicted == (y == 1)).mean())
