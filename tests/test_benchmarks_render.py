@@ -83,3 +83,12 @@ def test_a_recorded_run_keeps_its_machine_command_commit_and_date(
     assert document["machine"] == {"cpu": "Some CPU"} and document["results"] == {"rows": [1]}
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", document["commit"])
     assert document["date"].endswith(" UTC")
+
+
+def test_each_section_and_record_is_on_the_page_once(render: ModuleType) -> None:
+    # An edit that pasted a second copy of a stretch of the page (its sections, its records) fails here.
+    template = render.TEMPLATE.read_text()
+    sections = re.findall(r"^## .*$", template, flags=re.MULTILINE)
+    records = [match["name"] for match in render.PLACEHOLDER.finditer(template)]
+    assert len(sections) == len(set(sections)), sorted({s for s in sections if sections.count(s) > 1})
+    assert len(records) == len(set(records)), sorted({r for r in records if records.count(r) > 1})
