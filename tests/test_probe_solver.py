@@ -3,6 +3,7 @@ and on real features; and the `probe` command on feature files."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -313,6 +314,40 @@ def test_a_poor_newton_step_rebuilds_the_hessian_with_current_weights(stale: flo
     assert any(not torch.allclose(D, torch.tensor(stale, dtype=D.dtype)) for D in weights[1:]), (
         "stale weights stayed"
     )
+
+
+def test_a_pass_whose_line_search_finds_no_descent_ends_the_C_unconverged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every step an ascent direction: the line search halves to float precision and keeps the point.
+    # The next pass would find that same point and step, so the C must stop there, said unconverged,
+    # not repeat it for the rest of its passes.
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((500, 20)).astype(np.float32)
+    s_N = torch.from_numpy(np.where(rng.random(500) < 0.5, -1.0, 1.0))
+    XT = torch.from_numpy(np.ascontiguousarray(X.T))
+    monkeypatch.setattr(newton, "_model_minimiser", lambda hessian, g, w, lam, target, **_: (g.copy(), 0))
+    w_H, b, _, steps, converged = newton._solve(
+        XT, XT.double(), s_N, np.zeros(20), 0.0, torch.zeros(500, dtype=torch.float64), 0.01, 1e-6, 50
+    )
+    assert not converged and steps == 1, steps
+    assert not w_H.any() and b == 0.0
+
+
+def test_an_unconverged_C_says_so_on_its_progress_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    X, y = _badly_scaled(64, (200, 20, 20))["train"]
+
+    def lines() -> list[str]:
+        said: list[str] = []
+        fit_probe(
+            X, y, X, y, X, y, Cs=(0.01, 4.0), solver="newton", on_fit=lambda point: said.append(str(point))
+        )
+        return said
+
+    assert not any("not converged" in line for line in lines())
+    cut_short = functools.partial(newton.l1_logistic_path, max_outer=1)  # one pass: short of the tolerance
+    monkeypatch.setattr(newton, "l1_logistic_path", cut_short)
+    assert all("not converged" in line for line in lines())
 
 
 def test_the_extrapolated_start_along_the_path_saves_newton_steps(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,12 +42,16 @@ class SweepPoint:
     objective: float = float("nan")
     # The fit and its dev scoring, from the previous C's end; not part of the answer, so not compared.
     seconds: float = field(default=0.0, compare=False)
+    # False: the solver stopped short of its tolerance (its limit of passes, or no descent left at float
+    # precision); the probe is its last point, said on the progress line rather than passed off as solved.
+    converged: bool = field(default=True, compare=False)
 
     def __str__(self) -> str:
         """The progress line of this C."""
         return (
             f"C = {self.C:<10g} dev accuracy {self.dev_accuracy:.4f}  non-zero {self.nonzero:,}  "
             f"{self.seconds:.2f} s"
+            + ("" if self.converged else "  (not converged: the solver's tolerance was not reached)")
         )
 
 
@@ -134,6 +138,7 @@ def fit_probe(
             nonzero=int(np.count_nonzero(coef_H)),
             objective=objective(coef_H, intercept, X_tr, y_tr, C),
             seconds=time.perf_counter() - started,
+            converged=fit.converged,
         )
         sweep.append(point)
         probes.append((coef_H, intercept))

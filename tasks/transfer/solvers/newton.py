@@ -212,11 +212,13 @@ def _solve(
             sums = _Sums(XG_HN[rows])
         u_W = np.append(w_H[W], b)  # the intercept is the last coordinate
         target = max(tol * lam, INNER * worst)
-        u_W, z_N, steps = _newton(XT_WN, sums, W, hessian, s_N, z_N, u_W, lam, target)
+        u_W, z_N, steps, stalled = _newton(XT_WN, sums, W, hessian, s_N, z_N, u_W, lam, target)
         newton_steps += steps
         w_H = w_H.copy()
         w_H[W] = u_W[:-1]
         b = float(u_W[-1])
+        if stalled:  # the next pass would take the same step from the same point: stop short
+            break
     return w_H, b, z_N, newton_steps, False
 
 
@@ -251,9 +253,9 @@ def _newton(
     u_W: np.ndarray,
     lam: float,
     target: float,
-) -> tuple[np.ndarray, torch.Tensor, int]:
+) -> tuple[np.ndarray, torch.Tensor, int, bool]:
     """Proximal Newton steps on one working set (its last coordinate the intercept) until its residual
-    is ≤ ``target``."""
+    is ≤ ``target``; the flag: stalled, no step lowers the objective at float precision."""
     k = XT_WN.shape[0]
     lam_W = np.full(k + 1, lam)
     loss = _loss(s_N, z_N)
@@ -265,7 +267,7 @@ def _newton(
         g_W = np.append(sums.gradient(r_N), float(r_N.sum()))
         worst = float(_residual(g_W, u_W, lam_W).max())
         if worst <= target:
-            return u_W, z_N, step_count
+            return u_W, z_N, step_count, False
         if step_count and worst > SLOW_STEP * last_worst:  # a poor step: the model's weights are stale
             hessian.forget()
         last_worst = worst
@@ -280,14 +282,14 @@ def _newton(
             if trial_loss + lam * float(np.abs(u_W + t * d_W).sum()) <= loss + penalty + 0.01 * t * decrease:
                 break
             if t < 1e-10:  # no descent left at float precision: keep the point
-                return u_W, z_N, step_count + 1
+                return u_W, z_N, step_count + 1, True
             t *= 0.5
         if t < 1:  # the model promised more than the objective gave: its weights are stale
             hessian.forget()
         u_W = u_W + t * d_W
         z_N = z_N + t * dz_N
         loss = trial_loss
-    return u_W, z_N, MAX_NEWTON
+    return u_W, z_N, MAX_NEWTON, False
 
 
 class _LazyHessian:
