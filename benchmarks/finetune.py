@@ -77,11 +77,21 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str
     )  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         result = fit(config, World(), get_settings())
+    finished(result, "pretraining")
     what = (
         f"{preset}, pretrained here for {result['steps']} steps of {batch} × {seq_len} bytes on {source} "
         f"(validation {result['val_bpc']:.3f} bits per byte)"
     )
     return str(result["checkpoint_uri"]), what, time.perf_counter() - started
+
+
+def finished(result: dict[str, Any], job: str) -> None:
+    """Stop the benchmark where its in-process job was stopped (SIGTERM, as a scheduler preempts): the
+    job checkpoints and returns, and what came next would be measured on an unfinished model."""
+    if result["preempted"]:
+        raise SystemExit(
+            f"finetune benchmark: the {job} job was stopped at step {result['steps']}; nothing recorded"
+        )
 
 
 def preset_steps(value: str) -> tuple[str, int]:
@@ -197,6 +207,7 @@ def compare(spec: str, checkpoint: str, settings_of_tuning: dict[str, Any]) -> d
     config = job.config.model_copy(update={"tracking": "off"})
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         tuned = fit(config, World(), settings)
+    finished(tuned, "fine-tuning")
     tune_seconds = time.perf_counter() - started
     return {
         "dataset": job.dataset_name,
