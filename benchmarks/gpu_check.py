@@ -281,6 +281,16 @@ def finish_part(running: Running, logs: Path) -> Outcome:
     return Outcome(part.name, "passed" if ok else "failed", seconds, running.limit_s, line, figures)
 
 
+def finish_and_say(running: Running, logs: Path) -> Outcome:
+    """The part finished, its line said (and its log's end where it did not pass)."""
+    outcome = finish_part(running, logs)
+    say(f"[gpu-check] {outcome.part}: {outcome.status} in {outcome.seconds:.0f} s: {outcome.line}")
+    if outcome.status != "passed":
+        log = logs / f"{outcome.part}.log"
+        say(f"[gpu-check] {outcome.part}: the end of {log}:\n{_tail(log, 15)}")
+    return outcome
+
+
 def _tail(log: Path, lines: int = 1) -> str:
     text = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
     return " | ".join(text[-lines:])[-300:]
@@ -343,16 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         running.append(start_part(part, min(part.limit_s, left), logs))
         if part.beside_next:
             continue
-        for run in running:
-            outcome = finish_part(run, logs)
-            outcomes.append(outcome)
-            say(f"[gpu-check] {outcome.part}: {outcome.status} in {outcome.seconds:.0f} s: {outcome.line}")
-            if outcome.status != "passed":
-                log = logs / f"{outcome.part}.log"
-                say(f"[gpu-check] {outcome.part}: the end of {log}:\n{_tail(log, 15)}")
+        outcomes += [finish_and_say(run, logs) for run in running]
         running = []
-    for run in running:  # a part meant to run beside one that --parts left out
-        outcomes.append(finish_part(run, logs))
+    # A part meant to run beside one that --parts left out, or that the spent budget did not start.
+    outcomes += [finish_and_say(run, logs) for run in running]
     report = {
         "machine": info,
         "rehearsal": args.rehearse,

@@ -70,3 +70,14 @@ def test_a_part_marked_beside_the_next_runs_at_the_same_time_as_it(
     assert (
         spans["first"][1] <= spans["tests"][0] and max(spans["tests"][1], spans["job"][1]) <= spans["last"][0]
     )
+
+
+def test_a_part_beside_one_left_out_is_finished_and_said_like_any_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--parts tests` alone: the part marked to run beside the job has no partner, and still gets its line.
+    module = load_benchmark("gpu_check.py", "gpu_check", monkeypatch)
+    alone = module.Part("tests", 30, ["-c", "pass"], module.summarise_exit, beside_next=True)
+    monkeypatch.setattr(module, "parts", lambda args, logs: [alone])
+    assert module.main(["--rehearse", "--logs", str(tmp_path)]) == 0
+    assert "[gpu-check] tests: passed in" in capsys.readouterr().err
