@@ -65,9 +65,7 @@ def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_sta
     monkeypatch.setattr(
         inputs,
         "_opened",
-        lambda uri, s3, offset=0, end=None, sha256="", index="": (
-            opened.append(offset) or real(uri, s3, offset, end, sha256, index)
-        ),
+        lambda where: opened.append(where.offset) or real(where),
     )
     inputs._csv_layout.cache_clear()
     for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS), (1500, 2100)]:
@@ -252,7 +250,7 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
         name: inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
         for name in made
     }
-    assert downloads == list(made) and not any(inputs._copies_folder[0].iterdir())
+    assert downloads == list(made) and not any(inputs._folders[inputs.COPIES].iterdir())
     local = inputs.describe(str(tmp_path / "a.csv"), text_column="text", id_columns=["id"])
     a = files["a.csv"]
     assert (a.rows, a.offsets, a.sha256) == (local.rows, local.offsets, local.sha256)
@@ -263,7 +261,7 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     assert downloads == [*made, "a.csv"]
     _read(files["b.jsonl"], 2048, 2100)
     _read(files["c.csv"], 2048, 2100)
-    (folder,) = inputs._copies_folder
+    folder = inputs._folders[inputs.COPIES]
     assert len(list(folder.iterdir())) == inputs.COPIES_KEPT
     _read(a, 0, 10)  # a's copy was the oldest: copied again
     assert downloads == [*made, "a.csv", "b.jsonl", "c.csv", "a.csv"]
@@ -299,7 +297,7 @@ def test_an_s3_gzip_input_is_read_by_windows_from_the_process_s_copy(s3_bucket: 
     whole = _whole(local)
     for start, stop in [(2048, ROWS), (1024, 2048), (0, 1024)]:
         assert _read(remote, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
-    (folder,) = inputs._copies_folder
+    folder = inputs._folders[inputs.COPIES]
     assert [Path(p).parent for p, _ in inputs._gzip_files] == [folder]
     inputs.drop_copies()
     assert not inputs._gzip_files and not folder.exists()

@@ -186,9 +186,8 @@ def read_batches(
             first, offset = (index * OFFSET_ROWS, offsets[index]) if index > 0 else (0, 0)
             last = -(-stop // OFFSET_ROWS) if stop is not None and offsets else len(offsets)
             end = offsets[last] if last < len(offsets) else None  # None: to the file's end
-            batches = (_csv_batches if kind == "csv" else _jsonl_batches)(
-                uri, columns, s3_endpoint_url, offset=offset, end=end, sha256=sha256, index=gzip_index
-            )
+            where = _Where(uri, s3_endpoint_url, offset, end, sha256, gzip_index)
+            batches = (_csv_batches if kind == "csv" else _jsonl_batches)(where, columns)
             yield from _from_row(batches, start - first)
         else:
             with _local(uri, s3_endpoint_url, sha256) as path:
@@ -254,24 +253,32 @@ def _missing(uri: str, names: list[str], columns: list[str]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Where:
+    """Where a read of a CSV or JSON-lines file begins and ends: the file, its content's sha256 where it
+    was described (an s3:// file is then copied once a process, a CSV's layout and a gzip file's index
+    kept), a row's byte offset (a gzip file's in its uncompressed stream) and the one it reads up to
+    (None: the file's end), and the gzip index describing exported."""
+
+    uri: str
+    s3_endpoint_url: str | None = None
+    offset: int = 0
+    end: int | None = None
+    sha256: str = ""
+    index: str = ""
+
+
 @contextlib.contextmanager
-def _opened(
-    uri: str,
-    s3_endpoint_url: str | None,
-    offset: int = 0,
-    end: int | None = None,
-    sha256: str = "",
-    index: str = "",
-) -> Iterator[IO[bytes]]:
-    """The file's bytes from ``offset``, gunzipped when they are gzip (by their magic bytes, as the
+def _opened(where: _Where) -> Iterator[IO[bytes]]:
+    """The file's bytes from ``where.offset``, gunzipped when they are gzip (by their magic bytes, as the
     corpus reads). Read from its start, a gzip file is streamed; from an offset, its bytes up to ``end``
-    are read through the process's index of it (``_gzip_range``; ``index``: the one describing exported)."""
-    with _local(uri, s3_endpoint_url, sha256) as path, open(path, "rb") as raw:
+    are read through the process's index of it (``_gzip_range``)."""
+    with _local(where.uri, where.s3_endpoint_url, where.sha256) as path, open(path, "rb") as raw:
         if raw.read(2) != GZIP_MAGIC:
-            raw.seek(offset)
+            raw.seek(where.offset)
             yield raw
-        elif offset:
-            yield io.BytesIO(_gzip_range(path, sha256, offset, end, index))
+        elif where.offset:
+            yield io.BytesIO(_gzip_range(path, where.sha256, where.offset, where.end, where.index))
         else:
             raw.seek(0)
             with gzip.GzipFile(fileobj=raw) as unzipped:
@@ -281,7 +288,6 @@ def _opened(
 # (path, sha256) → the open file and its index
 _gzip_files: OrderedDict[tuple[str, str], tuple[IO[bytes], Any]] = OrderedDict()
 _gzip_lock = threading.Lock()
-_index_folder: list[Path] = []  # this process's folder of exported indexes, made on the first
 
 
 def _new_index(raw: IO[bytes]) -> Any:
@@ -292,15 +298,8 @@ def _new_index(raw: IO[bytes]) -> Any:
 
 
 def _export_index(unzipped: Any, sha256: str) -> str:
-    """Write the index to this process's folder (removed when the process exits, as the copies are)."""
-    if not _index_folder:
-        import multiprocessing.util
-
-        _index_folder.append(Path(tempfile.mkdtemp(prefix="mlstm-score-gzip-index-")))
-        multiprocessing.util.Finalize(
-            None, shutil.rmtree, args=(_index_folder[0],), kwargs={"ignore_errors": True}, exitpriority=0
-        )
-    path = _index_folder[0] / f"{sha256[:16] or 'file'}.gzidx"
+    """Write the index to this process's folder of them, for the workers on this machine."""
+    path = _process_folder(INDEXES) / f"{sha256[:16] or 'file'}.gzidx"
     partial = path.with_suffix(".partial")
     unzipped.export_index(filename=str(partial))
     partial.replace(path)  # a worker never imports half an index
@@ -347,31 +346,22 @@ def _drop_gzip(path: Path | None = None) -> None:
             _close_gzip(*_gzip_files.pop(key))
 
 
-def _csv_batches(
-    uri: str,
-    columns: list[str],
-    s3_endpoint_url: str | None,
-    *,
-    offset: int = 0,
-    end: int | None = None,
-    sha256: str = "",
-    index: str = "",
-) -> Iterator[pa.RecordBatch]:
-    """From the file's start, or from a row's ``offset`` with the header's names and the column types
+def _csv_batches(where: _Where, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """From the file's start, or from a row's offset with the header's names and the column types
     pyarrow inferred from the file's first block (as a read from the start has them)."""
     import pyarrow.csv as pacsv
 
-    layout = _csv_layout if sha256 else _csv_layout.__wrapped__  # kept by content only
-    names, types = layout(uri, tuple(columns), s3_endpoint_url, sha256)
-    with _opened(uri, s3_endpoint_url, offset, end, sha256, index) as stream:
+    layout = _csv_layout if where.sha256 else _csv_layout.__wrapped__  # kept by content only
+    names, types = layout(_Where(where.uri, where.s3_endpoint_url, sha256=where.sha256), tuple(columns))
+    with _opened(where) as stream:
         reader = pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(
-                block_size=CSV_BLOCK_BYTES, column_names=list(names) if offset else None
+                block_size=CSV_BLOCK_BYTES, column_names=list(names) if where.offset else None
             ),
             convert_options=pacsv.ConvertOptions(
                 include_columns=columns,
-                column_types=dict(types) if offset else {columns[0]: pa.binary()},
+                column_types=dict(types) if where.offset else {columns[0]: pa.binary()},
             ),
         )
         yield from reader
@@ -379,17 +369,17 @@ def _csv_batches(
 
 @functools.lru_cache(maxsize=4)
 def _csv_layout(
-    uri: str, columns: tuple[str, ...], s3_endpoint_url: str | None, sha256: str
+    start: _Where, columns: tuple[str, ...]
 ) -> tuple[tuple[str, ...], tuple[tuple[str, pa.DataType], ...]]:
     """A CSV's header names and its columns' types as pyarrow reads them from the start (the types it
     infers from the first block). Kept by the file's content: a worker needs it for each window."""
     import pyarrow.csv as pacsv
 
-    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as stream:
+    with _opened(start) as stream:
         # The header alone first, to name a missing column before pyarrow's own error does.
         header = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
-        _missing(uri, header.schema.names, list(columns))
-    with _opened(uri, s3_endpoint_url, 0, sha256=sha256) as stream:
+        _missing(start.uri, header.schema.names, list(columns))
+    with _opened(start) as stream:
         reader = pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
@@ -400,22 +390,13 @@ def _csv_layout(
         return tuple(header.schema.names), tuple((f.name, f.type) for f in reader.schema)
 
 
-def _jsonl_batches(
-    uri: str,
-    columns: list[str],
-    s3_endpoint_url: str | None,
-    *,
-    offset: int = 0,
-    end: int | None = None,
-    sha256: str = "",
-    index: str = "",
-) -> Iterator[pa.RecordBatch]:
+def _jsonl_batches(where: _Where, columns: list[str]) -> Iterator[pa.RecordBatch]:
     """One record a line; a line that is not a JSON object keeps its row (its text is null, with the
     reason in ``_problem``) so that row numbers stay line numbers of records. A file with no object
     holding the text field is no JSON-lines table of reviews: one error (read from its start)."""
     text, ids = columns[0], columns[1:]
-    found = offset > 0
-    with _opened(uri, s3_endpoint_url, offset, end, sha256, index) as stream:
+    found = where.offset > 0
+    with _opened(where) as stream:
         values: dict[str, list[Any]] = {name: [] for name in columns}
         problems: list[str | None] = []
         for line in stream:
@@ -437,7 +418,7 @@ def _jsonl_batches(
         if problems:
             yield _jsonl_batch(values, problems, text)
     if not found:
-        raise InputError(f"{uri}: no record has a {text!r} field; name the text with --text-column")
+        raise InputError(f"{where.uri}: no record has a {text!r} field; name the text with --text-column")
 
 
 def _record(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
@@ -495,23 +476,34 @@ def _local(uri: str, s3_endpoint_url: str | None, sha256: str = "") -> Iterator[
 COPIES_KEPT = 2  # s3:// inputs a process keeps a copy of: the one it reads, and the one before
 _copies: OrderedDict[tuple[str, str], Path] = OrderedDict()  # (URI, sha256) → the local copy
 _copies_lock = threading.Lock()  # a Dask worker may run pieces on several threads
-_copies_folder: list[Path] = []  # this process's folder of copies, made on the first
+# This process's temporary folders (of s3:// copies, of exported gzip indexes) by their prefix.
+COPIES, INDEXES = "mlstm-score-inputs-", "mlstm-score-gzip-index-"
+_folders: dict[str, Path] = {}
+_folders_lock = threading.Lock()
+
+
+def _process_folder(prefix: str) -> Path:
+    """This process's temporary folder ``prefix…``, made on the first call, removed when the process
+    exits (a pool worker too: ``multiprocessing``'s finalizers run there, atexit's do not)."""
+    with _folders_lock:
+        if prefix not in _folders:
+            import multiprocessing.util
+
+            folder = _folders[prefix] = Path(tempfile.mkdtemp(prefix=prefix))
+            multiprocessing.util.Finalize(
+                None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=0
+            )
+        return _folders[prefix]
 
 
 def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
     """The process's local copy of an s3:// file, by its URI and content: downloaded on the first read,
-    the oldest of more than ``COPIES_KEPT`` deleted, the folder removed when the process exits (a pool
-    worker too: ``multiprocessing``'s finalizers run there, atexit's do not)."""
+    the oldest of more than ``COPIES_KEPT`` deleted, the folder removed when the process exits."""
     with _copies_lock:
         if (path := _copies.get((uri, sha256))) is not None:
             _copies.move_to_end((uri, sha256))
             return path
-        if not _copies_folder:
-            import multiprocessing.util
-
-            _copies_folder.append(Path(tempfile.mkdtemp(prefix="mlstm-score-inputs-")))
-            multiprocessing.util.Finalize(None, drop_copies, exitpriority=0)
-        path = _copies_folder[0] / f"{sha256[:16]}-{Path(key).name}"
+        path = _process_folder(COPIES) / f"{sha256[:16]}-{Path(key).name}"
         store.download(key, path)
         _copies[(uri, sha256)] = path
         while len(_copies) > COPIES_KEPT:
@@ -531,10 +523,10 @@ def _drop_copy(uri: str, sha256: str) -> None:
 def drop_copies() -> None:
     """Delete the process's copies of s3:// inputs and their folder (and close its gzip indexes)."""
     _drop_gzip()
-    with _copies_lock:
+    with _copies_lock, _folders_lock:
         _copies.clear()
-        while _copies_folder:
-            shutil.rmtree(_copies_folder.pop(), ignore_errors=True)
+        if (folder := _folders.pop(COPIES, None)) is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _parquet_batches(uri: str, path: str, columns: list[str], start: int = 0) -> Iterator[pa.RecordBatch]:
