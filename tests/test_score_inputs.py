@@ -163,6 +163,29 @@ def _window(file: inputs.InputFile, w: int) -> None:
     )
 
 
+def test_a_window_of_a_plain_csv_reads_its_own_bytes_not_the_file_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyarrow's CSV reader reads tens of blocks ahead of the rows taken: a window streamed from its
+    offset read on into the file after it (4 windows of a 520 MB CSV took a reader 558 MB)."""
+    import random
+
+    noise = random.Random(0)
+    windows = 24
+    rows = [f"{i},{noise.randbytes(64).hex()}" for i in range(windows * inputs.OFFSET_ROWS)]
+    path = tmp_path / "reviews.csv"
+    path.write_text("id,text\n" + "\n".join(rows) + "\n")
+    monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", 2**14)  # a window is about ten blocks, as in real files
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    _window(file, 3)  # the file's layout, read once a process
+    counts: list[int] = []
+    counted = lambda *a, **k: _CountedFile(open(*a, **k), counts)  # noqa: E731, SIM115 (closed by the reader)
+    monkeypatch.setattr(inputs, "open", counted, raising=False)
+    _window(file, windows // 2)
+    window_bytes = file.offsets[windows // 2 + 1] - file.offsets[windows // 2]
+    assert sum(counts) <= window_bytes + 2, f"{sum(counts) / window_bytes:.1f} windows' bytes read for one"
+
+
 @pytest.mark.parametrize("index", ["described", "built here"])
 def test_a_gzip_file_s_windows_cost_about_one_reading_of_it_not_one_each(
     index: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
