@@ -280,7 +280,13 @@ def score_tables(results: dict[str, Any]) -> str:
     memory = results["memory"]
     grown = memory[f"{settings['grow']}x"]
     lines = [
-        f"{settings['rows']:,} IMDB test reviews ({settings['chars']:,} characters), {settings['preset']} model, "
+        f"{settings['rows']:,} IMDB test reviews ({settings['chars']:,} characters)"
+        + (
+            " as one `.csv.gz` for `score` (read by windows through its seek-point index)"
+            if settings.get("gzip")
+            else ""
+        )
+        + f", {settings['preset']} model, "
         f"{settings['workers']} workers, pieces of {settings['piece_rows']} rows; load average "
         f"{load['before']:.1f} before, {load['after']:.1f} after.",
         "",
