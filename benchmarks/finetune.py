@@ -78,10 +78,9 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         result = fit(config, World(), get_settings())
     finished(result, "pretraining")
-    what = (
-        f"{preset}, pretrained here for {result['steps']} steps of {batch} × {seq_len} bytes on {source} "
-        f"(validation {result['val_bpc']:.3f} bits per byte)"
-    )
+    val_bpc = result["val_bpc"]  # None where the val split is shorter than a row (the demo's sample)
+    validation = "no validation" if val_bpc is None else f"validation {val_bpc:.3f} bits per byte"
+    what = f"{preset}, pretrained here for {result['steps']} steps of {batch} × {seq_len} bytes on {source} ({validation})"
     return str(result["checkpoint_uri"]), what, time.perf_counter() - started
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/finetune.py: a benchmark whose in-process job is stopped records nothing."""
+"""benchmarks/finetune.py: the checkpoint it pretrains by default, and nothing recorded when its job is stopped."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tasks.pretrain import world
 
 
 def test_a_sigterm_to_the_pretraining_job_stops_the_benchmark(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The job checkpoints and returns on SIGTERM, as a scheduler's preemption wants; the benchmark must
     # then stop, not fine-tune and record from the unfinished checkpoint.
@@ -32,3 +32,16 @@ def test_a_sigterm_to_the_pretraining_job_stops_the_benchmark(
             module.pretrained_checkpoint(tmp_path, "tiny", 20)
     finally:
         signal.signal(signal.SIGTERM, handler)
+
+
+def test_the_default_pretraining_gives_a_checkpoint_and_says_what_it_is(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default --pretrain (tiny, on the demo's sample, whose val split is shorter than a row: no
+    # validation figure) failed formatting the missing figure after the job had run.
+    module = load_benchmark("finetune.py", "finetune_benchmark", monkeypatch)
+    checkpoint, what, _ = module.pretrained_checkpoint(tmp_path, "tiny", 3)
+    assert Path(checkpoint).name == "step-0000003"
+    assert what.startswith(
+        "tiny, pretrained here for 3 steps of 16 × 64 bytes on the demo's generated sample"
+    )
