@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dataset", action="append", metavar="NAME=PATH", help="Default: the shared SST.")
     parser.add_argument("--train-rows", type=int, default=0, help="Train rows kept (0: all). [0]")
+    import pydantic
+
     from tasks.finetune.config import FinetuneSettings
 
     # The command's own defaults: what a user who names none fine-tunes with.
@@ -265,6 +267,15 @@ def main(argv: list[str] | None = None) -> None:
         "head": args.head, "aux_lm_weight": args.aux_lm_weight, "max_bytes": args.max_bytes,
         "freeze_lm": args.freeze_lm, "sort_batches": args.sort_batches, "lm_lr_factor": args.lm_lr_factor,
     }  # fmt: skip
+    try:  # the command's own checks, before minutes of pretraining
+        FinetuneSettings(**tuning)
+    except pydantic.ValidationError as error:
+        parser.error(
+            "; ".join(
+                f"--{'-'.join(map(str, e['loc'])).replace('_', '-')} {e['input']}: {e['msg']}"
+                for e in error.errors()
+            )
+        )
     rows: list[dict[str, Any]] = []
     speeds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mlstm-bench-finetune-") as scratch:

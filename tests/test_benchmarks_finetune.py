@@ -45,3 +45,14 @@ def test_the_default_pretraining_gives_a_checkpoint_and_says_what_it_is(
     assert what.startswith(
         "tiny, pretrained here for 3 steps of 16 × 64 bytes on the demo's generated sample"
     )
+
+
+def test_a_setting_the_command_refuses_is_refused_by_its_flag_before_any_pretraining(
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = load_benchmark("finetune.py", "finetune_benchmark", monkeypatch)
+    with pytest.raises(SystemExit) as stopped:
+        module.main(["--lm-lr-factor", "2"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--lm-lr-factor 2.0: Input should be less than or equal to 1" in err
+    assert "pretraining" not in err
