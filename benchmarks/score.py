@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="Print the results as JSON on stdout.")
     add_record_option(parser)
     args = parser.parse_args()
-    # The slices (0.2 GB as CSV), the MLflow store and the outputs: gone when the run ends, as it may.
+    # The slices (0.2 GB as CSV), the MLflow store and the outputs: removed however the run ends.
     root = Path(tempfile.mkdtemp(prefix="mlstm-bench-score-"))
     try:
         measure(args, root)
