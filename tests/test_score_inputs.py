@@ -71,8 +71,8 @@ def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_sta
     for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS), (1500, 2100)]:
         assert _read(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
     # The rows' reads open the file at the offset at or before their first row (a CSV's layout, the
-    # header and the column types of its first block, is read from the start once and kept).
-    layout = [0, 0] if make is _csv else []
+    # header and the column types of its first block, is read from the start once, in one opening, and kept).
+    layout = [0] if make is _csv else []
     assert opened == [*layout, 0, file.offsets[1], file.offsets[2], file.offsets[1]], opened
 
 

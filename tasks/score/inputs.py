@@ -381,18 +381,18 @@ def _csv_layout(
     import pyarrow.csv as pacsv
 
     with _opened(start) as stream:
-        # The header alone first, to name a missing column before pyarrow's own error does.
-        header = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
-        _missing(start.uri, header.schema.names, list(columns))
-    with _opened(start) as stream:
-        reader = pacsv.open_csv(
-            stream,
-            read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
-            convert_options=pacsv.ConvertOptions(
-                include_columns=list(columns), column_types={columns[0]: pa.binary()}
-            ),
-        )
-        return tuple(header.schema.names), tuple((f.name, f.type) for f in reader.schema)
+        first = stream.read()  # ``start`` ends after the first blocks: read once for both readers
+    # The header alone first, to name a missing column before pyarrow's own error does.
+    header = pacsv.open_csv(io.BytesIO(first), read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
+    _missing(start.uri, header.schema.names, list(columns))
+    reader = pacsv.open_csv(
+        io.BytesIO(first),
+        read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+        convert_options=pacsv.ConvertOptions(
+            include_columns=list(columns), column_types={columns[0]: pa.binary()}
+        ),
+    )
+    return tuple(header.schema.names), tuple((f.name, f.type) for f in reader.schema)
 
 
 def _jsonl_batches(where: _Where, columns: list[str]) -> Iterator[pa.RecordBatch]:
