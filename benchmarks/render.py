@@ -267,7 +267,8 @@ def score_tables(results: dict[str, Any]) -> str:
     rows = [
         [
             run["name"],
-            num(run["seconds"]),
+            num(run["seconds"])
+            + (f" ({', '.join(num(x) for x in run['each_seconds'])})" if run.get("each_seconds") else ""),
             num(run.get("flow_seconds")),
             num(run["rows_per_s"]),
             num(run["chars_per_s"]),
@@ -288,7 +289,14 @@ def score_tables(results: dict[str, Any]) -> str:
         )
         + f", {settings['preset']} model, "
         f"{settings['workers']} workers, pieces of {settings['piece_rows']} rows; load average "
-        f"{load['before']:.1f} before, {load['after']:.1f} after.",
+        f"{load['before']:.1f} before, {load['after']:.1f} after."
+        + (
+            f" The features path, the pool and Dask ran {repeats} times each, interleaved: seconds are"
+            " the median (each run's in brackets, in order), rows/s and the ratios are of the median;"
+            " peak RSS is the largest of the runs."
+            if (repeats := settings.get("repeats", 1)) > 1
+            else ""
+        ),
         "",
         table(["run", "seconds", "flow s", "rows/s", "chars/s", "÷ features", "peak RSS"], rows),
         "",
@@ -302,6 +310,16 @@ def score_tables(results: dict[str, Any]) -> str:
         + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB, {settings['grow']}× "
         f"{grown / 2**30:.2f} GiB: {checks['memory_growth']:.2f}× (goal within 1.10×).",
     ]
+    each = [
+        f"{label} {', '.join(f'{v:.2f}' for v in checks[key])}"
+        for key, label in [
+            ("score_vs_features_each", "score ÷ features"),
+            ("dask_vs_process_pool_each", "Dask ÷ pool"),
+        ]
+        if key in checks
+    ]
+    if each:
+        lines[-1] += f" Each repeat's own ratios: {'; '.join(each)}."
     if "1x_own" in memory:
         g = settings["grow"]
         lines[-1] += (
