@@ -310,6 +310,13 @@ def score_tables(results: dict[str, Any]) -> str:
         + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB, {settings['grow']}× "
         f"{grown / 2**30:.2f} GiB: {checks['memory_growth']:.2f}× (goal within 1.10×).",
     ]
+    if "1x_own" in memory:
+        g = settings["grow"]
+        lines[-1] += (
+            f" Of which this process 1× {memory['1x_own'] / 2**30:.2f} GiB, {g}× {memory[f'{g}x_own'] / 2**30:.2f} GiB;"
+            f" the largest other (a worker, or Prefect's server) 1× {memory['1x_largest_other'] / 2**30:.2f} GiB,"
+            f" {g}× {memory[f'{g}x_largest_other'] / 2**30:.2f} GiB."
+        )
     each = [
         f"{label} {', '.join(f'{v:.2f}' for v in checks[key])}"
         for key, label in [
@@ -320,13 +327,6 @@ def score_tables(results: dict[str, Any]) -> str:
     ]
     if each:
         lines[-1] += f" Each repeat's own ratios: {'; '.join(each)}."
-    if "1x_own" in memory:
-        g = settings["grow"]
-        lines[-1] += (
-            f" Of which this process 1× {memory['1x_own'] / 2**30:.2f} GiB, {g}× {memory[f'{g}x_own'] / 2**30:.2f} GiB;"
-            f" the largest other (a worker, or Prefect's server) 1× {memory['1x_largest_other'] / 2**30:.2f} GiB,"
-            f" {g}× {memory[f'{g}x_largest_other'] / 2**30:.2f} GiB."
-        )
     return "\n".join(lines)
 
 

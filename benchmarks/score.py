@@ -211,7 +211,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
         n = table.add(name, seconds, **extra)
         say(
             f"{name:<24} {seconds:8.1f} s  {len(rows) / seconds:8.1f} rows/s  {chars / seconds:10,.0f} chars/s"
-            + (f"  (run {n} of {args.repeats})" if args.repeats > 1 else "")
+            + (f"  (run {n} of {args.repeats})" if args.repeats > 1 and name != "predict --input" else "")
         )
 
     def features_path() -> None:
