@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pacsv
 
 from tasks.corpus.sources import GZIP_MAGIC, SourceError, expand_sources, fingerprint
 from tasks.score.formats import FORMATS, SUFFIXES
@@ -403,6 +404,12 @@ def _csv_batches(where: _Where, columns: list[str]) -> Iterator[pa.RecordBatch]:
         yield from _csv_reader(stream, where.offset, names, types, columns)
 
 
+# A quoted value may hold line ends (a review's paragraphs, RFC 4180, as the line scan counts them). By
+# default pyarrow cuts its blocks at any line end, so a block that began inside such a value failed the
+# file ("CSV parser got out of sync with chunker"): every CSV over one block with multi-line texts.
+_PARSE = pacsv.ParseOptions(newlines_in_values=True)
+
+
 def _csv_reader(
     stream: IO[bytes] | pa.NativeFile,
     offset: int,
@@ -412,13 +419,12 @@ def _csv_reader(
 ) -> Any:
     """pyarrow's reader of CSV bytes that begin at ``offset`` of the file: at 0 with the header (the
     types inferred from the first block), past it with the layout's names and types."""
-    import pyarrow.csv as pacsv
-
     return pacsv.open_csv(
         stream,
         read_options=pacsv.ReadOptions(
             block_size=CSV_BLOCK_BYTES, column_names=list(names) if offset else None
         ),
+        parse_options=_PARSE,
         convert_options=pacsv.ConvertOptions(
             include_columns=columns, column_types=dict(types) if offset else {columns[0]: pa.binary()}
         ),
@@ -439,16 +445,17 @@ def _csv_layout(
 ) -> tuple[tuple[str, ...], tuple[tuple[str, pa.DataType], ...]]:
     """A CSV's header names and its columns' types as pyarrow reads them from the start (the types it
     infers from the first block). Kept by the file's content: a worker needs it for each window."""
-    import pyarrow.csv as pacsv
-
     with _opened(start) as stream:
         first = stream.read()  # ``start`` ends after the first blocks: read once for both readers
     # The header alone first, to name a missing column before pyarrow's own error does.
-    header = pacsv.open_csv(io.BytesIO(first), read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES))
+    header = pacsv.open_csv(
+        io.BytesIO(first), read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES), parse_options=_PARSE
+    )
     _missing(start.uri, header.schema.names, list(columns))
     reader = pacsv.open_csv(
         io.BytesIO(first),
         read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+        parse_options=_PARSE,
         convert_options=pacsv.ConvertOptions(
             include_columns=list(columns), column_types={columns[0]: pa.binary()}
         ),
