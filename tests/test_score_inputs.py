@@ -3,9 +3,11 @@ file's start, and gives the rows a read from the start gives. No model, no Prefe
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gzip
 import io
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -231,6 +233,53 @@ def test_describing_a_csv_holds_a_window_of_it_not_pyarrow_s_read_ahead(
     assert _read(file, 40 * inputs.OFFSET_ROWS, 41 * inputs.OFFSET_ROWS).column("id").to_pylist() == list(
         range(40 * inputs.OFFSET_ROWS, 41 * inputs.OFFSET_ROWS)
     )
+
+
+@pytest.mark.parametrize("kind", ["csv", "csv.gz", "jsonl", "parquet"])
+def test_describing_tells_its_progress_as_each_pass_goes(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hashing, scanning and counting a 40 GB file take minutes: the fraction done grows within each
+    pass over the file, not at its end only, and adds up to the whole file."""
+    from tasks.corpus import sources
+    from tasks.score.scoring import describe_inputs
+
+    block = 2**12
+    monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", block)
+    monkeypatch.setattr(inputs, "SCAN_REPORT_BYTES", block)
+    monkeypatch.setattr(sources, "READ_CHUNK", block)
+    csv = _csv(tmp_path / "reviews.csv")
+    if kind == "csv.gz":
+        path = tmp_path / "reviews.csv.gz"
+        path.write_bytes(gzip.compress(csv.read_bytes()))
+    elif kind == "jsonl":
+        path = _jsonl(tmp_path / "reviews.jsonl")
+    elif kind == "parquet":
+        path = tmp_path / "reviews.parquet"
+        pq.write_table(
+            pa.table({"id": list(range(ROWS)), "text": [f"review {i}" for i in range(ROWS)]}), path
+        )
+    else:
+        path = csv
+    (folder := tmp_path / "in").mkdir()
+    path.rename(folder / path.name)
+    (folder / "zz.csv").write_bytes(b"id,text\n1,great\n")  # described second
+    monkeypatch.setattr(inputs, "BATCH_ROWS", 500)  # a JSON-lines file's parse tells each batch
+    started: list[int] = []
+    told: list[float] = []
+    files = describe_inputs(
+        [str(folder)], id_columns=["id"], on_start=started.append, on_progress=told.append
+    )
+    assert started == [2] and [f.name for f in files] == [path.name, "zz.csv"]
+    assert all(step > 0 for step in told) and sum(told) == pytest.approx(2.0, abs=1e-9)
+    # The first file's passes (hash, line scan, parse; Parquet: hash, read), each an equal share: each
+    # told more than once, but Parquet's read (no row count before it).
+    passes = 2 if kind == "parquet" else 3
+    done = [d for d in itertools.accumulate(told) if d <= 1 + 1e-9]
+    per_pass = collections.Counter(min(int(d * passes - 1e-9), passes - 1) for d in done)
+    assert [per_pass[k] >= 2 for k in range(passes)] == [True] * (passes - (kind == "parquet")) + [False] * (
+        kind == "parquet"
+    ), per_pass
 
 
 def test_a_csv_that_parses_otherwise_than_its_lines_scan_is_counted_by_pyarrow(

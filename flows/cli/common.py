@@ -168,15 +168,15 @@ def check_datasets(specs: list[str]) -> None:
         dataset_name(spec)
 
 
-def progress_bar(unit: str = "percent", *, show: bool = True) -> Progress:
-    """A bar per stage on stderr, counting percent or ``unit``s."""
+def progress_bar(unit: str = "percent", *, show: bool = True, transient: bool = False) -> Progress:
+    """A bar per stage on stderr, counting percent or ``unit``s; ``transient``: gone once done."""
     counter = (
         TaskProgressColumn()
         if unit == "percent"
         else TextColumn(f"{unit} {{task.completed:,.0f}}/{{task.total:,.0f}}")
     )
     columns = (TextColumn("{task.description:<24}"), BarColumn(), counter, TimeElapsedColumn())
-    return Progress(*columns, console=err, disable=not show)
+    return Progress(*columns, console=err, disable=not show, transient=transient)
 
 
 def run_flow(

@@ -34,9 +34,17 @@ def run_score(
     from tasks.score.scoring import PIECE_ROWS, describe_inputs
 
     settings = get_settings(task_runner=task_runner, max_workers=workers)
-    files = describe_inputs(
-        inputs, text_column=text_column, id_columns=id_columns, s3_endpoint_url=settings.s3_endpoint_url
-    )
+    # Hashing and counting a 40 GB file takes minutes; the bar goes when done (or failed: the error alone).
+    with progress_bar(show=show_progress, transient=True) as described:
+        sink = RichSink(described)
+        files = describe_inputs(
+            inputs,
+            text_column=text_column,
+            id_columns=id_columns,
+            s3_endpoint_url=settings.s3_endpoint_url,
+            on_start=lambda count: sink.stage(f"describe {count} input{'s' * (count != 1)}", total=count),
+            on_progress=sink.advance,
+        )
     from flows import progress
     from flows.runtime import local_dask_workers, prefect_api
     from flows.runtime import task_runner as make_task_runner

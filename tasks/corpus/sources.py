@@ -14,7 +14,7 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -198,9 +198,15 @@ def open_raw(uri: str, *, s3_endpoint_url: str | None = None) -> IO[bytes]:
 
 
 def fingerprint(
-    uri: str, *, piece_bytes: int, s3_endpoint_url: str | None = None, cache: FingerprintCache | None = None
+    uri: str,
+    *,
+    piece_bytes: int,
+    s3_endpoint_url: str | None = None,
+    cache: FingerprintCache | None = None,
+    on_read: Callable[[int], None] | None = None,
 ) -> Source:
-    """Hash a source and, for a plain local file, find line-aligned piece boundaries."""
+    """Hash a source and, for a plain local file, find line-aligned piece boundaries. ``on_read``: told
+    each chunk's length as it is hashed (a caller's progress)."""
     local = urlparse(uri).scheme not in ("http", "https", "s3")
     cache_key = None
     if local and cache is not None:
@@ -219,6 +225,8 @@ def fingerprint(
             if is_gzip is None:
                 is_gzip = chunk[:2] == GZIP_MAGIC
             digest.update(chunk)
+            if on_read is not None:
+                on_read(len(chunk))
             if local and not is_gzip:
                 # The first line start at or after each multiple of piece_bytes begins a piece.
                 while size + len(chunk) > next_cut:

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -46,6 +46,7 @@ OFFSET_ROWS = 1024
 # process's index of a file takes 1/512 of its uncompressed size (80 MB for 40 GB).
 GZIP_SPACING = 16 * 2**20
 GZIP_READ_BYTES = 2**20  # of compressed bytes a gzip index reads at a time
+SCAN_REPORT_BYTES = 8 * 2**20  # of lines between two reports of a line scan's progress
 
 
 class InputError(SourceError):
@@ -87,26 +88,69 @@ def expand_inputs(args: list[str], *, s3_endpoint_url: str | None = None) -> lis
     return uris
 
 
+class _Progress:
+    """A file's describing as the fraction of it done, told to ``report`` as it grows (an increment at a
+    time): each pass over the file (the hash, the line scan, the parse) an equal share, a pass's share by
+    the bytes or rows it has done of its total."""
+
+    def __init__(self, report: Callable[[float], None], passes: int) -> None:
+        self.report, self.share, self.done = report, 1 / passes, 0.0
+
+    def at(self, done: float, total: float | None) -> None:
+        """``done`` of the current pass's ``total`` (None: unknown, told at the pass's end)."""
+        if total:
+            fraction = min(done / total, 1.0)
+            if fraction > self.done:
+                self.report((fraction - self.done) * self.share)
+                self.done = fraction
+
+    def end_pass(self) -> None:
+        self.at(1, 1)
+        self.done = 0.0
+
+
 def describe(
-    uri: str, *, text_column: str, id_columns: list[str], s3_endpoint_url: str | None = None
+    uri: str,
+    *,
+    text_column: str,
+    id_columns: list[str],
+    s3_endpoint_url: str | None = None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> InputFile:
     """Hash the file and count its rows by reading it once: a file that is not what its extension
     says, or that lacks a column, fails here, before any row of any file is scored. A CSV or JSON-lines
     file's lines are scanned for the rows' byte offsets first; a CSV is then read window by window
-    between them, as the workers will read it (``_csv_rows``)."""
-    source = fingerprint(uri, piece_bytes=2**62, s3_endpoint_url=s3_endpoint_url)
+    between them, as the workers will read it (``_csv_rows``). ``on_progress``: told the fraction of the
+    file done as it grows, an increment at a time (the three passes over a 40 GB file take minutes)."""
     kind = format_of(uri)
+    progress = _Progress(on_progress or (lambda _: None), 3 if kind in ("csv", "jsonl") else 2)
+    store, key = split_object_uri(uri, endpoint_url=s3_endpoint_url)
+    size = store.path(key).stat().st_size if isinstance(store, LocalStore) else None  # s3://: at its end
+    hashed = 0
+
+    def on_read(length: int) -> None:
+        nonlocal hashed
+        hashed += length
+        progress.at(hashed, size)
+
+    source = fingerprint(uri, piece_bytes=2**62, s3_endpoint_url=s3_endpoint_url, on_read=on_read)
+    progress.end_pass()
     offsets: tuple[int, ...] = ()
     scanned, index = 0, ""
     if kind in ("csv", "jsonl"):
         with _readable(uri, kind):
-            offsets, scanned, index = row_offsets(uri, kind, s3_endpoint_url, source.sha256)
+            offsets, scanned, index = row_offsets(
+                uri, kind, s3_endpoint_url, source.sha256, on_read=lambda done: progress.at(done, source.size)
+            )
+        progress.end_pass()
     columns = [text_column, *id_columns]
     where = _Where(uri, s3_endpoint_url, sha256=source.sha256)  # an s3:// file: one copy for it all
     rows = None
     if kind == "csv" and offsets:
         with _readable(uri, kind):
-            rows = _csv_rows(where, columns, offsets, scanned)
+            rows = _csv_rows(
+                where, columns, offsets, scanned, on_rows=lambda done: progress.at(done, scanned)
+            )
     if rows is None:
         batches = read_batches(
             uri,
@@ -116,7 +160,11 @@ def describe(
             s3_endpoint_url=s3_endpoint_url,
             sha256=source.sha256,
         )
-        rows = sum(batch.num_rows for batch in batches)
+        rows = 0
+        for batch in batches:
+            rows += batch.num_rows
+            progress.at(rows, scanned)
+    progress.end_pass()
     if scanned != rows:
         # The line scan and pyarrow disagree on this CSV (a lone \r line end): read from the start.
         offsets, index = (), ""
@@ -134,7 +182,13 @@ def describe(
     )
 
 
-def _csv_rows(where: _Where, columns: list[str], offsets: tuple[int, ...], scanned: int) -> int | None:
+def _csv_rows(
+    where: _Where,
+    columns: list[str],
+    offsets: tuple[int, ...],
+    scanned: int,
+    on_rows: Callable[[int], None] = lambda _: None,
+) -> int | None:
     """The CSV's rows, counted by pyarrow one window at a time (about two blocks, between the line
     scan's offsets), each window's bytes alone in memory and parsed as a worker parses them: the whole
     stream handed to pyarrow is read up to 32 blocks ahead of the rows parsed (describing a 520 MB CSV
@@ -160,6 +214,7 @@ def _csv_rows(where: _Where, columns: list[str], offsets: tuple[int, ...], scann
                     return None
             except (pa.ArrowException, UnicodeDecodeError):
                 return None
+            on_rows(first * OFFSET_ROWS + expected)  # the rows counted so far
     return scanned
 
 
@@ -256,14 +311,19 @@ def _from_row(batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.Recor
 
 
 def row_offsets(
-    uri: str, kind: str, s3_endpoint_url: str | None = None, sha256: str = ""
+    uri: str,
+    kind: str,
+    s3_endpoint_url: str | None = None,
+    sha256: str = "",
+    on_read: Callable[[int], None] = lambda _: None,
 ) -> tuple[tuple[int, ...], int, str]:
     """The byte offsets of rows 0, OFFSET_ROWS, 2·OFFSET_ROWS, … of a CSV or JSON-lines file (a gzip
     file's in its uncompressed stream), and the rows it has, by one scan of its lines: a JSON-lines row is
     a line that is not blank (as ``_jsonl_batches`` reads), a CSV row a record after the header, ending at
     a line end outside quotes (an even count of ``"`` so far: RFC 4180, as pyarrow reads it), empty lines
     skipped. A gzip file is scanned through a seek-point index, exported for the workers (its path is
-    the third value; empty for a plain file)."""
+    the third value; empty for a plain file). ``on_read``: told the bytes of the file read so far (a
+    gzip file's compressed bytes), every ``SCAN_REPORT_BYTES`` of its lines."""
     offsets: list[int] = []
     rows = 0
     index = ""
@@ -272,8 +332,12 @@ def row_offsets(
         raw.seek(0)
         with _new_index(raw) if packed else contextlib.nullcontext(raw) as stream:
             position, header, quoted = 0, kind == "csv", False
+            report = SCAN_REPORT_BYTES
             for line in stream:
                 begins, position = position, position + len(line)
+                if position >= report:
+                    on_read(raw.tell())
+                    report = position + SCAN_REPORT_BYTES
                 if kind == "jsonl":
                     record = bool(line.strip())
                 else:

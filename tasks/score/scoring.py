@@ -32,6 +32,7 @@ import os
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,14 +113,26 @@ def describe_inputs(
     text_column: str = "text",
     id_columns: list[str] | None = None,
     s3_endpoint_url: str | None = None,
+    on_start: Callable[[int], None] = lambda _: None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> tuple[InputFile, ...]:
-    """Find, hash and count the inputs: a bad file fails here, before any model is loaded or row scored."""
+    """Find, hash and count the inputs: a bad file fails here, before any model is loaded or row scored.
+    ``on_start``: told the number of files found; ``on_progress``: the files described, in fractions of a
+    file as each one's passes go (``describe``)."""
     id_columns = list(id_columns or [])
     if clash := [c for c in id_columns if c in OWN_COLUMNS or c == text_column]:
         raise ValueError(f"--id-column {clash[0]!r} is the text column or one the output writes itself")
+    uris = expand_inputs(inputs, s3_endpoint_url=s3_endpoint_url)
+    on_start(len(uris))
     return tuple(
-        describe(uri, text_column=text_column, id_columns=id_columns, s3_endpoint_url=s3_endpoint_url)
-        for uri in expand_inputs(inputs, s3_endpoint_url=s3_endpoint_url)
+        describe(
+            uri,
+            text_column=text_column,
+            id_columns=id_columns,
+            s3_endpoint_url=s3_endpoint_url,
+            on_progress=on_progress,
+        )
+        for uri in uris
     )
 
 
