@@ -362,17 +362,20 @@ def test_a_parquet_window_is_read_from_its_row_group(tmp_path: Path, monkeypatch
 def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_reads(
     s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Describing copies a file once for its reading and its line scan (the object's stream is hashed)
-    and drops the copy; a worker's windows of it then cost one download; a third file drops the oldest
-    copy (COPIES_KEPT 2), and the folder goes with the process."""
+    """Describing downloads a file once for its hash, its line scan and its parse (no stream of the
+    object besides) and drops the copy; a worker's windows of it then cost one download; a third file
+    drops the oldest copy (COPIES_KEPT 2), and the folder goes with the process."""
     import boto3
 
     from tasks.store import S3Store
 
     downloads: list[str] = []
-    download = S3Store.download
+    download, open_read = S3Store.download, S3Store.open_read
     monkeypatch.setattr(
         S3Store, "download", lambda self, key, local: downloads.append(key) or download(self, key, local)
+    )
+    monkeypatch.setattr(
+        S3Store, "open_read", lambda self, key: downloads.append(f"stream {key}") or open_read(self, key)
     )
     inputs.drop_copies()
     s3 = boto3.client("s3")
@@ -400,6 +403,23 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     assert downloads == [*made, "a.csv", "b.jsonl", "c.csv", "a.csv"]
     inputs.drop_copies()
     assert not folder.exists()
+
+
+def test_an_s3_download_that_fails_leaves_no_partial_copy(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tasks.store import S3Store
+
+    def broken(self: Any, key: str, local: Path) -> None:
+        Path(local).write_bytes(b"id,text\n1,half a")
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(S3Store, "download", broken)
+    inputs.drop_copies()
+    with pytest.raises(OSError, match="connection reset"):
+        inputs.describe(f"s3://{s3_bucket}/in/a.csv", text_column="text", id_columns=[])
+    assert not list(inputs._folders[inputs.COPIES].iterdir()) and not inputs._copies
+    inputs.drop_copies()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])

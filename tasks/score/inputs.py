@@ -16,12 +16,13 @@ import functools
 import gzip
 import io
 import json
+import os
 import shutil
 import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from tasks.corpus.sources import GZIP_MAGIC, SourceError, expand_sources, fingerprint
+from tasks.corpus.sources import GZIP_MAGIC, Source, SourceError, expand_sources, fingerprint
 from tasks.score.formats import FORMATS, SUFFIXES
 from tasks.store import LocalStore, Store, split_object_uri
 
@@ -124,16 +125,23 @@ def describe(
     file done as it grows, an increment at a time (the three passes over a 40 GB file take minutes)."""
     kind = format_of(uri)
     progress = _Progress(on_progress or (lambda _: None), 3 if kind in ("csv", "jsonl") else 2)
+
+    def hashed(path: str, size: int) -> Source:
+        done = 0
+
+        def on_read(length: int) -> None:
+            nonlocal done
+            done += length
+            progress.at(done, size)
+
+        return fingerprint(path, piece_bytes=2**62, on_read=on_read)
+
     store, key = split_object_uri(uri, endpoint_url=s3_endpoint_url)
-    size = store.path(key).stat().st_size if isinstance(store, LocalStore) else None  # s3://: at its end
-    hashed = 0
-
-    def on_read(length: int) -> None:
-        nonlocal hashed
-        hashed += length
-        progress.at(hashed, size)
-
-    source = fingerprint(uri, piece_bytes=2**62, s3_endpoint_url=s3_endpoint_url, on_read=on_read)
+    source = (
+        hashed(uri, store.path(key).stat().st_size)
+        if isinstance(store, LocalStore)
+        else _hashed_copy(store, key, uri, hashed)
+    )
     progress.end_pass()
     offsets: tuple[int, ...] = ()
     scanned, index = 0, ""
@@ -642,12 +650,39 @@ def _kept_copy(store: Store, key: str, uri: str, sha256: str) -> Path:
             return path
         path = _process_folder(COPIES) / f"{sha256[:16]}-{Path(key).name}"
         store.download(key, path)
-        _copies[(uri, sha256)] = path
-        while len(_copies) > COPIES_KEPT:
-            _, oldest = _copies.popitem(last=False)
-            _drop_gzip(oldest)
-            oldest.unlink(missing_ok=True)
+        _keep(uri, sha256, path)
         return path
+
+
+def _keep(uri: str, sha256: str, path: Path) -> None:
+    """Hold ``path`` as the copy of ``(uri, sha256)``; the oldest of more than ``COPIES_KEPT`` go.
+    Under ``_copies_lock``."""
+    _copies[(uri, sha256)] = path
+    while len(_copies) > COPIES_KEPT:
+        _, oldest = _copies.popitem(last=False)
+        _drop_gzip(oldest)
+        oldest.unlink(missing_ok=True)
+
+
+def _hashed_copy(store: Store, key: str, uri: str, hashed: Callable[[str, int], Source]) -> Source:
+    """Download an s3:// file whose content is not known yet, hash the copy (``hashed``: its path and
+    size to its ``Source``) and keep it as the process's copy of that content (``_kept_copy``): the
+    object crosses the network once for the hash, the line scan and the parse, not as a stream to hash
+    and then a copy to read."""
+    folder = _process_folder(COPIES)
+    handle, name = tempfile.mkstemp(dir=folder, prefix="describing-", suffix=f"-{Path(key).name}")
+    os.close(handle)
+    partial = Path(name)
+    try:
+        store.download(key, partial)
+        source = hashed(str(partial), partial.stat().st_size)
+        path = partial.rename(folder / f"{source.sha256[:16]}-{Path(key).name}")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    with _copies_lock:
+        _keep(uri, source.sha256, path)
+    return replace(source, uri=uri, name=Path(key).name)
 
 
 def _drop_copy(uri: str, sha256: str) -> None:
