@@ -167,7 +167,7 @@ def score(
     records = []
     # The run's memory for feature batches is shared by its workers: a worker's batches take 1/workers.
     pieces = score_piece_task.map(
-        plan,
+        plan.for_pieces(),
         list(plan.pieces),
         threads=threads,
         workers=workers,

@@ -179,6 +179,23 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
     assert alone["output"] == summary["output"] and alone["pieces_skipped"] == 4, alone
 
 
+def test_each_piece_s_task_takes_the_plan_without_every_piece(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flow maps its pieces with ``Plan.for_pieces()``: a task's arguments stay the same size
+    however many pieces the run has (``test_score_inputs.py`` measures them)."""
+    from flows.score import score_piece_task
+
+    mapped: list[Any] = []
+    real = score_piece_task.map
+    monkeypatch.setattr(
+        score_piece_task, "map", lambda plan, pieces, **kw: mapped.append(plan) or real(plan, pieces, **kw)
+    )
+    summary = _score([str(imdb_slice)], str(tmp_path / "out"))
+    assert summary["rows_out"] == SLICE_ROWS and len(mapped) == 1
+    assert mapped[0].pieces == () and mapped[0].files == ()
+
+
 def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
     champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
 ) -> None:

@@ -92,6 +92,62 @@ def test_a_csv_of_many_blocks_whose_texts_hold_line_ends_is_read(
     assert window.column("text")[2].as_py() == b'a review over\nlines, "quoted" 1026'
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["csv", "csv.gz"])
+def test_a_window_s_file_holds_its_offsets_only_and_reads_the_rows_the_whole_file_does(
+    packed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = 10 * inputs.OFFSET_ROWS + 300
+    body = "id,text\n" + "".join(f'{i},"review\n{i}"\n' for i in range(rows))
+    path = tmp_path / ("reviews.csv.gz" if packed else "reviews.csv")
+    path.write_bytes(gzip.compress(body.encode()) if packed else body.encode())
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert len(file.offsets) == 11
+    spans: list[tuple[int, int | None]] = []
+    real = inputs._opened
+    monkeypatch.setattr(
+        inputs, "_opened", lambda where: spans.append((where.offset, where.end)) or real(where)
+    )
+    for start, stop in [(0, 1500), (1500, 2600), (4096, 5120), (9000, rows), (rows - 1, rows)]:
+        window = file.window(start, stop)
+        assert len(window.offsets) <= (stop - start) // inputs.OFFSET_ROWS + 2, (start, stop, window.offsets)
+        spans.clear()
+        assert _read(window, start, stop).equals(_read(file, start, stop)), (start, stop)
+        # Both reads span the same bytes: from the offset at or before start to the one at or after stop.
+        assert spans[-1] == spans[-2], spans
+        assert _read(window, start, stop).column("id").to_pylist() == list(range(start, stop))
+    # A window of a window is the same window; rows outside it are refused, not read from elsewhere.
+    assert file.window(4096, 5120).window(4096, 5120) == file.window(4096, 5120)
+    with pytest.raises(ValueError, match="outside the offsets"):
+        file.window(4096, 5120).window(0, 100)
+
+
+def test_a_piece_s_task_arguments_do_not_grow_with_the_plan() -> None:
+    """Each piece's task took the whole plan, every piece and every offset: O(N²) to send and for Prefect
+    to walk (99 ms a task at 3,907 pieces of one file). A piece's task now takes the plan without its
+    pieces and the piece with its window's offsets: the same size at 1M rows as at 8M."""
+    import pickle
+
+    from tasks.score.scoring import ModelRef, plan_scoring
+
+    model = ModelRef(
+        uri="models:/m@champion", name="m", version=1, run_id=None, folder="m", unit=0,
+        max_text_chars=10_000, weights_sha256="0" * 64,
+    )  # fmt: skip
+
+    def task_bytes(rows: int) -> int:
+        offsets = tuple(i * 1300 * inputs.OFFSET_ROWS for i in range(-(-rows // inputs.OFFSET_ROWS)))
+        file = inputs.InputFile(
+            uri="big.csv", name="big.csv", format="csv", sha256="0" * 64, size=rows * 1300, rows=rows,
+            offsets=offsets,
+        )  # fmt: skip
+        plan = plan_scoring((file,), "out", model)
+        assert plan.files == (file,)  # the flow's own plan keeps them, for the manifest
+        return max(len(pickle.dumps((plan.for_pieces(), piece))) for piece in plan.pieces[::97])
+
+    small, large = task_bytes(1_000_000), task_bytes(8_000_000)
+    assert large < 1.1 * small, (small, large)
+
+
 @pytest.mark.parametrize("members", [1, 9])
 @pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
 def test_a_gzip_window_is_read_from_its_offset_in_the_uncompressed_stream(

@@ -71,6 +71,21 @@ class InputFile:
     # that process lives): a worker that finds it reads only its windows' bytes; one that does not
     # (a Dask worker on another machine) builds its own.
     gzip_index: str = ""
+    # The index in the file's offsets of ``offsets[0]``: above 0 where they are a window's (``window``).
+    offsets_from: int = 0
+
+    def window(self, start: int, stop: int) -> InputFile:
+        """The file as a read of rows ``[start, stop)`` needs it: the offsets at or before ``start`` up to
+        the one at or after ``stop``. A piece carries its window's file, not the whole file's offsets,
+        so a task's arguments do not grow with the file (80,000 offsets for the 2014 corpus's 82M
+        reviews, in each of its 80,000 pieces)."""
+        if not self.offsets:
+            return self
+        first = start // OFFSET_ROWS - self.offsets_from
+        last = -(-stop // OFFSET_ROWS) - self.offsets_from
+        if not 0 <= first <= last:
+            raise ValueError(f"rows {start}–{stop} are outside the offsets this file holds")
+        return replace(self, offsets=self.offsets[first : last + 1], offsets_from=self.offsets_from + first)
 
 
 def format_of(uri: str) -> str:
@@ -250,6 +265,7 @@ def read_rows(
         offsets=file.offsets,
         sha256=file.sha256,
         gzip_index=file.gzip_index,
+        offsets_from=file.offsets_from,
     ):
         end = seen + batch.num_rows
         if end > start:
@@ -274,6 +290,7 @@ def read_batches(
     offsets: tuple[int, ...] = (),
     sha256: str = "",
     gzip_index: str = "",
+    offsets_from: int = 0,
 ) -> Iterator[pa.RecordBatch]:
     """The file's text and id columns as record batches, text first, from row ``start`` on. CSV and JSON
     lines carry the text as bytes (``binary``), so one row of bad UTF-8 is that row's problem, not the
@@ -282,14 +299,17 @@ def read_batches(
     record batch holding it; without offsets from its start. A gzip file read from an offset is read up to
     the offset at or after ``stop`` (``_gzip_range``); rows past ``stop`` may follow, as from any file.
     ``sha256``: the file's, where it was described, to keep what a read from an offset needs of its start
-    (``_csv_layout``) and, for a gzip file, its index; ``gzip_index``: the index describing exported."""
+    (``_csv_layout``) and, for a gzip file, its index; ``gzip_index``: the index describing exported;
+    ``offsets_from``: the index of ``offsets[0]`` among the file's (``InputFile.window``)."""
     columns = [text_column, *id_columns]
     with _readable(uri, kind):
         if kind in ("csv", "jsonl"):
-            index = min(start // OFFSET_ROWS, len(offsets) - 1) if offsets else -1
-            first, offset = (index * OFFSET_ROWS, offsets[index]) if index > 0 else (0, 0)
-            last = -(-stop // OFFSET_ROWS) if stop is not None and offsets else len(offsets)
-            end = offsets[last] if last < len(offsets) else None  # None: to the file's end
+            # Indexes into the file's offsets; ``offsets`` begin at index ``offsets_from`` (a window's).
+            stored = offsets_from + len(offsets)
+            index = min(start // OFFSET_ROWS, stored - 1) if offsets else -1
+            first, offset = (index * OFFSET_ROWS, offsets[index - offsets_from]) if index > 0 else (0, 0)
+            last = -(-stop // OFFSET_ROWS) if stop is not None and offsets else stored
+            end = offsets[last - offsets_from] if last < stored else None  # None: to the file's end
             where = _Where(uri, s3_endpoint_url, offset, end, sha256, gzip_index)
             batches = (_csv_batches if kind == "csv" else _jsonl_batches)(where, columns)
             yield from _from_row(batches, start - first)
