@@ -15,13 +15,14 @@ from prefect.task_runners import ProcessPoolTaskRunner
 from flows import names, progress
 from flows.runtime import retry_unless
 from tasks.corpus.build import cpu_count
-from tasks.score.inputs import InputError, InputFile
+from tasks.score.inputs import InputError
 from tasks.score.scoring import (
     PIECE_ROWS,
     Piece,
     Plan,
     build_manifest,
     describe_inputs,
+    load_described,
     plan_scoring,
     publish_manifest,
     read_manifest,
@@ -107,7 +108,7 @@ def score(
     id_columns: list[str] | None = None,
     piece_rows: int = PIECE_ROWS,
     threads_per_worker: int | None = None,
-    files: list[InputFile] | None = None,
+    described: str | None = None,
     workers: int | None = None,
 ) -> dict[str, Any]:
     """Score every row of ``inputs`` with a registered classifier; returns the --json summary.
@@ -120,15 +121,19 @@ def score(
         id_columns: Columns copied to the output beside each row's scores.
         piece_rows: Rows per piece on average: the unit of parallel work and of resuming.
         threads_per_worker: torch threads of each worker. Default: the cores shared by the workers.
-        files: ``inputs`` as ``describe_inputs`` found them, where the caller did so before the run (the
-            CLI does, to refuse a bad file before Prefect starts); described here when not given.
+        described: A JSON file of ``inputs`` as ``describe_inputs`` found them (``save_described``),
+            where the caller described them before the run (the CLI does, to refuse a bad file before
+            Prefect starts); described here when not given. A file, not the list: a flow run's
+            parameters are limited to 512 KB, and a large input's row offsets are more.
         workers: The task runner's workers, among which the cores and the memory for feature batches
             (MLSTM_SCORE_MEMORY_MIB) are shared. Default: MLSTM_MAX_WORKERS, else the CPU count.
     """
     settings = get_settings()
     logger = get_run_logger()
     started = time.perf_counter()
-    if files is None:
+    if described is not None:
+        files = list(load_described(described))
+    else:
         files = list(
             describe_inputs_task(
                 inputs,

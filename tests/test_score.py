@@ -196,6 +196,24 @@ def test_each_piece_s_task_takes_the_plan_without_every_piece(
     assert mapped[0].pieces == () and mapped[0].files == ()
 
 
+def test_the_flow_run_s_parameters_do_not_hold_the_inputs_offsets(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    """Prefect refuses a flow run whose parameters pass 512 KB, and the described inputs' row offsets
+    of the 2014 corpus (82M reviews) are 1 MB of JSON: the CLI hands them over as a file."""
+    from prefect.client.orchestration import get_client
+
+    _score([str(imdb_slice)], str(tmp_path / "out"))
+    with get_client(sync_client=True) as prefect:
+        run = prefect.read_flow_runs(sort="START_TIME_DESC", limit=1)[0]
+    parameters = json.dumps(run.parameters)
+    assert run.name.startswith("score-") and "offsets" not in parameters and len(parameters) < 2048, (
+        parameters
+    )
+    assert run.parameters["described"].endswith("inputs.json")
+    assert not Path(run.parameters["described"]).exists()  # the CLI's, removed when the run ends
+
+
 def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
     champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
 ) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -31,7 +33,7 @@ def run_score(
     The inputs are described (found, hashed, counted) first, before Prefect starts: a bad file is one
     error naming it, not a failed task run's log lines in front of it, and it costs no API start.
     """
-    from tasks.score.scoring import PIECE_ROWS, describe_inputs
+    from tasks.score.scoring import PIECE_ROWS, describe_inputs, save_described
 
     settings = get_settings(task_runner=task_runner, max_workers=workers)
     # Hashing and counting a 40 GB file takes minutes; the bar goes when done (or failed: the error alone).
@@ -52,7 +54,13 @@ def run_score(
 
     flow = score.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar("rows", show=show_progress)
-    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)), local_dask_workers(settings):
+    with (
+        tempfile.TemporaryDirectory(prefix="mlstm-score-") as folder,
+        prefect_api(settings),
+        bar,
+        progress.reporting_to(RichSink(bar)),
+        local_dask_workers(settings),
+    ):
         return flow(
             inputs=inputs,
             output=output,
@@ -60,7 +68,7 @@ def run_score(
             text_column=text_column,
             id_columns=id_columns or [],
             piece_rows=piece_rows or PIECE_ROWS,
-            files=list(files),
+            described=str(save_described(files, Path(folder) / "inputs.json")),
             workers=settings.max_workers,
         )
 

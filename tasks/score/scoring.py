@@ -142,6 +142,21 @@ def describe_inputs(
     )
 
 
+def save_described(files: tuple[InputFile, ...], path: Path) -> Path:
+    """Write the inputs as ``describe_inputs`` found them, for ``load_described``: a flow run takes
+    this file's path, not the list, since Prefect refuses a flow run's parameters over 512 KB and the
+    offsets of 82M reviews (the 2014 corpus) are 1 MB of JSON."""
+    path.write_text(json.dumps([asdict(f) for f in files]))
+    return path
+
+
+def load_described(path: str) -> tuple[InputFile, ...]:
+    return tuple(
+        InputFile(**{**entry, "offsets": tuple(entry["offsets"])})
+        for entry in json.loads(Path(path).read_text())
+    )
+
+
 def plan_scoring(
     files: tuple[InputFile, ...],
     output: str,
