@@ -37,8 +37,8 @@ def run_score(
 
     settings = get_settings(task_runner=task_runner, max_workers=workers)
     # Hashing and counting a 40 GB file takes minutes; the bar goes when done (or failed: the error alone).
-    with progress_bar(show=show_progress, transient=True) as described:
-        sink = RichSink(described)
+    with progress_bar(show=show_progress, transient=True) as describing:
+        sink = RichSink(describing)
         files = describe_inputs(
             inputs,
             text_column=text_column,
