@@ -291,7 +291,7 @@ def test_describing_a_csv_holds_a_window_of_it_not_pyarrow_s_read_ahead(
     )
 
 
-@pytest.mark.parametrize("kind", ["csv", "csv.gz", "jsonl", "parquet"])
+@pytest.mark.parametrize("kind", ["csv", "csv.gz", "jsonl", "jsonl.gz", "parquet"])
 def test_describing_tells_its_progress_as_each_pass_goes(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -303,13 +303,18 @@ def test_describing_tells_its_progress_as_each_pass_goes(
     block = 2**12
     monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", block)
     monkeypatch.setattr(inputs, "SCAN_REPORT_BYTES", block)
+    monkeypatch.setattr(inputs, "GZIP_CHECK_BYTES", block)
     monkeypatch.setattr(sources, "READ_CHUNK", block)
     csv = _csv(tmp_path / "reviews.csv")
     if kind == "csv.gz":
         path = tmp_path / "reviews.csv.gz"
         path.write_bytes(gzip.compress(csv.read_bytes()))
-    elif kind == "jsonl":
+    elif kind.startswith("jsonl"):
         path = _jsonl(tmp_path / "reviews.jsonl")
+        if kind == "jsonl.gz":
+            path.with_suffix(".jsonl.gz").write_bytes(gzip.compress(path.read_bytes()))
+            path.unlink()
+            path = path.with_suffix(".jsonl.gz")
     elif kind == "parquet":
         path = tmp_path / "reviews.parquet"
         pq.write_table(
@@ -320,7 +325,6 @@ def test_describing_tells_its_progress_as_each_pass_goes(
     (folder := tmp_path / "in").mkdir()
     path.rename(folder / path.name)
     (folder / "zz.csv").write_bytes(b"id,text\n1,great\n")  # described second
-    monkeypatch.setattr(inputs, "BATCH_ROWS", 500)  # a JSON-lines file's parse tells each batch
     started: list[int] = []
     told: list[float] = []
     files = describe_inputs(
@@ -328,14 +332,34 @@ def test_describing_tells_its_progress_as_each_pass_goes(
     )
     assert started == [2] and [f.name for f in files] == [path.name, "zz.csv"]
     assert all(step > 0 for step in told) and sum(told) == pytest.approx(2.0, abs=1e-9)
-    # The first file's passes (hash, line scan, parse; Parquet: hash, read), each an equal share: each
-    # told more than once, but Parquet's read (no row count before it).
+    # The first file's passes, each an equal share: the hash, the line scan (which counts a JSON-lines
+    # file's rows) and the parse (a JSON-lines file's: its first record, and a gzip file read through);
+    # Parquet's hash and read. Each is told more than once, but a plain JSON-lines file's check and
+    # Parquet's read (no row count before it), told at their end.
     passes = 2 if kind == "parquet" else 3
     done = [d for d in itertools.accumulate(told) if d <= 1 + 1e-9]
     per_pass = collections.Counter(min(int(d * passes - 1e-9), passes - 1) for d in done)
-    assert [per_pass[k] >= 2 for k in range(passes)] == [True] * (passes - (kind == "parquet")) + [False] * (
-        kind == "parquet"
-    ), per_pass
+    gradual = [per_pass[k] >= 2 for k in range(passes)]
+    assert gradual == [True] * (passes - 1) + [kind not in ("jsonl", "parquet")], per_pass
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["jsonl", "jsonl.gz"])
+def test_describing_a_json_lines_file_parses_it_up_to_its_first_record_with_the_text(
+    packed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line scan counts the rows; parsing every line as well took three quarters of describing. A
+    gzip file is still read through (the scan's indexed_gzip stops quietly at a cut), not parsed."""
+    lines = [json.dumps({"id": i, "review": "no text field"}) for i in range(10)]
+    lines += [json.dumps({"id": i, "text": f"review {i}"}) for i in range(10, ROWS)]
+    body = ("\n".join(lines) + "\n").encode()
+    path = tmp_path / ("reviews.jsonl.gz" if packed else "reviews.jsonl")
+    path.write_bytes(gzip.compress(body) if packed else body)
+    parsed: list[bytes] = []
+    record = inputs._record
+    monkeypatch.setattr(inputs, "_record", lambda line: parsed.append(line) or record(line))
+    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
+    assert file.rows == ROWS and len(file.offsets) == 3
+    assert len(parsed) == 11, len(parsed)  # up to the first record with "text"
 
 
 def test_a_csv_that_parses_otherwise_than_its_lines_scan_is_counted_by_pyarrow(

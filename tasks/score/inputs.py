@@ -48,6 +48,7 @@ OFFSET_ROWS = 1024
 GZIP_SPACING = 16 * 2**20
 GZIP_READ_BYTES = 2**20  # of compressed bytes a gzip index reads at a time
 SCAN_REPORT_BYTES = 8 * 2**20  # of lines between two reports of a line scan's progress
+GZIP_CHECK_BYTES = 16 * 2**20  # of a gzip JSON-lines file's text read at a time to check it is whole
 
 
 class InputError(SourceError):
@@ -135,10 +136,12 @@ def describe(
 ) -> InputFile:
     """Hash the file and count its rows by reading it once: a file that is not what its extension
     says, or that lacks a column, fails here, before any row of any file is scored. A CSV or JSON-lines
-    file's lines are scanned for the rows' byte offsets first; a CSV is then read window by window
-    between them, as the workers will read it (``_csv_rows``). ``on_progress``: told the fraction of the
-    file done as it grows, an increment at a time (the three passes over a 40 GB file take minutes)."""
+    file's lines are scanned for the rows' byte offsets and its rows counted first; a CSV is then read
+    window by window between them, as the workers will read it (``_csv_rows``), and a JSON-lines file up
+    to its first record with the text field (``_check_text_field``). ``on_progress``: told the fraction of the
+    file done as it grows, an increment at a time (the passes over a 40 GB file take minutes)."""
     kind = format_of(uri)
+    # The hash, the scan and the parse (a JSON-lines file's check; Parquet and Arrow: the hash, the read).
     progress = _Progress(on_progress or (lambda _: None), 3 if kind in ("csv", "jsonl") else 2)
 
     def hashed(path: str, size: int) -> Source:
@@ -169,7 +172,17 @@ def describe(
     columns = [text_column, *id_columns]
     where = _Where(uri, s3_endpoint_url, sha256=source.sha256)  # an s3:// file: one copy for it all
     rows = None
-    if kind == "csv" and offsets:
+    if kind == "jsonl":
+        # The scan counts a JSON-lines file's rows as its reading does (a line that is not blank is a
+        # row, whatever it holds): what is left to know is that it holds reviews, and that a gzip file
+        # is whole. Parsing every line here took three quarters of describing (0.83 of 1.1 s for a
+        # 134 MB file; 1.17 s for it gzipped, where reading it through takes 0.50 s).
+        with _readable(uri, kind):
+            _check_text_field(where, text_column)
+            if source.gzip:
+                _check_gzip(where, lambda done: progress.at(done, source.size))
+        rows = scanned
+    elif kind == "csv" and offsets:
         with _readable(uri, kind):
             rows = _csv_rows(
                 where, columns, offsets, scanned, on_rows=lambda done: progress.at(done, scanned)
@@ -583,7 +596,35 @@ def _jsonl_batches(where: _Where, columns: list[str]) -> Iterator[pa.RecordBatch
         if problems:
             yield _jsonl_batch(values, problems, text)
     if not found:
-        raise InputError(f"{where.uri}: no record has a {text!r} field; name the text with --text-column")
+        raise _no_text_field(where.uri, text)
+
+
+def _check_gzip(where: _Where, on_read: Callable[[int], None]) -> None:
+    """Read a gzip file through to its end, every member's CRC and length checked: the line scan's
+    ``indexed_gzip`` stops without an error where a file is cut short, and would count the rows
+    before the cut. ``on_read``: told the compressed bytes read so far."""
+    with (
+        _local(where.uri, where.s3_endpoint_url, where.sha256) as path,
+        open(path, "rb") as raw,
+        gzip.GzipFile(fileobj=raw) as unzipped,
+    ):
+        while unzipped.read(GZIP_CHECK_BYTES):
+            on_read(raw.tell())
+
+
+def _no_text_field(uri: str, text: str) -> InputError:
+    return InputError(f"{uri}: no record has a {text!r} field; name the text with --text-column")
+
+
+def _check_text_field(where: _Where, text: str) -> None:
+    """A JSON-lines file is a table of reviews when some record holds the text field: read up to the
+    first that does (its first line, as a rule), not the whole file."""
+    with _opened(where) as stream:
+        for line in stream:
+            record, _ = _record(line) if line.strip() else (None, None)
+            if record is not None and text in record:
+                return
+    raise _no_text_field(where.uri, text)
 
 
 def _record(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
