@@ -15,7 +15,7 @@ from prefect.task_runners import ProcessPoolTaskRunner
 from flows import names, progress
 from flows.runtime import retry_unless
 from tasks.corpus.build import cpu_count
-from tasks.score.inputs import InputError
+from tasks.score.inputs import InputError, InputFile
 from tasks.score.scoring import (
     PIECE_ROWS,
     Piece,
@@ -38,13 +38,57 @@ _worth_retrying = retry_unless(InputError, ValueError)
 PROGRESS_SECONDS = 2.0  # between updates of a piece's progress artifact
 
 
-describe_inputs_task = task(
+class _ProgressArtifact:
+    """A progress artifact on the flow run's page. An update is an API call (about 30 ms here): at most
+    one a PROGRESS_SECONDS, not one a batch, but the last."""
+
+    def __init__(self, key: str, description: str) -> None:
+        self.id = create_progress_artifact(progress=0.0, key=key, description=description)
+        self.shown = time.monotonic()
+
+    def at(self, percent: float) -> None:
+        if time.monotonic() - self.shown >= PROGRESS_SECONDS:
+            self.shown = time.monotonic()
+            update_progress_artifact(self.id, progress=percent)  # type: ignore[arg-type]  # sync: a UUID
+
+    def done(self) -> None:
+        update_progress_artifact(self.id, progress=100.0)  # type: ignore[arg-type]
+
+
+@task(
     name="describe inputs",
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=_worth_retrying,
     cache_policy=NO_CACHE,
-)(describe_inputs)
+)
+def describe_inputs_task(
+    inputs: list[str], *, text_column: str, id_columns: list[str] | None, s3_endpoint_url: str | None
+) -> tuple[InputFile, ...]:
+    """The inputs described where no caller did (a deployment's run), with a progress artifact: hashing,
+    scanning and parsing a 40 GB input take minutes."""
+    artifact = _ProgressArtifact("score-describe", "Inputs hashed, scanned for row offsets and parsed")
+    total, done = 1, 0.0
+
+    def on_start(count: int) -> None:
+        nonlocal total
+        total = max(count, 1)
+
+    def on_progress(step: float) -> None:
+        nonlocal done
+        done += step
+        artifact.at(100 * done / total)
+
+    files = describe_inputs(
+        inputs,
+        text_column=text_column,
+        id_columns=id_columns,
+        s3_endpoint_url=s3_endpoint_url,
+        on_start=on_start,
+        on_progress=on_progress,
+    )
+    artifact.done()
+    return files
 
 
 @task(
@@ -59,27 +103,21 @@ def score_piece_task(
     plan: Plan, piece: Piece, threads: int | None = None, workers: int = 1, memory_budget: int | None = None
 ) -> dict[str, Any]:
     """One piece, with a progress artifact of its rows on the flow run's page."""
-    artifact_id = create_progress_artifact(
-        progress=0.0,
-        key=f"score-piece-{piece.index:05d}",
-        description=(
-            f"{piece.file.name}: part {piece.part + 1} of {piece.parts} of rows {piece.start}–{piece.stop} "
-            "by length: rows scored"
-        ),
+    artifact = _ProgressArtifact(
+        f"score-piece-{piece.index:05d}",
+        f"{piece.file.name}: part {piece.part + 1} of {piece.parts} of rows {piece.start}–{piece.stop} "
+        "by length: rows scored",
     )
-    done, rows, shown = 0, 0, time.monotonic()
+    done, rows = 0, 0
 
     def on_rows(piece_rows: int) -> None:
         nonlocal rows
         rows = piece_rows
 
     def on_batch(batch_rows: int, _bytes: int) -> None:
-        nonlocal done, shown
+        nonlocal done
         done += batch_rows
-        # An update is an API call (about 30 ms here): at most one a PROGRESS_SECONDS, not one a batch.
-        if time.monotonic() - shown >= PROGRESS_SECONDS:
-            shown = time.monotonic()
-            update_progress_artifact(artifact_id, progress=100 * done / max(rows, 1))  # type: ignore[arg-type]  # sync: a UUID
+        artifact.at(100 * done / max(rows, 1))
 
     record = score_piece(
         plan,
@@ -90,7 +128,7 @@ def score_piece_task(
         on_rows=on_rows,
         on_batch=on_batch,
     )
-    update_progress_artifact(artifact_id, progress=100.0)  # type: ignore[arg-type]
+    artifact.done()
     return record
 
 

@@ -168,6 +168,9 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
     # deployment runs it, describing its inputs itself (the CLI describes them before Prefect starts).
     again = _score([str(imdb_slice)], str(tmp_path / "out"), id_columns=["id"])
     assert again["output"] == summary["output"] and again["pieces_scored"] == 0
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
     from flows.runtime import prefect_api
     from flows.score import score
     from tasks.settings import get_settings
@@ -176,7 +179,13 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
         alone = score(
             inputs=[str(imdb_slice)], output=str(tmp_path / "out"), id_columns=["id"], piece_rows=PIECE_ROWS
         )
+        # Describing shows on the flow run's page, as a piece does (minutes for 40 GB).
+        with get_client(sync_client=True) as prefect:
+            described = prefect.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["score-describe"]))
+            )
     assert alone["output"] == summary["output"] and alone["pieces_skipped"] == 4, alone
+    assert described and {a.data for a in described} == {100.0}, described
 
 
 def test_each_piece_s_task_takes_the_plan_without_every_piece(
