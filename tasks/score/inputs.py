@@ -134,12 +134,13 @@ def describe(
     s3_endpoint_url: str | None = None,
     on_progress: Callable[[float], None] | None = None,
 ) -> InputFile:
-    """Hash the file and count its rows by reading it once: a file that is not what its extension
-    says, or that lacks a column, fails here, before any row of any file is scored. A CSV or JSON-lines
-    file's lines are scanned for the rows' byte offsets and its rows counted first; a CSV is then read
-    window by window between them, as the workers will read it (``_csv_rows``), and a JSON-lines file up
-    to its first record with the text field (``_check_text_field``). ``on_progress``: told the fraction of the
-    file done as it grows, an increment at a time (the passes over a 40 GB file take minutes)."""
+    """Hash the file and count its rows: a file that is not what its extension says, or that lacks a
+    column, fails here, before any row of any file is scored. A CSV or JSON-lines file's lines are
+    scanned for the rows' byte offsets and its rows counted first; a CSV is then read window by window
+    between them, as the workers will read it (``_csv_rows``), and a JSON-lines file up to its first
+    record with the text field (``_check_text_field``; a gzip one through to its end, ``_check_gzip``).
+    ``on_progress``: told the fraction of the file done as it grows, an increment at a time (the passes
+    over a 40 GB file take minutes)."""
     kind = format_of(uri)
     # The hash, the scan and the parse (a JSON-lines file's check; Parquet and Arrow: the hash, the read).
     progress = _Progress(on_progress or (lambda _: None), 3 if kind in ("csv", "jsonl") else 2)
