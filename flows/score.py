@@ -39,17 +39,23 @@ PROGRESS_SECONDS = 2.0  # between updates of a piece's progress artifact
 
 
 class _ProgressArtifact:
-    """A progress artifact on the flow run's page. An update is an API call (about 30 ms here): at most
-    one a PROGRESS_SECONDS, not one a batch, but the last."""
+    """A progress artifact on the flow run's page: ``amount`` done of ``total`` (told by ``of`` once it is
+    known; 1 before). An update is an API call (about 30 ms here): at most one a PROGRESS_SECONDS, not
+    one a batch, but the last."""
 
     def __init__(self, key: str, description: str) -> None:
         self.id = create_progress_artifact(progress=0.0, key=key, description=description)
         self.shown = time.monotonic()
+        self.total, self.amount = 1.0, 0.0
 
-    def at(self, percent: float) -> None:
+    def of(self, total: float) -> None:
+        self.total = max(total, 1)
+
+    def advance(self, amount: float) -> None:
+        self.amount += amount
         if time.monotonic() - self.shown >= PROGRESS_SECONDS:
             self.shown = time.monotonic()
-            update_progress_artifact(self.id, progress=percent)  # type: ignore[arg-type]  # sync: a UUID
+            update_progress_artifact(self.id, progress=100 * self.amount / self.total)  # type: ignore[arg-type]  # sync: a UUID
 
     def done(self) -> None:
         update_progress_artifact(self.id, progress=100.0)  # type: ignore[arg-type]
@@ -68,24 +74,13 @@ def describe_inputs_task(
     """The inputs described where no caller did (a deployment's run), with a progress artifact: hashing,
     scanning and parsing a 40 GB input take minutes."""
     artifact = _ProgressArtifact("score-describe", "Inputs hashed, scanned for row offsets and parsed")
-    total, done = 1, 0.0
-
-    def on_start(count: int) -> None:
-        nonlocal total
-        total = max(count, 1)
-
-    def on_progress(step: float) -> None:
-        nonlocal done
-        done += step
-        artifact.at(100 * done / total)
-
     files = describe_inputs(
         inputs,
         text_column=text_column,
         id_columns=id_columns,
         s3_endpoint_url=s3_endpoint_url,
-        on_start=on_start,
-        on_progress=on_progress,
+        on_start=artifact.of,
+        on_progress=artifact.advance,
     )
     artifact.done()
     return files
@@ -108,25 +103,14 @@ def score_piece_task(
         f"{piece.file.name}: part {piece.part + 1} of {piece.parts} of rows {piece.start}–{piece.stop} "
         "by length: rows scored",
     )
-    done, rows = 0, 0
-
-    def on_rows(piece_rows: int) -> None:
-        nonlocal rows
-        rows = piece_rows
-
-    def on_batch(batch_rows: int, _bytes: int) -> None:
-        nonlocal done
-        done += batch_rows
-        artifact.at(100 * done / max(rows, 1))
-
     record = score_piece(
         plan,
         piece,
         threads=threads,
         workers=workers,
         memory_budget=memory_budget,
-        on_rows=on_rows,
-        on_batch=on_batch,
+        on_rows=artifact.of,
+        on_batch=lambda rows, _bytes: artifact.advance(rows),
     )
     artifact.done()
     return record

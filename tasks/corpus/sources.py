@@ -206,7 +206,7 @@ def fingerprint(
     on_read: Callable[[int], None] | None = None,
 ) -> Source:
     """Hash a source and, for a plain local file, find line-aligned piece boundaries. ``on_read``: told
-    each chunk's length as it is hashed (a caller's progress)."""
+    the bytes hashed so far, a chunk at a time (a caller's progress)."""
     local = urlparse(uri).scheme not in ("http", "https", "s3")
     cache_key = None
     if local and cache is not None:
@@ -225,8 +225,6 @@ def fingerprint(
             if is_gzip is None:
                 is_gzip = chunk[:2] == GZIP_MAGIC
             digest.update(chunk)
-            if on_read is not None:
-                on_read(len(chunk))
             if local and not is_gzip:
                 # The first line start at or after each multiple of piece_bytes begins a piece.
                 while size + len(chunk) > next_cut:
@@ -238,6 +236,8 @@ def fingerprint(
                     next_cut = offset + piece_bytes
                 lines += chunk.count(b"\n")
             size += len(chunk)
+            if on_read is not None:
+                on_read(size)
     starts = [s for s in starts if s[0] < size] or [(0, 1)]
     source = Source(
         uri=uri,

@@ -146,14 +146,7 @@ def describe(
     progress = _Progress(on_progress or (lambda _: None), 3 if kind in ("csv", "jsonl") else 2)
 
     def hashed(path: str, size: int) -> Source:
-        done = 0
-
-        def on_read(length: int) -> None:
-            nonlocal done
-            done += length
-            progress.at(done, size)
-
-        return fingerprint(path, piece_bytes=2**62, on_read=on_read)
+        return fingerprint(path, piece_bytes=2**62, on_read=lambda done: progress.at(done, size))
 
     store, key = split_object_uri(uri, endpoint_url=s3_endpoint_url)
     source = (
