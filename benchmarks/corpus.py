@@ -427,6 +427,7 @@ def run_plain(inputs: InputSet, store_dir: Path, cache_path: Path, workers: int)
     """plan → parse_piece in a process pool → reduce_bucket in the pool → manifest, without Prefect."""
     from tasks.corpus.build import (
         CorpusConfig,
+        bucket_inputs,
         build_manifest,
         parse_piece,
         plan_corpus,
@@ -448,11 +449,13 @@ def run_plain(inputs: InputSet, store_dir: Path, cache_path: Path, workers: int)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
         mark = since()
-        pieces = list(pool.map(parse_piece, *zip(*[(plan, p, store) for p in plan.pieces], strict=True)))
+        sent = plan.for_tasks()  # what the flow sends each task
+        pieces = list(pool.map(parse_piece, *zip(*[(sent, p, store) for p in plan.pieces], strict=True)))
         windows["parse (with worker start)"] = (mark, since())
         mark = since()
-        # A bucket's reduce reads only the pieces that wrote to it: it takes their results.
-        reduce_args = [(plan, b, store, pieces) for b in range(plan.num_buckets)]
+        # A bucket's reduce reads only the pieces that wrote to it: it takes their ids.
+        inputs = bucket_inputs(pieces, plan.num_buckets)
+        reduce_args = [(sent, b, store, inputs[b]) for b in range(plan.num_buckets)]
         buckets = list(pool.map(reduce_bucket, *zip(*reduce_args, strict=True)))
         windows["reduce"] = (mark, since())
         mark = since()

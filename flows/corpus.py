@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow, get_run_logger, task, unmapped
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import get_run_context
 from prefect.futures import as_completed
@@ -17,6 +17,7 @@ from tasks.corpus.build import (
     BucketResult,
     CorpusConfig,
     CorpusPlan,
+    bucket_inputs,
     build_manifest,
     parse_piece,
     plan_corpus,
@@ -116,7 +117,9 @@ def _build(
     sink.stage("parse", total=sum(p.estimated_bytes for p in plan.pieces))
     sizes = {p.piece_id: p.estimated_bytes for p in plan.pieces}
     pieces = []
-    futures = parse_piece_task.map(plan, list(plan.pieces), target, s3_endpoint_url=settings.s3_endpoint_url)
+    # Each task is sent the plan without its pieces, and its own piece (CorpusPlan.for_tasks says why).
+    sent = plan.for_tasks()
+    futures = parse_piece_task.map(sent, list(plan.pieces), target, s3_endpoint_url=settings.s3_endpoint_url)
     for future in as_completed(futures):
         result = future.result()
         pieces.append(result)
@@ -125,7 +128,8 @@ def _build(
 
     sink.stage("dedupe + write shards", total=plan.num_buckets)
     buckets: list[BucketResult] = []
-    reduced = reduce_bucket_task.map(plan, list(range(plan.num_buckets)), target, unmapped(pieces))
+    inputs = bucket_inputs(pieces, plan.num_buckets)  # each bucket's task, the pieces that wrote it
+    reduced = reduce_bucket_task.map(sent, list(range(plan.num_buckets)), target, inputs)
     for reduced_future in as_completed(reduced):
         buckets.append(reduced_future.result())
         sink.advance(1)

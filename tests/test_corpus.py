@@ -140,6 +140,44 @@ def test_second_plan_of_the_same_sources_is_the_same_corpus(amazon_dir: Path, tm
     assert plan_corpus(sources, SMALL_SPLIT, cache_path=cache) == first
 
 
+def test_a_corpus_task_s_arguments_do_not_grow_with_the_plan() -> None:
+    """Each parse task took the whole plan (every piece, each carrying every piece's start) and each
+    reduce task every piece's result with every bucket it wrote: O(N²) for Prefect to walk (a 40 GB
+    plain file: 56 ms a parse task, 1.3 s a reduce task). A parse task now takes the plan without its
+    pieces and its own piece; a reduce task the ids of the pieces that wrote its bucket."""
+    import pickle
+
+    from tasks.corpus.build import CorpusPlan, PieceResult, bucket_inputs
+    from tasks.corpus.sources import Source, pieces_of
+
+    def plan_of(gib: int) -> CorpusPlan:
+        piece = 64 * 2**20
+        source = Source(
+            uri="big.json", name="big.json", size=gib * 2**30, sha256="0" * 64, gzip=False,
+            piece_starts=tuple((i * piece, 1 + i * 40_000) for i in range(gib * 2**30 // piece)),
+        )  # fmt: skip
+        return CorpusPlan(
+            corpus_id="c", prefix="corpora/c", config=CorpusConfig(), sources=(source,),
+            pieces=tuple(pieces_of(0, source)), num_buckets=gib * 8,
+        )  # fmt: skip
+
+    def parse_bytes(plan: CorpusPlan) -> int:
+        return max(len(pickle.dumps((plan.for_tasks(), piece))) for piece in plan.pieces[::7])
+
+    small, large = plan_of(1), plan_of(8)
+    assert len(large.pieces) == 8 * len(small.pieces) == 128
+    assert parse_bytes(large) < 1.1 * parse_bytes(small), (parse_bytes(small), parse_bytes(large))
+
+    # Every piece wrote every bucket (keys are hashes): a bucket's task holds its own inputs only.
+    def reduce_bytes(num_buckets: int) -> int:
+        results = [PieceResult(p.piece_id, 0, buckets=list(range(num_buckets))) for p in large.pieces]
+        inputs = bucket_inputs(reversed(results), num_buckets)
+        assert inputs[num_buckets - 1] == tuple(p.piece_id for p in large.pieces)  # in (source, line) order
+        return len(pickle.dumps((large.for_tasks(), num_buckets - 1, inputs[num_buckets - 1])))
+
+    assert reduce_bytes(512) < 1.1 * reduce_bytes(8), (reduce_bytes(8), reduce_bytes(512))
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input never stops the corpus and never loses data
 

@@ -50,10 +50,28 @@ def _mlflow_runs(home: Path, corpus_id: str) -> list[Any]:
 
 @pytest.mark.slow
 def test_flow_builds_publishes_artifacts_and_logs_to_mlflow(
-    prefect_api_url: str, home: Path, amazon_dir: Path
+    prefect_api_url: str, home: Path, amazon_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from flows.corpus import parse_piece_task, reduce_bucket_task
+
+    # What each task is sent (test_corpus.py measures why): the plan without its pieces, and a
+    # reduce task the ids of its bucket's pieces, not every piece's result.
+    sent: dict[str, Any] = {}
+
+    def spy(name: str, real: Any) -> Any:
+        def mapped(*args: Any, **kwargs: Any) -> Any:
+            sent[name] = args
+            return real(*args, **kwargs)
+
+        return mapped
+
+    monkeypatch.setattr(parse_piece_task, "map", spy("parse", parse_piece_task.map))
+    monkeypatch.setattr(reduce_bucket_task, "map", spy("reduce", reduce_bucket_task.map))
     sources = [str(amazon_dir / "Gift_Cards_5.json.gz"), str(amazon_dir / "Appliances_5.json.gz")]
     summary = run_corpus_build(sources, store=None, config=SMALL_SPLIT, show_progress=False)
+    assert sent["parse"][0].pieces == sent["reduce"][0].pieces == ()
+    inputs = sent["reduce"][3]  # per bucket, the ids of the pieces that wrote it
+    assert all(isinstance(ids, tuple) for ids in inputs) and "s00000-p0000" in inputs[0]
     assert set(summary) == {"corpus_id", "manifest_uri", "rows", "duplicates", "rejected"}
     manifest_path = Path(summary["manifest_uri"])
     assert manifest_path.is_file() and manifest_path.is_relative_to(home.resolve() / "store")

@@ -15,6 +15,7 @@ the build runs (piece outputs and completion markers, so a killed build resumes)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -82,6 +83,16 @@ class CorpusPlan:
 
     def work_key(self, *parts: str) -> str:
         return "/".join((self.prefix, "_work", *parts))
+
+    def for_tasks(self) -> CorpusPlan:
+        """The plan a parse or reduce task is sent: without the pieces and the sources' piece starts.
+
+        Every task is sent its arguments, and Prefect walks them for futures: the whole plan in each
+        of N tasks is O(N²) (a 40 GB file's 640 pieces: 56 ms a task). A task needs the settings,
+        the layout and how many sources there are, and its own piece carries its source.
+        """
+        sources = tuple(dataclasses.replace(source, piece_starts=()) for source in self.sources)
+        return dataclasses.replace(self, sources=sources, pieces=())
 
 
 def plan_corpus(
@@ -337,20 +348,27 @@ class BucketResult:
     duplicates: list[int] = field(default_factory=list)
 
 
-def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store, pieces: list[PieceResult]) -> BucketResult:
-    """Gather one bucket from the pieces that wrote to it, keep the first of each key, write shards
-    per split."""
+def bucket_inputs(pieces: Iterable[PieceResult], num_buckets: int) -> list[tuple[str, ...]]:
+    """For each bucket, the ids of the pieces that wrote to it, in (source, line) order: what its
+    reduce reads. A reduce task is sent its own list, not every piece's result with every bucket
+    it wrote (640 pieces × 320 buckets of a 40 GB file: over a second a task for Prefect to walk)."""
+    inputs: list[list[str]] = [[] for _ in range(num_buckets)]
+    for piece in sorted(pieces, key=lambda p: p.piece_id):
+        for bucket in piece.buckets:
+            inputs[bucket].append(piece.piece_id)
+    return [tuple(ids) for ids in inputs]
+
+
+def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store, piece_ids: Iterable[str]) -> BucketResult:
+    """Gather one bucket from the pieces that wrote to it (``piece_ids``, from ``bucket_inputs``),
+    keep the first of each key, write shards per split."""
     marker = plan.work_key("reduce", f"bucket-{bucket:05d}.json")
     if store.exists(marker):
         saved = json.loads(store.read_bytes(marker))
         saved["shards"] = {s: [ShardInfo(**i) for i in infos] for s, infos in saved["shards"].items()}
         return BucketResult(**saved)
     # Piece order is (source, line) order: the first row of a key in this order is the one kept.
-    inputs = [
-        plan.work_key("map", p.piece_id, f"bucket-{bucket:05d}.arrow")
-        for p in sorted(pieces, key=lambda p: p.piece_id)
-        if bucket in p.buckets
-    ]
+    inputs = [plan.work_key("map", piece_id, f"bucket-{bucket:05d}.arrow") for piece_id in sorted(piece_ids)]
     with contextlib.ExitStack() as stack:
         # Memory-mapped: the bucket's rows are read in place, and only the kept ones are copied.
         tables = [
@@ -560,7 +578,8 @@ def build_in_process(plan: CorpusPlan, store: Store) -> dict[str, Any]:
     machine with no Prefect, a test); its manifest. The flow runs the same steps on a task runner."""
     with building(store, plan.prefix, plan.corpus_id):
         pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
-        buckets = [reduce_bucket(plan, bucket, store, pieces) for bucket in range(plan.num_buckets)]
+        inputs = bucket_inputs(pieces, plan.num_buckets)
+        buckets = [reduce_bucket(plan, bucket, store, inputs[bucket]) for bucket in range(plan.num_buckets)]
         manifest = build_manifest(plan, store, pieces, buckets)
         publish_manifest(plan, store, manifest)
     return manifest

@@ -15,7 +15,7 @@ import os
 import re
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
@@ -43,7 +43,8 @@ class Source:
     size: int
     sha256: str
     gzip: bool
-    # (byte offset, 1-based line number) where each piece of a plain local file starts.
+    # (byte offset, 1-based line number) where each piece of a plain local file starts; empty in the
+    # source a piece carries (its own start is the piece's).
     piece_starts: tuple[tuple[int, int], ...] = ((0, 1),)
 
     @property
@@ -291,6 +292,8 @@ class FingerprintCache:
 def pieces_of(source_index: int, source: Source) -> list[Piece]:
     """Split a source into pieces: gzip and remote files are one piece, plain files several."""
     starts = source.piece_starts
+    # Each piece's parse task is sent its piece: with every piece's start in it, that is O(N²).
+    own = replace(source, piece_starts=())
     pieces = []
     for part, (start, first_line) in enumerate(starts):
         end = starts[part + 1][0] if part + 1 < len(starts) else None
@@ -300,7 +303,7 @@ def pieces_of(source_index: int, source: Source) -> list[Piece]:
             Piece(
                 piece_id=f"s{source_index:05d}-p{part:04d}",
                 source_index=source_index,
-                source=source,
+                source=own,
                 start=start,
                 end=end,
                 first_line=first_line,
