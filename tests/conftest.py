@@ -70,6 +70,11 @@ def nothing_left_behind() -> Iterator[None]:
     yield
     if not Path("/proc/self/environ").exists():
         return
+    # A process pool's queues (Prefect's process pool runner) start multiprocessing's resource tracker
+    # in this process: it lives as long as this process does, so it is stopped here, not counted.
+    from multiprocessing import resource_tracker
+
+    resource_tracker._resource_tracker._stop()
     deadline = time.monotonic() + 15  # processes stopped at the very end may still be exiting
     while (left := started_by_session(_SESSION_TOKEN)) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -37,16 +37,11 @@ PIECE_ROWS = 64  # four pieces, the last one short
 @pytest.fixture(scope="module")
 def scoring_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """MLSTM_HOME for the module: its MLflow database holds the champion."""
-    from multiprocessing import resource_tracker
-
     home = tmp_path_factory.mktemp("score-home")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLSTM_HOME", str(home))
         patch.setenv("MLSTM_MAX_WORKERS", "2")
         yield home
-    # The process pool's queues started multiprocessing's resource tracker in this process; it would
-    # live as long as the session does.
-    resource_tracker._resource_tracker._stop()
 
 
 def _imdb_rows(path: Path, every: int, limit: int) -> list[dict[str, str]]:
