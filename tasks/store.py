@@ -12,9 +12,11 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from tasks.settings import Settings
 
 MiB = 1024 * 1024
+OnRead = Callable[[int, int], None]  # (bytes so far, of the object's size)
+REPORT_SECONDS = 0.5  # how often a download with ``on_read`` tells its progress
 
 
 class StoreError(RuntimeError):
@@ -69,7 +73,9 @@ class Store(ABC):
         """Make a finished local file visible at ``key``; the local file is consumed."""
 
     @abstractmethod
-    def download(self, key: str, local: Path) -> None: ...
+    def download(self, key: str, local: Path, *, on_read: OnRead | None = None) -> None:
+        """Copy the object to ``local``. ``on_read``: told the bytes copied so far and the object's size
+        as the copy goes (a 40 GB object takes minutes), in the caller's thread."""
 
     @abstractmethod
     def open_read(self, key: str) -> IO[bytes]:
@@ -190,8 +196,11 @@ class LocalStore(Store):
     def _publish(self, local: Path, key: str) -> None:
         os.replace(local, self.path(key))
 
-    def download(self, key: str, local: Path) -> None:
+    def download(self, key: str, local: Path, *, on_read: OnRead | None = None) -> None:
         shutil.copyfile(self.path(key), local)
+        if on_read is not None:
+            size = local.stat().st_size
+            on_read(size, size)
 
 
 class S3Store(Store):
@@ -324,8 +333,32 @@ class S3Store(Store):
     def _publish(self, local: Path, key: str) -> None:
         self.client.upload_file(str(local), self.bucket, self._key(key), Config=self.transfer_config)
 
-    def download(self, key: str, local: Path) -> None:
-        self.client.download_file(self.bucket, self._key(key), str(local), Config=self.transfer_config)
+    def download(self, key: str, local: Path, *, on_read: OnRead | None = None) -> None:
+        def copy(callback: Callable[[int], None] | None = None) -> None:
+            self.client.download_file(
+                self.bucket, self._key(key), str(local), Config=self.transfer_config, Callback=callback
+            )
+
+        if on_read is None:
+            copy()
+            return
+        size = self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
+        done = [0]
+        # boto3 tells its Callback from its transfer threads, where a caller's context (a Prefect run's)
+        # is not: the count is kept there and told from here.
+        lock = threading.Lock()
+
+        def count(amount: int) -> None:
+            with lock:
+                done[0] += amount
+
+        with ThreadPoolExecutor(1) as pool:
+            copying = pool.submit(copy, count)
+            while not copying.done():
+                with contextlib.suppress(TimeoutError):
+                    copying.result(timeout=REPORT_SECONDS)
+                on_read(done[0], size)
+            copying.result()
 
 
 def _default_max_attempts() -> int:

@@ -277,6 +277,31 @@ def test_s3_put_file_above_threshold_is_multipart(s3_bucket: str, tmp_path: Path
     assert small["ETag"] == f'"{hashlib.md5(b"small").hexdigest()}"'
 
 
+def test_an_s3_download_tells_its_progress_in_the_caller_s_thread(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """boto3 tells a transfer's Callback from its own threads, where the caller's context (a Prefect
+    run's, which a progress artifact needs) is not: the bytes so far are told in the calling thread,
+    growing to the object's size."""
+    import threading
+
+    import tasks.store
+
+    monkeypatch.setattr(tasks.store, "REPORT_SECONDS", 0.001)
+    data = os.urandom(8 * MiB)
+    store = S3Store(f"s3://{s3_bucket}/{S3_PREFIX}")
+    store.write_bytes("big.bin", data)
+    told: list[tuple[int, int, int]] = []
+    copy = tmp_path / "copy.bin"
+    store.download(
+        "big.bin", copy, on_read=lambda done, size: told.append((threading.get_ident(), done, size))
+    )
+    assert copy.read_bytes() == data
+    assert {thread for thread, _, _ in told} == {threading.get_ident()}
+    assert told[-1][1:] == (len(data), len(data))
+    assert [done for _, done, _ in told] == sorted(done for _, done, _ in told)
+
+
 # ---------------------------------------------------------------------------------------------
 # S3: retries
 

@@ -142,18 +142,19 @@ def describe(
     ``on_progress``: told the fraction of the file done as it grows, an increment at a time (the passes
     over a 40 GB file take minutes)."""
     kind = format_of(uri)
-    # The hash, the scan and the parse (a JSON-lines file's check; Parquet and Arrow: the hash, the read).
-    progress = _Progress(on_progress or (lambda _: None), 3 if kind in ("csv", "jsonl") else 2)
+    store, key = split_object_uri(uri, endpoint_url=s3_endpoint_url)
+    # The download (an s3:// file), the hash, the scan and the parse (a JSON-lines file's check; Parquet
+    # and Arrow: the hash, the read).
+    passes = (3 if kind in ("csv", "jsonl") else 2) + (not isinstance(store, LocalStore))
+    progress = _Progress(on_progress or (lambda _: None), passes)
 
     def hashed(path: str, size: int) -> Source:
         return fingerprint(path, piece_bytes=2**62, on_read=lambda done: progress.at(done, size))
 
-    store, key = split_object_uri(uri, endpoint_url=s3_endpoint_url)
-    source = (
-        hashed(uri, store.path(key).stat().st_size)
-        if isinstance(store, LocalStore)
-        else _hashed_copy(store, key, uri, hashed)
-    )
+    if isinstance(store, LocalStore):
+        source = hashed(uri, store.path(key).stat().st_size)
+    else:
+        source = _hashed_copy(store, key, uri, hashed, on_download=progress)
     progress.end_pass()
     offsets: tuple[int, ...] = ()
     scanned, index = 0, ""
@@ -182,6 +183,7 @@ def describe(
                 where, columns, offsets, scanned, on_rows=lambda done: progress.at(done, scanned)
             )
     if rows is None:
+        total = scanned or _stated_rows(uri, kind, s3_endpoint_url, source.sha256)
         batches = read_batches(
             uri,
             kind,
@@ -193,7 +195,7 @@ def describe(
         rows = 0
         for batch in batches:
             rows += batch.num_rows
-            progress.at(rows, scanned)
+            progress.at(rows, total)
     progress.end_pass()
     if scanned != rows:
         # The line scan and pyarrow disagree on this CSV (a lone \r line end): read from the start.
@@ -719,17 +721,20 @@ def _keep(uri: str, sha256: str, path: Path) -> None:
         oldest.unlink(missing_ok=True)
 
 
-def _hashed_copy(store: Store, key: str, uri: str, hashed: Callable[[str, int], Source]) -> Source:
+def _hashed_copy(
+    store: Store, key: str, uri: str, hashed: Callable[[str, int], Source], *, on_download: _Progress
+) -> Source:
     """Download an s3:// file whose content is not known yet, hash the copy (``hashed``: its path and
     size to its ``Source``) and keep it as the process's copy of that content (``_kept_copy``): the
     object crosses the network once for the hash, the line scan and the parse, not as a stream to hash
-    and then a copy to read."""
+    and then a copy to read. ``on_download``: told the download's progress, a pass of its own."""
     folder = _process_folder(COPIES)
     handle, name = tempfile.mkstemp(dir=folder, prefix="describing-", suffix=f"-{Path(key).name}")
     os.close(handle)
     partial = Path(name)
     try:
-        store.download(key, partial)
+        store.download(key, partial, on_read=on_download.at)
+        on_download.end_pass()
         source = hashed(str(partial), partial.stat().st_size)
         path = partial.rename(folder / f"{source.sha256[:16]}-{Path(key).name}")
     except BaseException:
@@ -754,6 +759,17 @@ def drop_copies() -> None:
         _copies.clear()
         if (folder := _folders.pop(COPIES, None)) is not None:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stated_rows(uri: str, kind: str, s3_endpoint_url: str | None, sha256: str) -> int | None:
+    """The rows a Parquet file's footer states (what its read's progress is told against); None for the
+    other kinds (an Arrow file's read is a memory map: quick, told at its end)."""
+    if kind != "parquet":
+        return None
+    import pyarrow.parquet as pq
+
+    with _readable(uri, kind), _local(uri, s3_endpoint_url, sha256) as path, pq.ParquetFile(path) as parquet:
+        return int(parquet.metadata.num_rows)
 
 
 def _parquet_batches(uri: str, path: str, columns: list[str], start: int = 0) -> Iterator[pa.RecordBatch]:
