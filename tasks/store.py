@@ -78,8 +78,8 @@ class Store(ABC):
         as the copy goes (a 40 GB object takes minutes), in the caller's thread."""
 
     @abstractmethod
-    def open_read(self, key: str) -> IO[bytes]:
-        """A binary stream of the object's bytes."""
+    def open_read(self, key: str, *, start: int = 0) -> IO[bytes]:
+        """A binary stream of the object's bytes, from byte ``start``."""
 
     def _scratch_dir(self, key: str) -> Path:
         return Path(tempfile.gettempdir())
@@ -141,8 +141,10 @@ class LocalStore(Store):
     def read_bytes(self, key: str) -> bytes:
         return self.path(key).read_bytes()
 
-    def open_read(self, key: str) -> IO[bytes]:
-        return self.path(key).open("rb")
+    def open_read(self, key: str, *, start: int = 0) -> IO[bytes]:
+        stream = self.path(key).open("rb")
+        stream.seek(start)
+        return stream
 
     def list(self, prefix: str) -> list[str]:
         base = self.path(prefix)
@@ -259,8 +261,10 @@ class S3Store(Store):
     def read_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
-    def open_read(self, key: str) -> IO[bytes]:
-        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+    def open_read(self, key: str, *, start: int = 0) -> IO[bytes]:
+        # A ranged GET: a piece of a large object is read from its own start, in parallel with others.
+        ranged = {"Range": f"bytes={start}-"} if start else {}
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key), **ranged)["Body"]
 
     def create(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError

@@ -195,7 +195,7 @@ def test_fingerprint_of_remote_sources_is_the_files_sha256(
     assert s3.sha256 == _sha256(local.read_bytes())
     assert s3.size == local.stat().st_size == 72998
     assert (s3.name, s3.category, s3.gzip) == ("Appliances_5.json.gz", "Appliances", True)
-    assert s3.piece_starts == ((0, 1),)  # remote files are one piece
+    assert s3.piece_starts == ((0, 1),)  # a gzip file is one piece
 
     url, path = served
     web = fingerprint(url, piece_bytes=MiB)
@@ -254,6 +254,43 @@ def test_truncated_s3_object_ends_in_a_damaged_block(s3_bucket: str, amazon_dir:
     delivered = b"".join(b.data for b in blocks)
     assert gzip.decompress(whole).startswith(delivered)
     assert delivered.count(b"\n") > 100
+
+
+def test_a_plain_s3_object_is_read_in_pieces_by_ranged_gets(
+    s3_bucket: str, amazon_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large plain object parses in parallel as a local file does: the same line-aligned pieces, each
+    read from its own start by a ranged GET (not the object from its start), and the same shards."""
+    import boto3
+    from corpus_helpers import build, shard_digests
+
+    from tasks.store import S3Store
+
+    plain = gzip.decompress((amazon_dir / "reviews_Musical_Instruments_5.json.gz").read_bytes())
+    local = tmp_path / "reviews_Musical_Instruments_5.json"
+    local.write_bytes(plain)
+    boto3.client("s3").put_object(Bucket=s3_bucket, Key=f"plain/{local.name}", Body=plain)
+    uri = f"s3://{s3_bucket}/plain/{local.name}"
+    remote, here = fingerprint(uri, piece_bytes=MiB), fingerprint(str(local), piece_bytes=MiB)
+    assert remote.piece_starts == here.piece_starts and len(remote.piece_starts) >= 4
+
+    starts: list[int] = []
+    open_read = S3Store.open_read
+    monkeypatch.setattr(
+        S3Store,
+        "open_read",
+        lambda self, key, start=0: starts.append(start) or open_read(self, key, start=start),
+    )
+    pieces = pieces_of(0, remote)
+    blocks = [list(iter_blocks(piece, block_bytes=64 * 1024)) for piece in pieces]
+    assert starts == [offset for offset, _ in here.piece_starts]
+    assert b"".join(block.data for piece in blocks for block in piece) == plain
+    assert [piece[0].first_line for piece in blocks] == [line for _, line in here.piece_starts]
+
+    config = SMALL_SPLIT.model_copy(update={"piece_mb": 1, "block_mb": 1})
+    from_s3, from_disk = build([uri], tmp_path / "a", config), build([local], tmp_path / "b", config)
+    assert from_s3["totals"] == from_disk["totals"]
+    assert shard_digests(tmp_path / "a", from_s3) == shard_digests(tmp_path / "b", from_disk)
 
 
 # ---------------------------------------------------------------------------------------------

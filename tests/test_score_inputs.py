@@ -458,7 +458,9 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
         lambda self, key, local, **kw: downloads.append(key) or download(self, key, local, **kw),
     )
     monkeypatch.setattr(
-        S3Store, "open_read", lambda self, key: downloads.append(f"stream {key}") or open_read(self, key)
+        S3Store,
+        "open_read",
+        lambda self, key, **kw: downloads.append(f"stream {key}") or open_read(self, key, **kw),
     )
     inputs.drop_copies()
     s3 = boto3.client("s3")

@@ -183,10 +183,13 @@ def _expand_s3(uri: str, endpoint_url: str | None, suffixes: tuple[str, ...] = R
 # Reading bytes
 
 
-def open_raw(uri: str, *, s3_endpoint_url: str | None = None) -> IO[bytes]:
-    """A binary stream of a source's raw (possibly compressed) bytes."""
+def open_raw(uri: str, *, s3_endpoint_url: str | None = None, start: int = 0) -> IO[bytes]:
+    """A binary stream of a source's raw (possibly compressed) bytes, from byte ``start`` (a piece's:
+    a local file or an S3 object, which are split into pieces; an http(s) file is one piece)."""
     scheme = urlparse(uri).scheme
     if scheme in ("http", "https"):
+        if start:
+            raise ValueError(f"{uri}: an http(s) source is read from its start")
         # The file's own bytes, even when the server labels a .gz "Content-Encoding: gzip".
         response = _get(uri, decode_content=False)
         if response.status >= 400:
@@ -194,8 +197,10 @@ def open_raw(uri: str, *, s3_endpoint_url: str | None = None) -> IO[bytes]:
         return response
     if scheme == "s3":
         head, _, name = uri.rpartition("/")
-        return S3Store(head, endpoint_url=s3_endpoint_url).open_read(name)
-    return open(uri, "rb")
+        return S3Store(head, endpoint_url=s3_endpoint_url).open_read(name, start=start)
+    raw = open(uri, "rb")  # noqa: SIM115 (the caller's to close)
+    raw.seek(start)
+    return raw
 
 
 def fingerprint(
@@ -206,9 +211,12 @@ def fingerprint(
     cache: FingerprintCache | None = None,
     on_read: Callable[[int], None] | None = None,
 ) -> Source:
-    """Hash a source and, for a plain local file, find line-aligned piece boundaries. ``on_read``: told
-    the bytes hashed so far, a chunk at a time (a caller's progress)."""
-    local = urlparse(uri).scheme not in ("http", "https", "s3")
+    """Hash a source and, for a plain local file or S3 object, find line-aligned piece boundaries (an
+    S3 piece is read by a ranged GET). ``on_read``: told the bytes hashed so far, a chunk at a time (a
+    caller's progress)."""
+    scheme = urlparse(uri).scheme
+    local = scheme not in ("http", "https", "s3")
+    splittable = scheme not in ("http", "https")  # a web server need not answer a Range request
     cache_key = None
     if local and cache is not None:
         stat = os.stat(uri)
@@ -226,7 +234,7 @@ def fingerprint(
             if is_gzip is None:
                 is_gzip = chunk[:2] == GZIP_MAGIC
             digest.update(chunk)
-            if local and not is_gzip:
+            if splittable and not is_gzip:
                 # The first line start at or after each multiple of piece_bytes begins a piece.
                 while size + len(chunk) > next_cut:
                     newline = chunk.find(b"\n", max(next_cut - size, 0))
@@ -290,7 +298,8 @@ class FingerprintCache:
 
 
 def pieces_of(source_index: int, source: Source) -> list[Piece]:
-    """Split a source into pieces: gzip and remote files are one piece, plain files several."""
+    """Split a source into pieces: a gzip file or an http(s) one is one piece, a plain local file or S3
+    object several (``fingerprint`` found where)."""
     starts = source.piece_starts
     # Each piece's parse task is sent its piece: with every piece's start in it, that is O(N²).
     own = replace(source, piece_starts=())
@@ -380,11 +389,12 @@ class Block:
 
 def iter_blocks(piece: Piece, *, block_bytes: int, s3_endpoint_url: str | None = None) -> Iterator[Block]:
     """Yield the piece's lines in blocks of about ``block_bytes``, always cut after a newline."""
-    with open_raw(piece.source.uri, s3_endpoint_url=s3_endpoint_url) as raw:
+    start = 0 if piece.source.gzip else piece.start
+    with open_raw(piece.source.uri, s3_endpoint_url=s3_endpoint_url, start=start) as raw:
         if piece.source.gzip:
             chunks: Iterator[bytes] = _decompressed(raw)
         else:
-            chunks = _ranged(raw, piece.start, piece.end)
+            chunks = _ranged(raw, None if piece.end is None else piece.end - piece.start)
         line = piece.first_line
         pending: list[bytes] = []
         pending_size = 0
@@ -410,10 +420,8 @@ def iter_blocks(piece: Piece, *, block_bytes: int, s3_endpoint_url: str | None =
             yield Block(line, b"".join(pending))
 
 
-def _ranged(raw: IO[bytes], start: int, end: int | None) -> Iterator[bytes]:
-    if start:
-        raw.seek(start)
-    remaining = None if end is None else end - start
+def _ranged(raw: IO[bytes], remaining: int | None) -> Iterator[bytes]:
+    """The stream's next ``remaining`` bytes (None: to its end), a chunk at a time."""
     while remaining is None or remaining > 0:
         chunk = raw.read(READ_CHUNK if remaining is None else min(READ_CHUNK, remaining))
         if not chunk:
