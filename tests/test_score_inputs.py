@@ -444,8 +444,9 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Describing downloads a file once for its hash, its line scan and its parse (no stream of the
-    object besides) and drops the copy; a worker's windows of it then cost one download; a third file
-    drops the oldest copy (COPIES_KEPT 2), and the folder goes with the process."""
+    object besides) and drops the copy; a worker's windows of a gzip file (read through its index, from a
+    copy) then cost one download; a third file drops the oldest copy (COPIES_KEPT 2), and the folder goes
+    with the process."""
     import boto3
 
     from tasks.store import S3Store
@@ -464,30 +465,67 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     )
     inputs.drop_copies()
     s3 = boto3.client("s3")
-    made = {"a.csv": _csv, "b.jsonl": _jsonl, "c.csv": _csv}
+    made = {"a.csv.gz": _csv, "b.jsonl.gz": _jsonl, "c.csv.gz": _csv}
     for name, make in made.items():
-        s3.upload_file(str(make(tmp_path / name)), s3_bucket, f"in/{name}")
+        (tmp_path / name).write_bytes(gzip.compress(make(tmp_path / name.removesuffix(".gz")).read_bytes()))
+        s3.upload_file(str(tmp_path / name), s3_bucket, f"in/{name}")
     files = {
         name: inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
         for name in made
     }
     assert downloads == list(made) and not any(inputs._folders[inputs.COPIES].iterdir())
-    local = inputs.describe(str(tmp_path / "a.csv"), text_column="text", id_columns=["id"])
-    a = files["a.csv"]
+    local = inputs.describe(str(tmp_path / "a.csv.gz"), text_column="text", id_columns=["id"])
+    a = files["a.csv.gz"]
     assert (a.rows, a.offsets, a.sha256) == (local.rows, local.offsets, local.sha256)
 
     whole = _whole(local)
     for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS)]:
         assert _read(a, start, stop).equals(whole.slice(start, stop - start))
-    assert downloads == [*made, "a.csv"]
-    _read(files["b.jsonl"], 2048, 2100)
-    _read(files["c.csv"], 2048, 2100)
+    assert downloads == [*made, "a.csv.gz"]
+    _read(files["b.jsonl.gz"], 2048, 2100)
+    _read(files["c.csv.gz"], 2048, 2100)
     folder = inputs._folders[inputs.COPIES]
     assert len(list(folder.iterdir())) == inputs.COPIES_KEPT
     _read(a, 0, 10)  # a's copy was the oldest: copied again
-    assert downloads == [*made, "a.csv", "b.jsonl", "c.csv", "a.csv"]
+    assert downloads == [*made, "a.csv.gz", "b.jsonl.gz", "c.csv.gz", "a.csv.gz"]
     inputs.drop_copies()
     assert not folder.exists()
+
+
+@pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
+def test_a_plain_s3_input_s_windows_are_read_by_ranged_gets_not_copied(
+    make: Any, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker reads a window of a plain s3:// file by a ranged GET of its own bytes, not from a copy of
+    the whole object (each of 8 workers scoring a 40 GB CSV copied it): no download, each GET from the
+    window's offset (a CSV's first blocks too, for its layout), the rows a local read gives."""
+    import boto3
+
+    from tasks.store import S3Store
+
+    name = "a.csv" if make is _csv else "a.jsonl"
+    boto3.client("s3").upload_file(str(make(tmp_path / name)), s3_bucket, f"in/{name}")
+    inputs.drop_copies()
+    file = inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
+    assert not file.gzip and len(file.offsets) == 3
+    got: list[str | int] = []
+    download, open_read = S3Store.download, S3Store.open_read
+    monkeypatch.setattr(
+        S3Store,
+        "download",
+        lambda self, key, local, **kw: got.append(key) or download(self, key, local, **kw),
+    )
+    monkeypatch.setattr(
+        S3Store,
+        "open_read",
+        lambda self, key, start=0: got.append(start) or open_read(self, key, start=start),
+    )
+    whole = _whole(inputs.describe(str(tmp_path / name), text_column="text", id_columns=["id"]))
+    for start, stop in [(1024, 2048), (2048, ROWS), (0, 1024)]:
+        assert _read(file, start, stop).equals(whole.slice(start, stop - start))
+    layout = [0] if make is _csv else []  # read once a process, with the first window
+    assert got == [*layout, file.offsets[1], file.offsets[2], 0], got
+    assert not any(inputs._folders[inputs.COPIES].iterdir())
 
 
 def test_describing_an_s3_input_tells_its_download_as_a_pass(s3_bucket: str, tmp_path: Path) -> None:
