@@ -521,6 +521,37 @@ def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(
     assert get_settings().score_memory_mib == 600
 
 
+@pytest.mark.slow
+def test_a_piece_s_progress_artifact_grows_as_its_batches_are_scored(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Prefect UI shows each piece's rows scored as they go, not 0 then 100 at its end: with a small
+    memory budget a piece runs in several batches, each told to its artifact (every update here, none
+    held back). Thread workers, so the updates are seen here."""
+    import torch
+
+    import flows.score
+
+    updates: dict[Any, list[float]] = {}
+    real = flows.score.update_progress_artifact
+    monkeypatch.setattr(flows.score, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(
+        flows.score,
+        "update_progress_artifact",
+        lambda id, progress: updates.setdefault(id, []).append(progress) or real(id, progress=progress),
+    )
+    monkeypatch.setenv("MLSTM_SCORE_MEMORY_MIB", "32")
+    threads = torch.get_num_threads()
+    try:
+        summary = _score([str(imdb_slice)], str(tmp_path / "out"), task_runner="thread", workers=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["pieces_scored"] == 4 and len(updates) == 4  # a piece each (the CLI described)
+    for shown in updates.values():
+        assert shown == sorted(shown) and shown[-1] == 100.0, shown
+    assert sum(1 for shown in updates.values() if any(0 < p < 100 for p in shown)) >= 4, updates
+
+
 def test_workers_on_a_gpu_share_half_its_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the budget setting does not apply: the workers on one device share half its free memory,
     the features path's own default (``models.features.batch_memory_default``), split among them. The
