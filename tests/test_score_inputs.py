@@ -440,6 +440,23 @@ def test_a_parquet_window_is_read_from_its_row_group(tmp_path: Path, monkeypatch
     assert groups == [[2]]
 
 
+def _watch_s3(monkeypatch: pytest.MonkeyPatch, seen: list[Any], opened: Any) -> None:
+    """Note each S3 download (its key) and each GET of an object (``opened(key, start)``) in ``seen``."""
+    from tasks.store import S3Store
+
+    download, open_read = S3Store.download, S3Store.open_read
+    monkeypatch.setattr(
+        S3Store,
+        "download",
+        lambda self, key, local, **kw: seen.append(key) or download(self, key, local, **kw),
+    )
+    monkeypatch.setattr(
+        S3Store,
+        "open_read",
+        lambda self, key, start=0: seen.append(opened(key, start)) or open_read(self, key, start=start),
+    )
+
+
 def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_reads(
     s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -449,20 +466,8 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     with the process."""
     import boto3
 
-    from tasks.store import S3Store
-
-    downloads: list[str] = []
-    download, open_read = S3Store.download, S3Store.open_read
-    monkeypatch.setattr(
-        S3Store,
-        "download",
-        lambda self, key, local, **kw: downloads.append(key) or download(self, key, local, **kw),
-    )
-    monkeypatch.setattr(
-        S3Store,
-        "open_read",
-        lambda self, key, **kw: downloads.append(f"stream {key}") or open_read(self, key, **kw),
-    )
+    downloads: list[Any] = []
+    _watch_s3(monkeypatch, downloads, lambda key, start: f"stream {key}")
     inputs.drop_copies()
     s3 = boto3.client("s3")
     made = {"a.csv.gz": _csv, "b.jsonl.gz": _jsonl, "c.csv.gz": _csv}
@@ -501,25 +506,13 @@ def test_a_plain_s3_input_s_windows_are_read_by_ranged_gets_not_copied(
     window's offset (a CSV's first blocks too, for its layout), the rows a local read gives."""
     import boto3
 
-    from tasks.store import S3Store
-
     name = "a.csv" if make is _csv else "a.jsonl"
     boto3.client("s3").upload_file(str(make(tmp_path / name)), s3_bucket, f"in/{name}")
     inputs.drop_copies()
     file = inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
     assert not file.gzip and len(file.offsets) == 3
-    got: list[str | int] = []
-    download, open_read = S3Store.download, S3Store.open_read
-    monkeypatch.setattr(
-        S3Store,
-        "download",
-        lambda self, key, local, **kw: got.append(key) or download(self, key, local, **kw),
-    )
-    monkeypatch.setattr(
-        S3Store,
-        "open_read",
-        lambda self, key, start=0: got.append(start) or open_read(self, key, start=start),
-    )
+    got: list[Any] = []
+    _watch_s3(monkeypatch, got, lambda key, start: start)
     whole = _whole(inputs.describe(str(tmp_path / name), text_column="text", id_columns=["id"]))
     for start, stop in [(1024, 2048), (2048, ROWS), (0, 1024)]:
         assert _read(file, start, stop).equals(whole.slice(start, stop - start))
