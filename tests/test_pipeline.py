@@ -158,11 +158,12 @@ def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], e
     status = cli(["status", "--json"], env)
     assert status.returncode == 0, status.stderr
     runs = [json.loads(line) for line in status.stdout.splitlines()]
+    # Fine-tuning is a stage these runs did not choose: "-".
     assert [run["stages"] for run in runs] == [
-        {"corpus": "skipped", "pretrain": "ran", "transfer": "ran"},
-        {"corpus": "-", "pretrain": "-", "transfer": "ran"},
-        {"corpus": "skipped", "pretrain": "skipped", "transfer": "skipped"},
-        {"corpus": "ran", "pretrain": "ran", "transfer": "ran"},
+        {"corpus": "skipped", "pretrain": "ran", "transfer": "ran", "finetune": "-"},
+        {"corpus": "-", "pretrain": "-", "transfer": "ran", "finetune": "-"},
+        {"corpus": "skipped", "pretrain": "skipped", "transfer": "skipped", "finetune": "-"},
+        {"corpus": "ran", "pretrain": "ran", "transfer": "ran", "finetune": "-"},
     ]
     assert runs[-1]["model_version"] == str(registered["version"])
     # The probe beside the TF-IDF baseline measured on the same splits, with the difference.
