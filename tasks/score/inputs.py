@@ -75,8 +75,9 @@ class InputFile:
     # The index in the file's offsets of ``offsets[0]``: above 0 where they are a window's (``window``).
     offsets_from: int = 0
     # Gzip, by its magic bytes: a window is read through the index; a plain s3:// file's window by a
-    # ranged GET of its own bytes (``_ranged_window``).
-    gzip: bool = False
+    # ranged GET of its own bytes (``_ranged_window``). None where not described: found from the first
+    # bytes of the process's copy, never taken for plain.
+    gzip: bool | None = None
 
     def window(self, start: int, stop: int) -> InputFile:
         """The file as a read of rows ``[start, stop)`` needs it: the offsets at or before ``start`` up to
