@@ -495,6 +495,11 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     assert downloads == [*made, "a.csv.gz", "b.jsonl.gz", "c.csv.gz", "a.csv.gz"]
     inputs.drop_copies()
     assert not folder.exists()
+    # A file made without describing it (gzip unknown) is read from a copy, never as plain bytes.
+    bare = inputs.InputFile(**{k: v for k, v in dataclasses.asdict(a).items() if k != "gzip"})
+    assert _read(bare, 1024, 2048).equals(whole.slice(1024, 1024))
+    assert downloads[-1] == "a.csv.gz"
+    inputs.drop_copies()
 
 
 @pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
