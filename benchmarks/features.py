@@ -23,6 +23,12 @@ not depend on them. Every text the baseline read is also compared with the fast 
 max rel diff = the largest, over those texts, of max|fast − baseline| ÷ max|baseline| (fails above 1e-4
 in fp32).
 
+``--precisions auto,bf16`` measures each preset once per precision (auto: bf16 or fp16 on a GPU, fp32
+on a CPU; bf16 on a CPU runs the products in bf16, ``featurize(precision=...)``), the three paths of a
+row in that precision; the report then gives each row's fast path against the first precision's
+(chars/s ratio, and max rel diff of its features from the first's: what a probe fitted on one sees in
+the other).
+
 Served-model latency: a ``SentimentClassifier`` of ``--serve-preset`` with random probe weights is logged
 with ``tasks.transfer.registry.log_classifier`` to a temporary MLflow store (SQLite), served by
 ``mlflow models serve --env-manager local --workers 1``, and timed over HTTP: ``--requests`` POSTs to
@@ -129,7 +135,7 @@ class FeatureRow:
     preset: str
     num_params: int
     device: str
-    precision: str  # "fp32", or the autocast dtype on a GPU
+    precision: str  # the products' dtype: fp32, bf16 or fp16
     batch_size: int  # rows per batch at most: --batch-size, or sized by memory
     batch_sized_by: str  # "memory" or "--batch-size"
     texts: int
@@ -150,6 +156,10 @@ class FeatureRow:
     ratio: float  # fast chars/s ÷ baseline chars/s
     max_rel_diff: float  # over the baseline's texts: max|fast − baseline| ÷ max|baseline|, the largest
     tolerance: float
+    # Against the first precision's row of the same preset (--precisions): fast chars/s ratio, and the
+    # largest max|this − that| ÷ max|that| over the fast path's texts. None for the first.
+    vs_first_precision: float | None = None
+    first_precision_rel_diff: float | None = None
 
 
 def synchronize(device: torch.device) -> None:
@@ -157,17 +167,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def precision_of(device: torch.device) -> str:
-    return PRECISION_NAMES[resolve_precision("auto", device)]
+def precision_of(device: torch.device, precision: str = "auto") -> str:
+    return PRECISION_NAMES[resolve_precision(precision, device)]
 
 
 @torch.no_grad()
-def baseline_features(model: MLSTM, texts: list[str], device: torch.device) -> np.ndarray:
+def baseline_features(model: MLSTM, texts: list[str], device: torch.device, precision: str) -> np.ndarray:
     """The named baseline: each text alone, batch of 1, through ``model(bytes[None])``; its final c."""
     features_NH = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
     for n, text in enumerate(texts):
         bytes_T = torch.frombuffer(bytearray(encode(text)), dtype=torch.uint8).long().to(device)
-        with autocast(device, resolve_precision("auto", device)):
+        with autocast(device, resolve_precision(precision, device)):
             _, (_, c_1H), _ = model(bytes_T[None])
         features_NH[n] = c_1H[0].float().cpu().numpy()
     return features_NH
@@ -179,44 +189,52 @@ def max_relative_difference(fast_NH: np.ndarray, baseline_NH: np.ndarray) -> flo
 
 
 def feature_row(
-    name: str, pool: list[str], n_fast: int, n_baseline: int, batch_size: int | None, device: torch.device
-) -> FeatureRow:
+    name: str,
+    pool: list[str],
+    n_fast: int,
+    n_baseline: int,
+    batch_size: int | None,
+    device: torch.device,
+    precision: str = "auto",
+) -> tuple[FeatureRow, np.ndarray]:
+    """The row, and the fast path's features (for the comparison across precisions)."""
     torch.manual_seed(0)
     model = MLSTM(preset(name)).to(device).eval()
     reference = MLSTM(model.config, recurrence="reference").to(device).eval()
     reference.load_state_dict(model.state_dict())
-    rows = batch_size or rows_for_memory(model, device)
+    dtype = resolve_precision(precision, device)
+    rows = batch_size or rows_for_memory(model, device, dtype=dtype)
     fast_texts, baseline_texts = take(pool, n_fast), take(pool, n_baseline)
     # Warm-up for all three (kernels, compilation, autocast, allocator): a few texts, not timed.
     warm = sorted(fast_texts, key=len)[:8]
-    featurize(model, warm, batch_size=rows, device=device)
-    featurize(reference, warm[:2], batch_size=rows, device=device)
-    baseline_features(model, warm[:2], device)
+    featurize(model, warm, batch_size=rows, device=device, precision=precision)
+    featurize(reference, warm[:2], batch_size=rows, device=device, precision=precision)
+    baseline_features(model, warm[:2], device, precision)
 
     say(f"  {name}: fast path, {n_fast} texts in batches of {rows} …")
     synchronize(device)
     started = time.perf_counter()
-    fast_NH = featurize(model, fast_texts, batch_size=rows, device=device)
+    fast_NH = featurize(model, fast_texts, batch_size=rows, device=device, precision=precision)
     synchronize(device)
     seconds = time.perf_counter() - started
 
     say(f"  {name}: reference recurrence, {n_fast} texts in batches of {rows} …")
     synchronize(device)
     started = time.perf_counter()
-    reference_NH = featurize(reference, fast_texts, batch_size=rows, device=device)
+    reference_NH = featurize(reference, fast_texts, batch_size=rows, device=device, precision=precision)
     synchronize(device)
     reference_seconds = time.perf_counter() - started
 
     say(f"  {name}: baseline, {n_baseline} texts one at a time …")
     synchronize(device)
     started = time.perf_counter()
-    baseline_NH = baseline_features(model, baseline_texts, device)
+    baseline_NH = baseline_features(model, baseline_texts, device, precision)
     synchronize(device)
     baseline_seconds = time.perf_counter() - started
 
     # Parity on every text the baseline read; the fast path's feature of a text does not depend on its batch.
     compare = min(n_fast, n_baseline)
-    extra = featurize(model, baseline_texts[compare:], batch_size=rows, device=device)
+    extra = featurize(model, baseline_texts[compare:], batch_size=rows, device=device, precision=precision)
     diff = max_relative_difference(np.concatenate([fast_NH[:compare], extra]), baseline_NH)
     diff = max(diff, max_relative_difference(fast_NH, reference_NH))
 
@@ -226,7 +244,7 @@ def feature_row(
     packing = pack(lengths.tolist(), rows)
     row_steps = len(packing.row_steps_S) * packing.steps
     baseline_chars = sum(len(encode(t)) for t in baseline_texts)
-    precision = precision_of(device)
+    precision = PRECISION_NAMES[dtype]
     row = FeatureRow(
         preset=name,
         num_params=model.config.num_params,
@@ -257,7 +275,7 @@ def feature_row(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+    return row, fast_NH
 
 
 def profile_features(
@@ -437,6 +455,15 @@ def print_report(
             f"{r.max_rel_diff:.1e}",
         )
     console.print(table)
+    for r in features:
+        if r.vs_first_precision is not None:
+            first = next(f for f in features if f.preset == r.preset)
+            console.print(
+                f"{r.preset}: {r.precision} fast path {r.vs_first_precision:.2f}× {first.precision}'s "
+                f"chars/s; its features differ from {first.precision}'s by {r.first_precision_rel_diff:.1e} "
+                "at most (relative to each text's largest)",
+                highlight=False,
+            )
     if serving:
         table = Table(title="Served model: POST /invocations (mlflow models serve, 1 worker, CPU)")
         for column in ("preset", "batch", "requests", "p50 ms", "p99 ms", "mean ms", "ms per text (p50)"):
@@ -499,6 +526,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="featurize's rows per batch at most (default: as many as fit half the device's free memory).",
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--precisions",
+        default="auto",
+        help="Comma-separated, of auto, bf16, fp16, fp32: each preset once in each, compared with the first "
+        "(auto: bf16 or fp16 on a GPU, fp32 on a CPU).",
+    )
     parser.add_argument("--serve-preset", default="small", help="Preset of the served classifier.")
     parser.add_argument("--serve-batch", type=int, default=64, help="Texts per request of the batch row.")
     parser.add_argument(
@@ -528,6 +561,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_record_option(parser)
     args = parser.parse_args(argv)
     args.presets = _names(args.presets)
+    args.precisions = _names(args.precisions)
+    if bad := [p for p in args.precisions if p not in ("auto", "bf16", "fp16", "fp32")]:
+        parser.error(f"--precisions: {', '.join(bad)} is not one of auto, bf16, fp16, fp32")
     for name in (*args.presets, args.serve_preset):
         if name not in PRESETS:
             parser.error(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
@@ -563,8 +599,19 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     for name in args.presets:
         n_fast = args.texts or counts[name][0]
         n_baseline = args.baseline_texts or counts[name][1]
-        say(f"{name} on {device} ({precision_of(device)}): {n_fast} texts, baseline {n_baseline} …")
-        features.append(feature_row(name, pool, n_fast, n_baseline, batch_size, device))
+        first: tuple[FeatureRow, np.ndarray] | None = None
+        for precision in args.precisions:
+            say(
+                f"{name} on {device} ({precision_of(device, precision)}): {n_fast} texts, "
+                f"baseline {n_baseline} …"
+            )
+            row, fast_NH = feature_row(name, pool, n_fast, n_baseline, batch_size, device, precision)
+            if first is None:
+                first = row, fast_NH
+            else:
+                row.vs_first_precision = row.chars_per_s / first[0].chars_per_s
+                row.first_precision_rel_diff = max_relative_difference(fast_NH, first[1])
+            features.append(row)
     if args.profile:
         profile_features(args.presets[0], take(pool, 128), batch_size, device, args.profile)
     args.requests = args.requests or (GPU_REQUESTS if cuda else CPU_REQUESTS)
@@ -577,6 +624,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "settings": {
             "presets": args.presets,
             "device": str(device),
+            "precisions": args.precisions,
             "batch_size": batch_size,
             "serve_preset": args.serve_preset if args.serve else None,
             "serve_batch": args.serve_batch,

@@ -202,6 +202,15 @@ def features_tables(results: dict[str, Any]) -> str:
     header += ["reference chars/s", "vs reference"]
     header += ["baseline texts", "baseline chars/s", "vs baseline", "max rel diff"]
     lines = [f"Texts: {results['texts_source']}; {results['weights']}.", "", table(header, rows)]
+    for row in results["features"]:
+        if row.get("vs_first_precision") is not None:
+            first = next(r for r in results["features"] if r["preset"] == row["preset"])
+            lines += [
+                "",
+                f"{row['preset']}: {row['precision']} reads {ratio(row['vs_first_precision'])} "
+                f"{first['precision']}'s chars/s; its features differ from {first['precision']}'s by "
+                f"{row['first_precision_rel_diff']:.1e} at most (relative to each text's largest).",
+            ]
     if results["serving"]:
         serving = [
             [

@@ -256,9 +256,16 @@ def transfer_key(params: TransferParams, settings: Settings) -> str:
         {
             "weights": weights_fingerprint(model),
             "datasets": names,
-            **params.model_dump(exclude=TRANSFER_KEY_IGNORES),
+            **transfer_key_settings(params),
         }
     )
+
+
+def transfer_key_settings(params: TransferParams) -> dict[str, Any]:
+    """The transfer's settings that its result depends on. The features' precision is one only where it
+    is not auto, so that the keys of transfers run before it was a setting still match."""
+    ignored = TRANSFER_KEY_IGNORES | ({"precision"} if params.precision == "auto" else set())
+    return params.model_dump(exclude=ignored)
 
 
 def transfer_record_key(key: str) -> str:

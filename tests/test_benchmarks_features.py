@@ -20,6 +20,7 @@ SCRIPT = REPO / "benchmarks" / "features.py"
 @pytest.mark.slow
 def test_the_features_benchmark_prints_its_json_report() -> None:
     argv = ["--presets", "tiny", "--texts", "32", "--baseline-texts", "8", "--batch-size", "16"]
+    argv += ["--precisions", "fp32,bf16"]
     argv += ["--requests", "3", "--warmup-requests", "1", "--serve-preset", "tiny", "--serve-batch", "64"]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     done = subprocess.run(
@@ -37,8 +38,14 @@ def test_the_features_benchmark_prints_its_json_report() -> None:
     assert set(report) >= {"machine", "command", "settings", "texts_source", "weights", "features", "serving"}
     assert report["checks_failed"] == []
     assert report["weights"].startswith("random")
-    [row] = report["features"]
+    row, in_bf16 = report["features"]
     assert (row["preset"], row["device"], row["precision"]) == ("tiny", "cpu", "fp32")
+    # The second precision's row, compared with the first: its rate's ratio, its features near fp32's.
+    assert (in_bf16["preset"], in_bf16["precision"], in_bf16["texts"]) == ("tiny", "bf16", 32)
+    assert row["vs_first_precision"] is None
+    assert in_bf16["vs_first_precision"] == pytest.approx(in_bf16["chars_per_s"] / row["chars_per_s"])
+    assert 0 < in_bf16["first_precision_rel_diff"] < 5e-2 and in_bf16["max_rel_diff"] < 5e-2
+    assert "bf16 fast path" in done.stderr
     assert (row["texts"], row["baseline_texts"], row["batch_size"]) == (32, 8, 16)
     assert row["chars"] > 32 * 3 and row["baseline_chars"] > 8 * 3  # every text has its 3 pad bytes
     assert row["chars_per_s"] > 0 and row["baseline_chars_per_s"] > 0 and row["ratio"] > 0

@@ -107,3 +107,20 @@ def test_the_stage_sizes_feature_batches_by_memory_unless_told(
     cached_features(LocalStore(tmp_path / "b"), model, texts, batch_size=2)
     assert len(sized) == 1  # a batch size given is used as it is
     assert TransferParams.model_fields["batch_size"].default is None
+
+
+@pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
+def test_bf16_features_are_cached_apart_from_fp32_ones(model: MLSTM, tmp_path: Path) -> None:
+    """Features read in bf16 differ from fp32's: a bf16 request never gets fp32's file, nor the other
+    way round, and fp32's file keeps the name it had before precisions were told apart."""
+    store = LocalStore(tmp_path)
+    fp32 = cached_features(store, model, TEXTS, name="train")
+    assert fp32.key.endswith("/train.arrow")
+    bf16 = cached_features(store, model, TEXTS, name="train", precision="bf16")
+    assert not bf16.cached and bf16.key.endswith("/train.bf16.arrow")
+    assert cached_features(store, model, TEXTS, name="train", precision="fp32").key == fp32.key
+    again = cached_features(store, model, TEXTS, name="train", precision="bf16")
+    assert again.cached and again.key == bf16.key
+    a, b = features_of(read_table(store, fp32.key)), features_of(read_table(store, bf16.key))
+    assert not np.array_equal(a, b)
+    np.testing.assert_allclose(b, a, atol=2e-2 * np.abs(a).max())

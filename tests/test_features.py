@@ -3,10 +3,13 @@ padding stays small (the reference path); neither packing nor padding changes a 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
+import models.precision
 from models.features import MAX_PADDING, featurize, length_batches, pack, rows_for_memory
 from models.mlstm import MLSTM, MLSTMConfig, tiny
 
@@ -93,3 +96,40 @@ def test_rows_for_memory_follow_the_bytes_given() -> None:
     assert rows_for_memory(model, cpu) == rows_for_memory(model, cpu, memory_bytes=2**29)
     assert rows_for_memory(model, cpu, memory_bytes=2**26) == rows // 4
     assert rows_for_memory(model, cpu, memory_bytes=1) == 1
+
+
+def test_bf16_features_on_a_cpu_are_near_fp32_s_and_read_in_bf16() -> None:
+    """``precision="bf16"`` runs the products in bf16 on a CPU (faster where the CPU has it in hardware,
+    at 1,024 units and more): features within 2 % of fp32's largest, not equal to them; auto stays fp32, bit for bit."""
+    torch.manual_seed(0)
+    model = MLSTM(tiny())
+    rng = np.random.default_rng(2)
+    texts = ["".join(rng.choice(list("abc de!"), size=n)) for n in [5, 40, 300, 900, 12, 77]]
+    fp32 = featurize(model, texts, precision="fp32")
+    np.testing.assert_array_equal(featurize(model, texts), fp32)  # auto on a CPU is fp32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a CPU that emulates bf16: slower, same values
+        bf16 = featurize(model, texts, precision="bf16")
+    assert bf16.dtype == np.float32
+    gap = np.abs(bf16 - fp32).max() / np.abs(fp32).max()
+    assert 0 < gap < 2e-2, gap
+
+
+def test_bf16_on_a_cpu_without_it_in_hardware_warns_that_it_is_slower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(models.precision, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="emulated, slower than fp32"):
+        featurize(MLSTM(tiny()), ["a review"], precision="bf16")
+    monkeypatch.setattr(models.precision, "cpu_has_native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        featurize(MLSTM(tiny()), ["a review"], precision="bf16")
+
+
+def test_a_bf16_batch_holds_more_rows_than_an_fp32_one() -> None:
+    """The products' inputs halve in bf16; the cell states kept for the features stay fp32."""
+    model, cpu = MLSTM(MLSTMConfig(hidden_size=1024)), torch.device("cpu")
+    fp32 = rows_for_memory(model, cpu, memory_bytes=2**30)
+    assert rows_for_memory(model, cpu, memory_bytes=2**30, dtype=torch.float32) == fp32
+    assert 1.4 * fp32 < rows_for_memory(model, cpu, memory_bytes=2**30, dtype=torch.bfloat16) < 2 * fp32

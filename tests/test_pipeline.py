@@ -23,6 +23,7 @@ from tasks.pipeline import (
     pretrain_key,
     pretrain_params,
     pretrain_run_name,
+    transfer_key_settings,
     validated,
 )
 
@@ -315,6 +316,21 @@ def test_the_training_key_follows_what_changes_the_weights() -> None:
     assert pretrain_run_name(base, "abc", force=False) == pretrain_run_name(base, "abc", force=False)
     assert pretrain_run_name(base, "abc", force=True).startswith(pretrain_run_name(base, "abc", force=False))
     assert pretrain_run_name(base.model_copy(update={"run": "mine"}), "abc", force=True) == "mine"
+
+
+def test_the_transfer_key_counts_the_features_precision_only_where_it_is_not_auto() -> None:
+    """Features in bf16 are not fp32's: a transfer asked for bf16 is another result. Auto is left out,
+    so a pipeline's transfers recorded before the setting existed are still found (not run again)."""
+    from tasks.transfer.config import TransferParams
+
+    params = TransferParams(checkpoint="unused", datasets=["sst=data/sst"])
+    assert "precision" not in transfer_key_settings(params)
+    assert transfer_key_settings(params.model_copy(update={"precision": "bf16"}))["precision"] == "bf16"
+    assert transfer_key_settings(params.model_copy(update={"solver": "liblinear"})) != transfer_key_settings(
+        params
+    )
+    with pytest.raises(ValueError, match="precision"):
+        TransferParams(checkpoint="unused", datasets=["sst=data/sst"], precision="fp8")  # type: ignore[arg-type]
 
 
 def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:

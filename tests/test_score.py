@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -239,6 +240,39 @@ def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
     assert (summary["pieces_scored"], summary["pieces_skipped"]) == (3, 1), summary
     assert summary["output"] == plan.output
     assert sorted(_parts(summary["output"]).column("input_row").to_pylist()) == list(range(SLICE_ROWS))
+
+
+@pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
+def test_bf16_scores_go_to_an_output_of_their_own_near_fp32_s(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    """`score --precision bf16` reads a probe's features in bf16: another scoring id (a run never mixes
+    the two), said in the manifest, probabilities near fp32's and not equal to them."""
+    from tasks.score.scoring import describe_inputs, plan_scoring, score_piece
+    from tasks.score.tracking import resolve_model
+    from tasks.settings import get_settings
+
+    output = str(tmp_path / "out")
+    files = describe_inputs([str(imdb_slice)])
+    model = resolve_model(None, get_settings())
+    auto = plan_scoring(files, output, model, piece_rows=PIECE_ROWS)
+    bf16 = plan_scoring(files, output, model, piece_rows=PIECE_ROWS, precision="bf16")
+    assert bf16.scoring_id != auto.scoring_id
+    with pytest.raises(ValueError, match="precision 'fp8' is not one of auto, bf16, fp16, fp32"):
+        plan_scoring(files, output, model, precision="fp8")
+    score_piece(auto, auto.pieces[0])
+    summary = _score([str(imdb_slice)], output, precision="bf16")
+    assert summary["output"] == bf16.output and summary["pieces_scored"] == 4, summary
+    manifest = json.loads((Path(bf16.output) / "manifest.json").read_text())
+    assert manifest["precision"] == "bf16"
+    fp32 = _parts(auto.output).sort_by("input_row")
+    rows = set(fp32.column("input_row").to_pylist())
+    in_bf16 = _parts(bf16.output).filter(pc.is_in(pc.field("input_row"), pa.array(sorted(rows))))
+    in_bf16 = in_bf16.sort_by("input_row")
+    assert in_bf16.column("input_row").to_pylist() == fp32.column("input_row").to_pylist()
+    p_fp32, p_bf16 = fp32.column("probability").to_numpy(), in_bf16.column("probability").to_numpy()
+    assert not np.array_equal(p_bf16, p_fp32)
+    np.testing.assert_allclose(p_bf16, p_fp32, atol=0.02)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,16 @@ def test_features_cli_writes_one_row_per_input_row_and_caches(
     assert "(from the cache)" in again.stdout
     cached = sorted((trained["home"] / "store" / "features").rglob("*.arrow"))
     assert len(cached) == 1
+
+    # --precision bf16 reads in bf16: its own file, near the fp32 one, not equal to it.
+    args[args.index("--output") + 1] = str(tmp_path / "dev-bf16.arrow")
+    bf16 = cli([*args, "--precision", "bf16"], env)
+    assert bf16.returncode == 0 and "(computed)" in bf16.stdout, bf16.stderr
+    in_bf16 = features_of(pa.ipc.open_file(pa.memory_map(str(tmp_path / "dev-bf16.arrow"))).read_all())
+    assert not np.array_equal(in_bf16, features_of(table))
+    np.testing.assert_allclose(in_bf16, features_of(table), atol=2e-2 * np.abs(features_of(table)).max())
+    bad = cli([*args, "--precision", "fp8"], env)
+    assert bad.returncode == 2 and "fp8" in bad.stderr, bad.stderr
 
 
 @pytest.mark.slow  # the module's `trained` fixture trains for about 30 s
@@ -217,6 +228,13 @@ def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
         checkpoint=trained["checkpoint"], datasets=[f"small={small}"], c_min_log2=-1, c_max_log2=1
     )
     extracted = extract(params, params.datasets[0], settings)
+    # --precision bf16: the features are read in bf16 and kept in the cache apart from fp32's.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a CPU that emulates bf16: slower, same values
+        bf16 = extract(params.model_copy(update={"precision": "bf16"}), params.datasets[0], settings)
+    assert [s["uri"].rpartition("/")[2] for s in bf16["splits"].values()] == [
+        f"{split}.bf16.arrow" for split in extracted["splits"]
+    ]
     report = probe(extracted, params, settings)
     # The TF-IDF baseline is measured on the same splits, once: a second transfer reads it from the store.
     measured = fit_baseline(load_dataset(params.datasets[0]))

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from flows.cli.common import RichSink, fail, out, progress_bar, styled, user_errors
+from flows.cli.transfer import PrecisionOption
 from tasks.settings import get_settings
 
 app = typer.Typer()
@@ -26,6 +27,7 @@ def run_score(
     piece_rows: int | None = None,
     task_runner: str | None = None,
     workers: int | None = None,
+    precision: str = "auto",
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """The score flow run here, on the task runner the settings name (the corpus stage's).
@@ -70,6 +72,7 @@ def run_score(
             piece_rows=piece_rows or PIECE_ROWS,
             described=str(save_described(files, Path(folder) / "inputs.json")),
             workers=settings.max_workers,
+            precision=precision,
         )
 
 
@@ -102,6 +105,7 @@ def score(
     task_runner: Annotated[
         str | None, typer.Option(help="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]")
     ] = None,
+    precision: PrecisionOption = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Score every row of review tables with a registered classifier: Parquet + a manifest, resumable."""
@@ -124,6 +128,7 @@ def score(
             piece_rows=piece_rows,
             task_runner=task_runner,
             workers=workers,
+            precision=precision,
         )
     except user_errors() as error:  # InputError and ModelNotFound are ValueErrors
         raise fail(error) from None

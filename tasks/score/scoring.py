@@ -35,11 +35,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pyarrow as pa
 
+from tasks.pretrain.config import Precision
 from tasks.score.inputs import (
     PROBLEM,
     InputError,
@@ -52,6 +53,7 @@ from tasks.score.inputs import (
 )
 from tasks.store import Store, open_store
 
+PRECISIONS = get_args(Precision)  # models.precision.resolve_precision's names
 FORMAT_VERSION = 2  # of the output's layout; part of the scoring id (2: pieces cut by length in windows)
 PIECE_ROWS = 1024  # rows per piece: the unit of parallel work and of resuming
 # Pieces per window: a window's rows are ordered by length before they are cut. Each piece reads its
@@ -101,6 +103,7 @@ class Plan:
     pieces: tuple[Piece, ...]
     text_column: str
     id_columns: tuple[str, ...]
+    precision: str = "auto"  # the features' dtype (models.features.featurize); a probe's only
     s3_endpoint_url: str | None = field(default=None, compare=False)
 
     def store(self) -> Store:
@@ -165,14 +168,19 @@ def plan_scoring(
     text_column: str = "text",
     id_columns: list[str] | None = None,
     piece_rows: int = PIECE_ROWS,
+    precision: str = "auto",
     s3_endpoint_url: str | None = None,
 ) -> Plan:
     """Name the output by the model version, the inputs' content and the settings, and cut the inputs
     into pieces of ``piece_rows`` rows on average: windows of ``WINDOW_PIECES`` pieces' consecutive
-    rows, each cut in its rows' length order into parts of like bytes (``window_cuts``)."""
+    rows, each cut in its rows' length order into parts of like bytes (``window_cuts``).
+    ``precision``: the probe's features' dtype (``models.features.featurize``); one other than auto
+    names another output, so a run never mixes the scores of two."""
     id_columns = list(id_columns or [])
     if piece_rows < 1:
         raise ValueError(f"piece_rows must be at least 1, got {piece_rows}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     key = {
         "format": FORMAT_VERSION,
         "model": [model.name, model.version, model.weights_sha256],
@@ -181,6 +189,8 @@ def plan_scoring(
         "id_columns": id_columns,
         "piece_rows": piece_rows,
         "window_pieces": WINDOW_PIECES,
+        # auto is left out, so that outputs named before the setting existed are still found.
+        **({"precision": precision} if precision != "auto" else {}),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     scoring_id = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', model.name)}-v{model.version}-{digest}"
@@ -207,6 +217,7 @@ def plan_scoring(
         ),
         text_column=text_column,
         id_columns=tuple(id_columns),
+        precision=precision,
         s3_endpoint_url=s3_endpoint_url,
     )
 
@@ -371,6 +382,7 @@ def score_piece(
             device=device,
             on_batch=on_batch,
             memory_bytes=memory_bytes,
+            precision=plan.precision,
         )
         p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
         unit_N = features_NH[:, plan.model.unit]
@@ -462,6 +474,7 @@ def build_manifest(plan: Plan, records: list[dict[str, Any]], seconds: float) ->
         "model": {k: v for k, v in asdict(plan.model).items() if k != "folder"},
         "text_column": plan.text_column,
         "id_columns": list(plan.id_columns),
+        "precision": plan.precision,
         # A file's row offsets are how to read it, not what was read: the manifest names inputs as before.
         "inputs": [{k: v for k, v in asdict(f).items() if k != "offsets"} for f in plan.files],
         "rows_in": sum(f.rows for f in plan.files),

@@ -5,7 +5,9 @@ with a ``features`` column (fixed-size list of float32, the hidden size), one ro
 order, written one record batch per chunk of rows as they are computed (memory holds one chunk, so
 IMDB at 8192 units, 1.6 GB of float32, is never whole in memory while it is made) and read back
 memory-mapped. The fingerprint hashes the checkpoint's weights, not its URI, so the same weights found
-through another path (or re-imported) hit the cache, and different weights never do.
+through another path (or re-imported) hit the cache, and different weights never do. Features read in
+bf16 or fp16 (a GPU's default, or ``--precision`` on a CPU) are not fp32's: they are kept as
+``<name>.<bf16|fp16>.arrow`` beside them, never taken for each other.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from models.features import OnBatch, default_device, featurize
 from models.mlstm import MLSTM
+from models.precision import PRECISION_NAMES, resolve_precision
 from tasks.store import Store, split_object_uri
 
 FEATURES = "features"
@@ -107,6 +110,7 @@ def write_features(
     device: torch.device | None = None,
     on_batch: OnBatch | None = None,
     chunk_rows: int | None = None,
+    precision: str = "auto",
 ) -> str:
     """Compute the features of ``texts`` chunk by chunk, in input order, appending each chunk to the
     Arrow file at ``key`` as one record batch as soon as it is computed: memory holds one chunk
@@ -121,7 +125,9 @@ def write_features(
         for start in range(0, max(len(texts), 1), step):
             chunk = list(texts[start : start + step])
             features_NH = (
-                featurize(model, chunk, batch_size=batch_size, device=device, on_batch=on_batch)
+                featurize(
+                    model, chunk, batch_size=batch_size, device=device, on_batch=on_batch, precision=precision
+                )
                 if chunk
                 else np.zeros((0, hidden), dtype=np.float32)
             )
@@ -168,13 +174,19 @@ def cached_features(
     device: torch.device | None = None,
     on_batch: OnBatch | None = None,
     chunk_rows: int | None = None,
+    precision: str = "auto",
 ) -> Extracted:
     """The features file of ``texts`` under ``model``: found in the store's cache, or computed and
     written to it in chunks (``write_features``), with ``columns`` beside them (labels, say) so a
     reader of the file needs nothing else. ``weights`` is the model's ``weights_fingerprint`` when
-    the caller has it already."""
+    the caller has it already. ``precision``: ``models.features.featurize``'s; the cache keeps each
+    dtype's features apart."""
     weights = weights or weights_fingerprint(model)
-    key = f"{CACHE_PREFIX}/{weights}/{data_checksum or texts_checksum(texts)}/{name}.arrow"
+    device = device or default_device()
+    dtype = resolve_precision(precision, device)  # featurize warns where bf16 is emulated
+    # fp32's name is the one files had before precisions were told apart: those caches stay valid.
+    suffix = "" if dtype == torch.float32 else f".{PRECISION_NAMES[dtype]}"
+    key = f"{CACHE_PREFIX}/{weights}/{data_checksum or texts_checksum(texts)}/{name}{suffix}.arrow"
     shape = (len(texts), model.config.hidden_size)
     # A cache file that does not fit (written by hand, or truncated elsewhere) is recomputed.
     if store.exists(key) and file_shape(store, key) == shape:
@@ -183,7 +195,7 @@ def cached_features(
         return Extracted(store.url(key), key, *shape, cached=True)
     uri = write_features(
         store, key, model, texts, columns=columns, batch_size=batch_size, device=device,
-        on_batch=on_batch, chunk_rows=chunk_rows,
+        on_batch=on_batch, chunk_rows=chunk_rows, precision=PRECISION_NAMES[dtype],
     )  # fmt: skip
     return Extracted(uri, key, *shape, cached=False)
 

@@ -118,6 +118,7 @@ def extract(
             weights=weights,
             batch_size=params.batch_size,
             on_batch=on_batch,
+            precision=params.precision,
         )
         splits[split] = {"uri": found.uri, "rows": len(data.texts), "cached": found.cached}
     return {
