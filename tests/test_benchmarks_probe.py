@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -60,3 +61,23 @@ def test_liblinear_refitted_tighter_reaches_newtons_objective_and_the_line_says_
     line = probe.tightened_line(row)
     assert line.startswith("sst-sized × 64, lognormal-2 scales, noise 0.05: liblinear refitted at tol 1e-08")
     assert f"picks C = {tight['C']:g} (newton chose {new.C:g})" in line
+
+
+@pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
+def test_real_cell_states_read_in_bf16_are_kept_apart_from_fp32_s(
+    shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--features-precision bf16``: the same trained model (trained once, cached), its SST cell states
+    read in bf16 into a file of their own, near fp32's and not equal to them; the case says so."""
+    cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
+    monkeypatch.setattr(cell_states, "SHARED_DATA", shared_data)
+    fp32 = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path)
+    bf16 = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, precision="bf16")
+    assert len(list(tmp_path.glob("*.pt"))) == 1 and len(list(tmp_path.glob("sst-*.npz"))) == 2
+    for (X, y), (X16, y16) in zip(fp32, bf16, strict=True):
+        assert (y == y16).all() and X.shape == X16.shape and not (X == X16).all()
+        assert abs(X16 - X).max() <= 2e-2 * abs(X).max()
+    probe = load_benchmark("probe.py", "probe_benchmark", monkeypatch)
+    case = probe.parse_case("real-sst:64")
+    assert probe.replace(case, precision="bf16").name == "real SST × 64 (tiny, bf16 features)"
+    assert case.name == "real SST × 64 (tiny)"  # fp32's name, as recorded before
