@@ -157,8 +157,9 @@ def featurize(
     device's free memory (``rows_for_memory``). ``max_padding``: the reference recurrence's bound (the
     fused one reads no padding). ``on_batch(texts, bytes)`` after each stretch of reading.
     ``precision``: the products' dtype (``models.precision.feature_precision``): auto is bf16 or fp16
-    on a GPU and fp32 on a CPU; bf16 on a CPU that has it in hardware reads about 3× faster
-    at 1,024 units and more (slower at 64), its features within about 1 % of fp32's. The cell state is kept in fp32 either way.
+    on a GPU and fp32 on a CPU; bf16 on a CPU that has it in hardware reads about 3× faster at 1,024
+    units and more (slower at 64), its features within about 1 % of fp32's. The cell state is kept in
+    fp32 either way.
     """
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")

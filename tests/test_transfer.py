@@ -273,6 +273,9 @@ def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
     log_report(run_id, report, settings)
     client = MlflowClient()
     metrics = client.get_run(run_id).data.metrics
+    # What the features were read in (auto on a CPU: fp32), in the report and on the run.
+    assert report["features_precision"] == "fp32" and bf16["features_precision"] == "bf16"
+    assert client.get_run(run_id).data.params["small.features_precision"] == "fp32"
     assert metrics["small_baseline_test_accuracy"] == pytest.approx(measured.test_accuracy)
     assert metrics["small_vs_baseline"] == pytest.approx(report["test_accuracy"] - measured.test_accuracy)
     logged = sorted(a.path for a in client.list_artifacts(run_id, "small/neuron"))

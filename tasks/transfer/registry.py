@@ -74,6 +74,7 @@ def log_report(run_id: str, report: dict[str, Any], settings: Settings) -> None:
         mlflow.log_params(
             {f"{name}.{k}": report[k] for k in ("kind", "checksum", "C", "top_unit")}
             | {f"{name}.dev_from_train": report["dev_from_train"] or "-"}
+            | {f"{name}.features_precision": report["features_precision"]}
         )
         metrics = {f"{name}_{k}": float(report[k]) for k in ("test_accuracy", "dev_accuracy", "nonzero")}
         metrics[f"{name}_top_unit_accuracy"] = float(report["top_unit_accuracy"])

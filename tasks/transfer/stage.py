@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from models.classifier import SentimentClassifier, probability
-from models.features import OnBatch
+from models.features import OnBatch, default_device
+from models.precision import PRECISION_NAMES, resolve_precision
 from tasks.pretrain.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
 from tasks.settings import Settings
 from tasks.store import split_object_uri, store_of
@@ -132,6 +133,8 @@ def extract(
         "checkpoint_run_id": checkpoint.meta.get("mlflow_run_id"),
         "weights": weights,
         "hidden_size": model.config.hidden_size,
+        # What the features were read in here: auto's answer on this machine's device.
+        "features_precision": PRECISION_NAMES[resolve_precision(params.precision, default_device())],
         "splits": splits,
     }
 
@@ -178,7 +181,10 @@ def probe(
     report = {
         **{
             key: extracted[key]
-            for key in ("name", "spec", "source", "kind", "checksum", "checkpoint_uri", "dev_from_train")
+            for key in (
+                *("name", "spec", "source", "kind", "checksum", "checkpoint_uri", "dev_from_train"),
+                "features_precision",
+            )
         },
         "rows": {split: extracted["splits"][split]["rows"] for split in SPLITS},
         **result.summary(),
