@@ -296,8 +296,13 @@ def score_tables(results: dict[str, Any]) -> str:
             if settings.get("gzip")
             else ""
         )
-        + f", {settings['preset']} model, "
-        f"{settings['workers']} workers, pieces of {settings['piece_rows']} rows; load average "
+        + f", {settings['preset']} model"
+        + (
+            f" (features in {settings['precision']}; `predict --input` in fp32)"
+            if settings.get("precision")
+            else ""
+        )
+        + f", {settings['workers']} workers, pieces of {settings['piece_rows']} rows; load average "
         f"{load['before']:.1f} before, {load['after']:.1f} after."
         + (
             f" The features path, the pool and Dask ran {repeats} times each, interleaved: seconds are"

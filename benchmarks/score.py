@@ -19,6 +19,9 @@ depend on them) logged and registered as champion in a temporary MLflow store, o
   process's own peak and the largest other process's (a worker's, or Prefect's server's).
 
 ``--gzip`` writes the slices as ``.csv.gz`` (read by windows through a seek-point index; off by default).
+``--precision bf16`` reads the features path's and ``score``'s features in bf16 (``score --precision
+bf16``: about 3× fp32 at 1,024 units on a CPU with bf16 in hardware); ``predict --input`` reads in fp32
+whatever it says, as the command does.
 
 ratio = rows/s ÷ the features path's. Goal (issue 30): score ≥ 0.8 of features; Dask within 10 % of
 the process pool. One run's ratio moves by ±0.2 on a 2-core machine, so ``--repeats N`` runs the features
@@ -171,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="Runs of the features path, the pool and Dask, interleaved. [1]",
     )
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="Features of the features path and of `score` (auto: fp32 on a CPU). [auto]",
+    )
     parser.add_argument("--json", action="store_true", help="Print the results as JSON on stdout.")
     add_record_option(parser)
     args = parser.parse_args(argv)
@@ -216,10 +225,12 @@ def measure(args: argparse.Namespace, root: Path) -> None:
 
     def features_path() -> None:
         started = time.perf_counter()
-        featurize(classifier.model, texts, batch_size=None, device=torch.device("cpu"))
+        featurize(
+            classifier.model, texts, batch_size=None, device=torch.device("cpu"), precision=args.precision
+        )
         add("features path", time.perf_counter() - started, threads=torch.get_num_threads())
 
-    featurize(classifier.model, texts[:8], batch_size=None)  # warm-up
+    featurize(classifier.model, texts[:8], batch_size=None, precision=args.precision)  # warm-up
     features_path()
 
     pyfunc, _ = load_registered(None)
@@ -242,6 +253,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
                         piece_rows=args.piece_rows,
                         task_runner=runner,
                         workers=args.workers,
+                        precision=args.precision,
                         show_progress=False,
                     )
                 seconds = time.perf_counter() - started
@@ -265,6 +277,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
                 piece_rows=args.piece_rows,
                 task_runner="process",
                 workers=args.workers,
+                precision=args.precision,
                 show_progress=False,
             )
         memory.update(by_process(f"{args.grow}x", peak))
@@ -309,7 +322,8 @@ def measure(args: argparse.Namespace, root: Path) -> None:
             "grow": args.grow,
             "repeats": args.repeats,
         }
-        | ({"gzip": True} if args.gzip else {}),
+        | ({"gzip": True} if args.gzip else {})
+        | ({"precision": args.precision} if args.precision != "auto" else {}),
         "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
         "runs": results,
         "memory": memory,
