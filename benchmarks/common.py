@@ -216,6 +216,8 @@ def tightened_line(row: dict[str, Any]) -> str:
     its dev and test accuracy, and the C its dev accuracy picks. The benchmark's output and the rendered
     page say the same."""
     tight = row["liblinear_tightened"]
+    if "skipped" in tight:
+        return f"{row['case']}: liblinear not refitted at tol {tight['tol']:g} at the two chosen C: {tight['skipped']}."
     sweep = {p["C"]: p for p in row["per_C"]}
     parts = [
         f"C = {p['C']:g}: objective {p['objective']:.9g} (liblinear's sweep {sweep[p['C']]['objective'][0]:.9g}, "

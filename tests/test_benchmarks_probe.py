@@ -61,6 +61,16 @@ def test_liblinear_refitted_tighter_reaches_newtons_objective_and_the_line_says_
     line = probe.tightened_line(row)
     assert line.startswith("sst-sized × 64, lognormal-2 scales, noise 0.05: liblinear refitted at tol 1e-08")
     assert f"picks C = {tight['C']:g} (newton chose {new.C:g})" in line
+    # Where liblinear's own fit at a chosen C already took long, the refit (longer still) is skipped, said.
+    base = probe.baseline_of(lib, 1.0)
+    base["per_C"][1]["seconds"] = 1251.0
+    row["liblinear_tightened"] = probe.tightened_liblinear(splits, list(Cs), base, max_seconds=120)
+    assert probe.tightened_line(row) == (
+        "sst-sized × 64, lognormal-2 scales, noise 0.05: liblinear not refitted at tol 1e-08 at the two "
+        "chosen C: liblinear's own fit at C = 1 took 1,251 s at its default tolerance, past "
+        "--tighten-max-seconds 120."
+    )
+    assert "per_C" in probe.tightened_liblinear(splits, list(Cs), base, max_seconds=2000)
 
 
 @pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
