@@ -210,6 +210,17 @@ def peak_rss() -> Iterator[dict[str, Any]]:
 PROBE_GOAL_PARTS = {"met": "speed-up", "same_answer": "C or test accuracy", "objective": "objective"}
 
 
+def precision_line(row: dict[str, Any], first: dict[str, Any]) -> str:
+    """The sentence comparing a feature row with its preset's first precision's (``--precisions``): its
+    fast path's rate and how far its features are from the first's. The benchmark's output and the
+    rendered page say the same."""
+    return (
+        f"{row['preset']}: {row['precision']} reads {row['vs_first_precision']:.2f}× {first['precision']}'s "
+        f"chars/s; its features differ from {first['precision']}'s by {row['first_precision_rel_diff']:.1e} "
+        "at most (relative to each text's largest)."
+    )
+
+
 def tightened_line(row: dict[str, Any]) -> str:
     """The sentence for a probe row whose answer parted from liblinear's and for which liblinear was
     refitted at a tight tolerance (``liblinear_tightened``): per C its objective beside both sweeps',

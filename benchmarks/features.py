@@ -66,6 +66,7 @@ from common import (  # the working tree on the path
     add_record_option,
     machine,
     new_parser,
+    precision_line,
     profile_table,
     record,
     say,
@@ -458,12 +459,7 @@ def print_report(
     for r in features:
         if r.vs_first_precision is not None:
             first = next(f for f in features if f.preset == r.preset)
-            console.print(
-                f"{r.preset}: {r.precision} fast path {r.vs_first_precision:.2f}× {first.precision}'s "
-                f"chars/s; its features differ from {first.precision}'s by {r.first_precision_rel_diff:.1e} "
-                "at most (relative to each text's largest)",
-                highlight=False,
-            )
+            console.print(precision_line(asdict(r), asdict(first)), highlight=False)
     if serving:
         table = Table(title="Served model: POST /invocations (mlflow models serve, 1 worker, CPU)")
         for column in ("preset", "batch", "requests", "p50 ms", "p99 ms", "mean ms", "ms per text (p50)"):

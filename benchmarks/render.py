@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import REPO, RESULTS, describe, probe_goal_misses, tightened_line
+from common import REPO, RESULTS, describe, precision_line, probe_goal_misses, tightened_line
 
 TEMPLATE = REPO / "benchmarks" / "benchmarks.md.in"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -205,12 +205,7 @@ def features_tables(results: dict[str, Any]) -> str:
     for row in results["features"]:
         if row.get("vs_first_precision") is not None:
             first = next(r for r in results["features"] if r["preset"] == row["preset"])
-            lines += [
-                "",
-                f"{row['preset']}: {row['precision']} reads {ratio(row['vs_first_precision'])} "
-                f"{first['precision']}'s chars/s; its features differ from {first['precision']}'s by "
-                f"{row['first_precision_rel_diff']:.1e} at most (relative to each text's largest).",
-            ]
+            lines += ["", precision_line(row, first)]
     if results["serving"]:
         serving = [
             [
