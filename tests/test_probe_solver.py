@@ -647,3 +647,24 @@ def test_the_gram_of_an_empty_matrix_is_zeros_and_prints_nothing(
     gram = _gram(torch.zeros(shape))
     assert gram.shape == (shape[0], shape[0]) and not gram.any()
     assert capfd.readouterr().out == ""
+
+
+def test_an_exact_step_on_a_float32_matrix_indefinite_past_its_ridge_is_damped_not_dropped() -> None:
+    # One direction 1e7 and the rest 100 to 0.01, as on real 4,096-wide cell states at C = 4, where the
+    # float32 matrix had an eigenvalue at -0.04: here one at about -0.5, ten times the first ridge (a
+    # 1e-7 share of the mean diagonal), so that ridge does not make it factorise; without a larger one
+    # the step was skipped every time.
+    rng = np.random.default_rng(0)
+    Q, _ = np.linalg.qr(rng.standard_normal((40, 40)))
+    eigenvalues = np.concatenate([[1e7], np.logspace(2, -2, 38), [-0.5]])
+    hessian = ((Q * eigenvalues) @ Q.T).astype(np.float32)
+    hessian = (hessian + hessian.T) / 2
+    first_ridge = 1e-7 * float(np.trace(hessian.astype(np.float64))) / 40
+    assert np.linalg.eigvalsh(hessian.astype(np.float64))[0] < -10 * first_ridge
+    g, w, lam = 1e3 * rng.standard_normal(40), np.zeros(40), np.full(40, 1.0)
+    u = np.sign(-g) * 1e-3  # every coordinate non-zero, with the signs the step keeps
+    hd = hessian.astype(np.float64) @ (u - w)
+    before = newton._model_value(u, hd, g, w, lam)
+    assert newton._orthant_step(hessian, g, w, lam, u, hd)
+    assert newton._model_value(u, hd, g, w, lam) < before
+    np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9, atol=1e-6)

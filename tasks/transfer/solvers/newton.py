@@ -39,7 +39,9 @@ which the sweeps above and the lazy Hessian had made it no faster than liblinear
 - The models also take exact steps on their signs every 10 or 20 sweeps (``_orthant_step``): on cell
   states of a briefly trained model, whose nearly constant units are collinear with the intercept,
   the sweeps made no headway even on 30 coordinates and the large-C end never converged; on the
-  large working sets of a 4,096-wide IMDB-sized sweep they stopped at their cap, every time.
+  large working sets of a 4,096-wide IMDB-sized sweep they stopped at their cap, every time. Where the
+  float32 matrix is indefinite past its ridge (real 4,096-wide cell states at C = 4), the ridge grows
+  until it factorises: without that, that C ran to its outer cap.
 - Gradients and scores are float64 sums where float32's would round too coarsely for the tolerance.
   On IMDB-sized features with heavy-tailed scales, a float32 gradient entry (a sum of 22,500
   products) was off by about 0.005, ten times the tolerance at C = 2: the residual could not fall
@@ -90,6 +92,7 @@ SLOW_STEP = 0.5  # a Newton step that leaves more than this of the residual rebu
 EXACT_EVERY, EXACT_CHEAP_BELOW = (10, 20), 500
 ROUNDING = 0.1  # sums in float64 where float32's rounding of the gradient exceeds this share of the tolerance
 WHOLE_ABOVE = 0.25  # float64 working sets wider than this share of the features are not gathered
+RIDGE_TRIES = 8  # tenfold ridges tried on an exact step: up to the mean of its diagonal
 
 
 def l1_logistic_path(
@@ -438,12 +441,23 @@ def _orthant_step(
         return False
     sign = np.sign(u[S])
     H_SS = hessian[np.ix_(S, S)].astype(np.float64)
-    # A ridge at float32's resolution: nearly collinear columns leave H_SS numerically singular.
-    H_SS[np.diag_indices_from(H_SS)] += 1e-7 * float(np.trace(H_SS)) / S.size + 1e-300
-    # torch's LAPACK, not scipy's: scipy's OpenBLAS threads spin against torch's OpenMP threads on few
-    # cores, and a 1,000 × 1,000 factorisation took 0.3 to 2 s there against torch's 0.05 s.
-    factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
-    if info:
+    # A ridge at float32's resolution: nearly collinear columns leave H_SS numerically singular. The
+    # float32 matrix can be indefinite by more than that (cell states of a briefly trained 4,096-unit
+    # model at C = 4: eigenvalues down to -0.04 beside 1.8e7), and there every factorisation failed,
+    # the model was left to the sweeps, and the C ran to its outer cap (115 s; 19 s with this). So the
+    # ridge grows tenfold until the factorisation succeeds: a damped step, checked below like any other.
+    ridge = 1e-7 * float(np.trace(H_SS)) / S.size + 1e-300
+    diagonal = np.diag_indices_from(H_SS)
+    H_SS[diagonal] += ridge
+    for _ in range(RIDGE_TRIES):
+        # torch's LAPACK, not scipy's: scipy's OpenBLAS threads spin against torch's OpenMP threads on
+        # few cores, and a 1,000 × 1,000 factorisation took 0.3 to 2 s there against torch's 0.05 s.
+        factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
+        if not info:
+            break
+        H_SS[diagonal] += 9 * ridge
+        ridge *= 10
+    else:
         return False
     rhs = torch.from_numpy(g[S] + hd[S] + lam[S] * sign)[:, None]
     step = -torch.cholesky_solve(rhs, factor)[:, 0].numpy()
