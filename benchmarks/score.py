@@ -20,8 +20,8 @@ depend on them) logged and registered as champion in a temporary MLflow store, o
 
 ``--gzip`` writes the slices as ``.csv.gz`` (read by windows through a seek-point index; off by default).
 ``--precision bf16`` reads the features path's and ``score``'s features in bf16 (``score --precision
-bf16``: about 3× fp32 at 1,024 units on a CPU with bf16 in hardware); ``predict --input`` reads in fp32
-whatever it says, as the command does.
+bf16``: about 3× fp32 at 1,024 units on a CPU with bf16 in hardware), and ``predict --input``'s in the
+same precision (``predict --precision``).
 
 ratio = rows/s ÷ the features path's. Goal (issue 30): score ≥ 0.8 of features; Dask within 10 % of
 the process pool. One run's ratio moves by ±0.2 on a 2-core machine, so ``--repeats N`` runs the features
@@ -235,7 +235,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
 
     pyfunc, _ = load_registered(None)
     started = time.perf_counter()
-    pyfunc.predict(pd.DataFrame({"text": texts}), params={"batch_size": 64})
+    pyfunc.predict(pd.DataFrame({"text": texts}), params={"batch_size": 64, "precision": args.precision})
     add("predict --input", time.perf_counter() - started, threads=torch.get_num_threads())
 
     memory: dict[str, int] = {}

@@ -33,12 +33,16 @@ class BinaryClassifier:
 
     info: dict[str, Any]  # where it came from (each subclass's field): the served model reads its limits
 
-    def predict_proba(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
+    def predict_proba(self, texts: list[str], *, batch_size: int = 64, precision: str = "auto") -> np.ndarray:
         raise NotImplementedError
 
-    def predict(self, texts: list[str], *, batch_size: int = 64) -> tuple[list[str], np.ndarray]:
-        """Labels ("negative"/"positive") and P(positive) for each text."""
-        p_N = self.predict_proba(texts, batch_size=batch_size)
+    def predict(
+        self, texts: list[str], *, batch_size: int = 64, precision: str = "auto"
+    ) -> tuple[list[str], np.ndarray]:
+        """Labels ("negative"/"positive") and P(positive) for each text, the model read in ``precision``
+        (``models.precision.feature_precision``: auto is fp32 on a CPU; bf16 about 3× faster at 1,024
+        units on a CPU that has it, probabilities within about 1 % of fp32's)."""
+        p_N = self.predict_proba(texts, batch_size=batch_size, precision=precision)
         return labels_of(p_N), p_N
 
 
@@ -69,10 +73,17 @@ class SentimentClassifier(BinaryClassifier):
         self.model.eval()
 
     def predict_proba(
-        self, texts: list[str], *, batch_size: int = 64, on_batch: OnBatch | None = None
+        self,
+        texts: list[str],
+        *,
+        batch_size: int = 64,
+        precision: str = "auto",
+        on_batch: OnBatch | None = None,
     ) -> np.ndarray:
         """P(positive) for each text, in input order."""
-        features_NH = featurize(self.model, texts, batch_size=batch_size, on_batch=on_batch)
+        features_NH = featurize(
+            self.model, texts, batch_size=batch_size, on_batch=on_batch, precision=precision
+        )
         return probability(features_NH, self.coef_H, self.intercept)
 
     def save(self, folder: Path) -> Path:

@@ -37,6 +37,7 @@ from torch.nn import functional as F
 from models.classifier import CONFIG_FILE, LABELS, WEIGHTS_FILE, BinaryClassifier, read_config, sigmoid
 from models.features import length_batches
 from models.mlstm import MLSTM, MLSTMConfig
+from models.precision import autocast, feature_precision
 from models.text import CLEANING, encode
 
 Pool = Literal["last", "mean", "max", "concat"]
@@ -133,10 +134,12 @@ class FinetuneModel(nn.Module):
         return last
 
     @torch.no_grad()
-    def logits(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
-        """The class logit z of each text [N] (float64), in input order; similar lengths batched together."""
+    def logits(self, texts: list[str], *, batch_size: int = 64, precision: str = "auto") -> np.ndarray:
+        """The class logit z of each text [N] (float64), in input order; similar lengths batched together;
+        the products in ``precision`` (``models.precision.feature_precision``: auto is fp32 on a CPU)."""
         self.eval()
         device = next(self.parameters()).device
+        dtype = feature_precision(precision, device)
         encoded_lengths = [
             len(truncated(encode(t), self.config.max_bytes, self.config.truncate)) for t in texts
         ]
@@ -145,7 +148,8 @@ class FinetuneModel(nn.Module):
             bytes_BT, lengths_B = batch_bytes(
                 [texts[r] for r in rows], self.config.max_bytes, self.config.truncate
             )
-            z_B, _ = self(bytes_BT.to(device), lengths_B.to(device))
+            with autocast(device, dtype):
+                z_B, _ = self(bytes_BT.to(device), lengths_B.to(device))
             z_N[rows] = z_B.double().cpu().numpy()
         return z_N
 
@@ -161,9 +165,9 @@ class FinetunedClassifier(BinaryClassifier):
     def __post_init__(self) -> None:
         self.model.eval()
 
-    def predict_proba(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
+    def predict_proba(self, texts: list[str], *, batch_size: int = 64, precision: str = "auto") -> np.ndarray:
         """P(positive) for each text, in input order."""
-        return sigmoid(self.model.logits(texts, batch_size=batch_size))
+        return sigmoid(self.model.logits(texts, batch_size=batch_size, precision=precision))
 
     def save(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)

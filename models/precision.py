@@ -14,6 +14,7 @@ import torch
 
 # The precisions' short names: the job's --precision values, and the keys of its measured peaks file.
 PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+PRECISION_CHOICES = ("auto", *PRECISION_NAMES.values())  # what resolve_precision takes
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype:

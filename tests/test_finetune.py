@@ -142,6 +142,7 @@ def test_the_registered_model_predicts_as_the_trainer_scored(world: dict[str, An
             finetune_store(settings.resolved_store_uri, settings), result["classifier_key"]
         )
         said = cli_in_process(["predict", "--model", result["model_uri"], "--json", test.texts[0]])
+        in_bf16 = model.predict(pd.DataFrame({"text": test.texts}), params={"precision": "bf16"})
     accuracy = float(((served["probability"].to_numpy() >= 0.5) == test.labels).mean())
     assert accuracy == result["test_accuracy"]
     # Dev as the job scored it in memory, at the threshold it chose: the saved model folds it in.
@@ -151,6 +152,9 @@ def test_the_registered_model_predicts_as_the_trainer_scored(world: dict[str, An
     assert said.returncode == 0, said.stderr
     line = json.loads(said.stdout.splitlines()[0])
     assert line["probability"] == pytest.approx(served["probability"][0], rel=1e-6)
+    # Read in bf16 when asked (the trainer's own scores are fp32 on every device): near, not equal.
+    assert not np.array_equal(in_bf16["probability"], served["probability"])
+    np.testing.assert_allclose(in_bf16["probability"], served["probability"], atol=0.02)
 
 
 @pytest.mark.slow  # two torchrun ranks: about 10 s
@@ -353,6 +357,13 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
             describe_inputs([str(reviews)]), str(tmp_path / "out"), resolve_model(uri, get_settings())
         )
         scored = score_piece(plan, plan.pieces[0])
+        plan_bf16 = plan_scoring(
+            describe_inputs([str(reviews)]),
+            str(tmp_path / "out"),
+            resolve_model(uri, get_settings()),
+            precision="bf16",
+        )
+        scored_bf16 = score_piece(plan_bf16, plan_bf16.pieces[0])
         said = cli_in_process(["explain", "--model", uri, "a fine film"])
         # `predict --explain` refuses before scoring: a text the model itself would refuse (too long)
         # still gets the fine-tuned line, not the length one.
@@ -368,6 +379,11 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
     table = pq.read_table(io.BytesIO(plan.store().read_bytes(scored["files"][0]["key"])))
     np.testing.assert_allclose(table.column("probability").to_numpy(), expected, rtol=1e-6)
     assert np.isnan(table.column("sentiment_unit").to_numpy(zero_copy_only=False)).all()
+    # --precision bf16 reaches a fine-tuned model too: another output, near fp32's, not equal.
+    assert plan_bf16.output != plan.output
+    in_bf16 = pq.read_table(io.BytesIO(plan_bf16.store().read_bytes(scored_bf16["files"][0]["key"])))
+    assert not np.array_equal(in_bf16.column("probability").to_numpy(), expected)
+    np.testing.assert_allclose(in_bf16.column("probability").to_numpy(), expected, atol=0.02)
 
 
 @pytest.mark.slow  # `mlflow models serve` starts a server: about 15 s

@@ -67,7 +67,8 @@ _CELL = st.one_of(
 _PARAMS = st.one_of(
     st.none(),
     st.fixed_dictionaries(
-        {"batch_size": st.one_of(st.integers(), st.floats(), st.text(max_size=4), st.none())}
+        {"batch_size": st.one_of(st.integers(), st.floats(), st.text(max_size=4), st.none())},
+        optional={"precision": st.one_of(st.sampled_from(["auto", "fp32", "bf16"]), st.text(max_size=4))},
     ),
 )
 

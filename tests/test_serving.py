@@ -182,7 +182,19 @@ def test_the_printed_command_serves_and_refuses_bad_texts_by_row(server: str) ->
         assert refused.status_code == 400, (body, refused.text)
         assert message in refused.text, (body, refused.text)
 
+    # The products in bf16 when a request asks (the parameter is in the logged signature, or MLflow
+    # would drop it): near fp32's answer, not equal to it.
+    texts = _records("Absolutely love it!", "Broke in a day.", "Fine, I guess.")
+    exact = [p["probability"] for p in _post(server, texts).json()["predictions"]]
+    in_bf16 = _post(server, {**texts, "params": {"precision": "bf16"}})
+    assert in_bf16.status_code == 200, in_bf16.text
+    approximate = [p["probability"] for p in in_bf16.json()["predictions"]]
+    assert approximate != exact and approximate == pytest.approx(exact, abs=0.02)
+
     # Bad parameters: one line, and nothing of the server's code or paths.
+    refused = _post(server, {**_records("fine"), "params": {"precision": "fp8"}})
+    assert refused.status_code == 400, refused.text
+    assert "'precision' must be one of auto, bf16, fp16, fp32, got 'fp8'" in refused.json()["message"]
     for batch_size in (0, -5, 10**9):
         refused = _post(server, {**_records("fine"), "params": {"batch_size": batch_size}})
         assert refused.status_code == 400, (batch_size, refused.text)
@@ -215,3 +227,43 @@ def test_predict_applies_the_limit_stored_with_the_model(registered: dict[str, P
     message = " ".join(done.stderr.split())
     assert f"row 2: 'text' has {LIMIT + 1:,} characters, more than this model's limit of {LIMIT:,}" in message
     assert "Traceback" not in done.stderr
+
+
+def test_predict_reads_in_the_asked_precision_a_model_logged_before_it_was_a_parameter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model whose logged signature knows batch_size only: MLflow drops `precision` from its params with
+    # a warning, so `predict --precision bf16` would silently read fp32; it calls the model's code instead.
+    import mlflow
+    import numpy as np
+    import pandas as pd
+    import torch
+    from mlflow.models import infer_signature
+
+    from flows.cli.predict import _predicted
+    from models import mlflow_loader
+    from models.classifier import SentimentClassifier
+    from models.mlstm import MLSTM, tiny
+
+    torch.manual_seed(0)
+    model = MLSTM(tiny())
+    probe = SentimentClassifier(model, np.random.default_rng(0).normal(size=model.config.hidden_size), 0.1)
+    texts = ["Absolutely love it!", "Broke in a day.", "Fine, I guess."]
+    frame = pd.DataFrame({"text": texts})
+    signature = infer_signature(
+        frame, pd.DataFrame({"label": ["a"], "probability": [0.5]}), params={"batch_size": 64}
+    )
+    mlflow.pyfunc.save_model(
+        tmp_path / "model",
+        loader_module=mlflow_loader.__name__,
+        data_path=str(probe.save(tmp_path / "classifier")),
+        signature=signature,
+    )
+    loaded = mlflow.pyfunc.load_model(str(tmp_path / "model"))
+    exact = loaded.predict(frame, params={"batch_size": 8})["probability"].to_numpy()
+    dropped = loaded.predict(frame, params={"batch_size": 8, "precision": "bf16"})["probability"].to_numpy()
+    np.testing.assert_array_equal(dropped, exact)  # what MLflow alone does with it
+    asked = _predicted(loaded, texts, {"batch_size": 8, "precision": "bf16"})["probability"].to_numpy()
+    assert not np.array_equal(asked, exact)
+    np.testing.assert_allclose(asked, exact, atol=0.02)
+    np.testing.assert_array_equal(_predicted(loaded, texts, {"batch_size": 8})["probability"], exact)

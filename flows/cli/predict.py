@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import fail, load_registered, out, probe_of, styled, user_errors
+from flows.cli.common import classifier_of, fail, load_registered, out, probe_of, styled, user_errors
+from flows.cli.transfer import PrecisionOption
 
 if TYPE_CHECKING:
     from tasks.transfer.explain import Reading
@@ -27,6 +28,21 @@ def _explained(classifier: Any, texts: list[str], unit: int | None) -> list[Read
     return [explain(classifier, text, unit=chosen) for text in texts]
 
 
+def _predicted(loaded: Any, texts: list[str], params: dict[str, Any]) -> Any:
+    """The pyfunc's answer for ``texts`` with ``params``, as served. MLflow drops, with only a warning,
+    a parameter the model's logged signature lacks: a model logged before ``precision`` was one would
+    read fp32 whatever was asked, so such a model's own code is called directly, with the same checks."""
+    import pandas as pd
+
+    from models.serving import SentimentModel
+
+    frame = pd.DataFrame({"text": texts})
+    schema = loaded.metadata.get_params_schema()
+    if set(params) <= {spec.name for spec in (schema.params if schema else [])}:
+        return loaded.predict(frame, params=params)
+    return SentimentModel(classifier_of(loaded)).predict(frame, params=params)
+
+
 @app.command(rich_help_panel=PANEL)
 def predict(
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to score (or use --input).")] = None,
@@ -36,6 +52,7 @@ def predict(
     input: Annotated[Path | None, typer.Option("--input", help="A CSV or JSON-lines file of texts.")] = None,
     text_column: Annotated[str, typer.Option(help="The text column of --input.")] = "text",
     batch_size: Annotated[int, typer.Option(min=1, help="Texts per batch.")] = 64,
+    precision: PrecisionOption = "auto",
     as_json: Annotated[
         bool, typer.Option("--json", help="Print JSON lines {text, label, probability}.")
     ] = False,
@@ -63,15 +80,14 @@ def predict(
             texts = [*(texts or []), *read_table(input, text_column=text_column)[0]]
         if not texts:
             raise fail("nothing to score: give texts as arguments or --input FILE")
-        import pandas as pd
-
         classifier, uri = load_registered(model)
         # A model that can't be explained (a fine-tuned one) is refused before any text is scored.
         probe = probe_of(classifier, uri) if explain else None
         from models.serving import TextRejected
 
         try:
-            predicted = classifier.predict(pd.DataFrame({"text": texts}), params={"batch_size": batch_size})
+            params = {"batch_size": batch_size} | ({"precision": precision} if precision != "auto" else {})
+            predicted = _predicted(classifier, texts, params)
         except TextRejected as error:  # the model's own rule, as served: rows count arguments, then --input
             raise fail(f"{uri} refuses {error.message}") from None
         readings = _explained(probe, texts, unit) if probe is not None else []

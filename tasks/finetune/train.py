@@ -258,7 +258,8 @@ class Trainer:
         self.sums = [0.0, 0.0, 0.0]
         if not self.world.is_main:
             return record
-        z_N = self.model.logits(self.data.dev.texts)
+        # fp32 on every device: the epoch and threshold are chosen, and test read, on exact logits.
+        z_N = self.model.logits(self.data.dev.texts, precision="fp32")
         threshold, dev_accuracy = pick_threshold(z_N, self.data.dev.labels)
         key = self.export(epoch, threshold)
         record |= {
@@ -372,7 +373,9 @@ def fit(config: FinetuneConfig, world: World, settings: Settings) -> dict[str, A
     if world.is_main and trainer.step == trainer.total_steps and trainer.epochs:
         best = trainer.best_epoch()
         # The test split is read once, by the classifier the run hands on.
-        p_N = load_classifier(trainer.store, best["key"]).predict_proba(trainer.data.test.texts)
+        p_N = load_classifier(trainer.store, best["key"]).predict_proba(
+            trainer.data.test.texts, precision="fp32"
+        )
         test_accuracy = float(((p_N >= 0.5) == trainer.data.test.labels.astype(bool)).mean())
         result |= {
             "epochs": trainer.epochs,

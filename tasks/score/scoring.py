@@ -103,7 +103,7 @@ class Plan:
     pieces: tuple[Piece, ...]
     text_column: str
     id_columns: tuple[str, ...]
-    precision: str = "auto"  # the features' dtype (models.features.featurize); a probe's only
+    precision: str = "auto"  # the model's products' dtype (models.precision.feature_precision)
     s3_endpoint_url: str | None = field(default=None, compare=False)
 
     def store(self) -> Store:
@@ -174,8 +174,9 @@ def plan_scoring(
     """Name the output by the model version, the inputs' content and the settings, and cut the inputs
     into pieces of ``piece_rows`` rows on average: windows of ``WINDOW_PIECES`` pieces' consecutive
     rows, each cut in its rows' length order into parts of like bytes (``window_cuts``).
-    ``precision``: the probe's features' dtype (``models.features.featurize``); one other than auto
-    names another output, so a run never mixes the scores of two."""
+    ``precision``: the dtype the model reads in (``models.precision.feature_precision``: a probe's
+    features, a fine-tuned model's logits); one other than auto names another output, so a run never
+    mixes the scores of two."""
     id_columns = list(id_columns or [])
     if piece_rows < 1:
         raise ValueError(f"piece_rows must be at least 1, got {piece_rows}")
@@ -388,7 +389,7 @@ def score_piece(
         unit_N = features_NH[:, plan.model.unit]
     else:  # fine-tuned: its own pooling and head; no sentiment unit to report
         classifier.model.to(device)
-        p_N = classifier.predict_proba(kept, batch_size=batch_size or 64)
+        p_N = classifier.predict_proba(kept, batch_size=batch_size or 64, precision=plan.precision)
         unit_N = np.full(len(kept), np.nan, dtype=np.float32)
         if on_batch is not None:
             on_batch(len(kept), sum(len(t) for t in kept))

@@ -159,7 +159,7 @@ def log_classifier(
 
     example = pd.DataFrame({"text": EXAMPLE_TEXTS})
     output = pd.DataFrame({"label": list(LABELS[::-1]), "probability": [0.9, 0.1]})
-    signature = infer_signature(example, output, params={"batch_size": 64})
+    signature = infer_signature(example, output, params={"batch_size": 64, "precision": "auto"})
     with tempfile.TemporaryDirectory(prefix="mlstm-classifier-") as scratch, mlflow.start_run(run_id=run_id):
         limit = max_text_chars or get_settings().max_text_chars
         logged_by = installed_version()
