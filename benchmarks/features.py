@@ -74,7 +74,7 @@ from common import (  # the working tree on the path
 
 from models.features import featurize, length_batches, pack, rows_for_memory
 from models.mlstm import MLSTM, PRESETS, preset
-from models.precision import PRECISION_NAMES, autocast, resolve_precision
+from models.precision import PRECISION_CHOICES, PRECISION_NAMES, autocast, resolve_precision
 from models.text import encode
 
 # The shared data beside the checkout, or where MLSTM_SHARED_DIR says (a worktree elsewhere).
@@ -558,8 +558,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.presets = _names(args.presets)
     args.precisions = _names(args.precisions)
-    if bad := [p for p in args.precisions if p not in ("auto", "bf16", "fp16", "fp32")]:
-        parser.error(f"--precisions: {', '.join(bad)} is not one of auto, bf16, fp16, fp32")
+    if bad := [p for p in args.precisions if p not in PRECISION_CHOICES]:
+        parser.error(f"--precisions: {', '.join(bad)} is not one of {', '.join(PRECISION_CHOICES)}")
     for name in (*args.presets, args.serve_preset):
         if name not in PRESETS:
             parser.error(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")

@@ -59,7 +59,7 @@ from common import (  # the working tree on the path
 from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
-from models.precision import PRECISION_NAMES, resolve_precision
+from models.precision import PRECISION_CHOICES, PRECISION_NAMES, resolve_precision
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
@@ -594,8 +594,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--batch must be at least 1")
     precisions = [part.strip() for part in args.precision.split(",") if part.strip()]
     for name in precisions:
-        if name not in ("auto", "bf16", "fp16", "fp32"):
-            parser.error(f"--precision: unknown precision {name!r}: choose from auto, bf16, fp16, fp32")
+        if name not in PRECISION_CHOICES:
+            parser.error(
+                f"--precision: unknown precision {name!r}: choose from {', '.join(PRECISION_CHOICES)}"
+            )
     args.precisions = precisions or ["auto"]
     for flag in ("seq_len", "steps"):
         if getattr(args, flag) < 1:

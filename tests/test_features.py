@@ -133,3 +133,20 @@ def test_a_bf16_batch_holds_more_rows_than_an_fp32_one() -> None:
     fp32 = rows_for_memory(model, cpu, memory_bytes=2**30)
     assert rows_for_memory(model, cpu, memory_bytes=2**30, dtype=torch.float32) == fp32
     assert 1.4 * fp32 < rows_for_memory(model, cpu, memory_bytes=2**30, dtype=torch.bfloat16) < 2 * fp32
+
+
+def test_every_precision_the_settings_take_is_one_the_model_reads_in() -> None:
+    """The settings' and CLI's type (``tasks.pretrain.config.Precision``, what pydantic and typer check)
+    and the names ``models.precision`` resolves, which the served model checks a request against."""
+    from typing import get_args
+
+    from tasks.pretrain.config import Precision
+
+    assert get_args(Precision) == models.precision.PRECISION_CHOICES
+    cpu = torch.device("cpu")
+    assert [models.precision.resolve_precision(name, cpu) for name in get_args(Precision)] == [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    ]

@@ -53,7 +53,7 @@ from tasks.score.inputs import (
 )
 from tasks.store import Store, open_store
 
-PRECISIONS = get_args(Precision)  # models.precision.resolve_precision's names
+PRECISIONS = get_args(Precision)  # models.precision.PRECISION_CHOICES (tests/test_features.py)
 FORMAT_VERSION = 2  # of the output's layout; part of the scoring id (2: pieces cut by length in windows)
 PIECE_ROWS = 1024  # rows per piece: the unit of parallel work and of resuming
 # Pieces per window: a window's rows are ordered by length before they are cut. Each piece reads its
