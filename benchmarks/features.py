@@ -32,8 +32,9 @@ the other).
 Served-model latency: a ``SentimentClassifier`` of ``--serve-preset`` with random probe weights is logged
 with ``tasks.transfer.registry.log_classifier`` to a temporary MLflow store (SQLite), served by
 ``mlflow models serve --env-manager local --workers 1``, and timed over HTTP: ``--requests`` POSTs to
-``/invocations`` of one sentence and of ``--serve-batch`` sentences, after ``--warmup-requests`` each. The
-served model loads on the CPU (``models/serving.py``), whatever device the feature rows ran on.
+``/invocations`` of one sentence and of ``--serve-batch`` sentences, after ``--warmup-requests`` each,
+once per ``--precisions`` (the request's ``precision`` parameter; auto sends none). The served model
+loads on the CPU (``models/serving.py``), whatever device the feature rows ran on.
 
     PYTHONPATH=. .venv/bin/python benchmarks/features.py                    # defaults picked by device
     PYTHONPATH=. .venv/bin/python benchmarks/features.py --presets tiny --texts 32 --baseline-texts 8 \\
@@ -327,6 +328,7 @@ class ServeRow:
     mean_ms: float
     per_text_ms: float  # p50 ÷ batch
     device: str = "cpu"  # models/serving.py loads the classifier on the CPU
+    precision: str = "auto"  # the requests' precision parameter (auto: none sent)
     latencies_ms: list[float] = field(default_factory=list)
 
 
@@ -363,11 +365,16 @@ def served_model(name: str, scratch: Path) -> Iterator[str]:
         yield url
 
 
-def time_requests(url: str, texts: list[str], requests: int, warmup: int) -> list[float]:
-    """Milliseconds of each timed POST /invocations of these texts (one request each time)."""
+def time_requests(
+    url: str, texts: list[str], requests: int, warmup: int, precision: str = "auto"
+) -> list[float]:
+    """Milliseconds of each timed POST /invocations of these texts (one request each time), the model read
+    in ``precision`` (auto: the served model's default, no parameter sent)."""
     import httpx
 
-    body = {"dataframe_records": [{"text": text} for text in texts]}
+    body: dict[str, Any] = {"dataframe_records": [{"text": text} for text in texts]}
+    if precision != "auto":
+        body["params"] = {"precision": precision}
     latencies = []
     with httpx.Client(timeout=600) as client:
         for i in range(warmup + requests):
@@ -392,24 +399,29 @@ def serve_rows(args: argparse.Namespace, pool: list[str]) -> list[ServeRow]:
         tempfile.TemporaryDirectory(prefix="mlstm-bench-serve-") as scratch,
         served_model(args.serve_preset, Path(scratch)) as url,
     ):
-        for batch in (1, args.serve_batch):
-            say(
-                f"serving: {args.requests} requests of {batch} text(s), after {args.warmup_requests} warm-up …"
-            )
-            latencies = time_requests(url, take(pool, batch), args.requests, args.warmup_requests)
-            p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99]))
-            rows.append(
-                ServeRow(
-                    preset=args.serve_preset,
-                    batch=batch,
-                    requests=args.requests,
-                    p50_ms=p50,
-                    p99_ms=p99,
-                    mean_ms=float(np.mean(latencies)),
-                    per_text_ms=p50 / batch,
-                    latencies_ms=latencies,
+        for precision in args.precisions:
+            for batch in (1, args.serve_batch):
+                say(
+                    f"serving: {args.requests} requests of {batch} text(s) in {precision}, "
+                    f"after {args.warmup_requests} warm-up …"
                 )
-            )
+                latencies = time_requests(
+                    url, take(pool, batch), args.requests, args.warmup_requests, precision
+                )
+                p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99]))
+                rows.append(
+                    ServeRow(
+                        preset=args.serve_preset,
+                        batch=batch,
+                        requests=args.requests,
+                        p50_ms=p50,
+                        p99_ms=p99,
+                        mean_ms=float(np.mean(latencies)),
+                        per_text_ms=p50 / batch,
+                        precision=precision,
+                        latencies_ms=latencies,
+                    )
+                )
     return rows
 
 
@@ -462,11 +474,22 @@ def print_report(
             console.print(precision_line(asdict(r), asdict(first)), highlight=False)
     if serving:
         table = Table(title="Served model: POST /invocations (mlflow models serve, 1 worker, CPU)")
-        for column in ("preset", "batch", "requests", "p50 ms", "p99 ms", "mean ms", "ms per text (p50)"):
-            table.add_column(column, justify="left" if column == "preset" else "right")
+        columns = (
+            "preset",
+            "precision",
+            "batch",
+            "requests",
+            "p50 ms",
+            "p99 ms",
+            "mean ms",
+            "ms per text (p50)",
+        )
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("preset", "precision") else "right")
         for s in serving:
             table.add_row(
                 s.preset,
+                s.precision,
                 str(s.batch),
                 str(s.requests),
                 f"{s.p50_ms:,.1f}",

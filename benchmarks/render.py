@@ -207,9 +207,12 @@ def features_tables(results: dict[str, Any]) -> str:
             first = next(r for r in results["features"] if r["preset"] == row["preset"])
             lines += ["", precision_line(row, first)]
     if results["serving"]:
+        # The precision column only where a run timed another than auto (records before it had none).
+        precisions = any(row.get("precision", "auto") != "auto" for row in results["serving"])
         serving = [
             [
                 row["preset"],
+                *([row.get("precision", "auto")] if precisions else []),
                 str(row["batch"]),
                 str(row["requests"]),
                 num(row["p50_ms"]),
@@ -219,7 +222,8 @@ def features_tables(results: dict[str, Any]) -> str:
             ]
             for row in results["serving"]
         ]
-        header = ["served preset", "texts/request", "requests", "p50 ms", "p99 ms", "mean ms", "p50 ms/text"]
+        header = ["served preset", *(["precision"] if precisions else []), "texts/request", "requests"]
+        header += ["p50 ms", "p99 ms", "mean ms", "p50 ms/text"]
         lines += ["", table(header, serving)]
     else:
         lines += ["", "Serving was not timed in this run (`--no-serve`)."]

@@ -54,7 +54,13 @@ def test_the_features_benchmark_prints_its_json_report() -> None:
     assert row["batch_sized_by"] == "--batch-size" and 0 <= row["padding"] < 0.1
     assert row["vs_reference"] == pytest.approx(row["chars_per_s"] / row["reference_chars_per_s"])
 
-    assert [(s["preset"], s["batch"]) for s in report["serving"]] == [("tiny", 1), ("tiny", 64)]
+    # Each precision's requests: its parameter sent with each (tests/test_serving.py: it reaches the model).
+    assert [(s["preset"], s["precision"], s["batch"]) for s in report["serving"]] == [
+        ("tiny", "fp32", 1),
+        ("tiny", "fp32", 64),
+        ("tiny", "bf16", 1),
+        ("tiny", "bf16", 64),
+    ]
     for serve in report["serving"]:
         assert serve["requests"] == 3 and len(serve["latencies_ms"]) == 3
         assert 0 < serve["p50_ms"] <= serve["p99_ms"]
