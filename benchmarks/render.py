@@ -297,7 +297,7 @@ def score_tables(results: dict[str, Any]) -> str:
         )
         + f", {settings['preset']} model"
         + (
-            f" (features in {settings['precision']}; `predict --input` in fp32)"
+            f" (features and `predict --input` in {settings['precision']})"
             if settings.get("precision")
             else ""
         )

@@ -52,9 +52,7 @@ def test_the_page_shows_each_run_and_each_repeat_s_ratios(monkeypatch: pytest.Mo
     assert "times each" not in once and "Each repeat" not in once
     assert "features in" not in once  # auto: as recorded before --precision
     recorded["settings"]["precision"] = "bf16"
-    assert ", tiny model (features in bf16; `predict --input` in fp32), 2 workers" in render.score_tables(
-        recorded
-    )
+    assert ", tiny model (features and `predict --input` in bf16), 2 workers" in render.score_tables(recorded)
     del recorded["settings"]["precision"]
     pool = next(r for r in recorded["runs"] if r["name"] == "score (process pool)")
     pool |= {"seconds": 61.7, "each_seconds": [61.7, 70.0, 58.0]}
