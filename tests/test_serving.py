@@ -230,7 +230,7 @@ def test_predict_applies_the_limit_stored_with_the_model(registered: dict[str, P
 
 
 def test_predict_reads_in_the_asked_precision_a_model_logged_before_it_was_a_parameter(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     # A model whose logged signature knows batch_size only: MLflow drops `precision` from its params with
     # a warning, so `predict --precision bf16` would silently read fp32; it calls the model's code instead.
