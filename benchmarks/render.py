@@ -287,7 +287,6 @@ def score_tables(results: dict[str, Any]) -> str:
     ]
     load = results["load_average"]
     memory = results["memory"]
-    grown = memory[f"{settings['grow']}x"]
     lines = [
         f"{settings['rows']:,} IMDB test reviews ({settings['chars']:,} characters)"
         + (
@@ -320,10 +319,15 @@ def score_tables(results: dict[str, Any]) -> str:
             if "dask_vs_process_pool" in checks
             else ""
         )
-        + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB, {settings['grow']}× "
-        f"{grown / 2**30:.2f} GiB: {checks['memory_growth']:.2f}× (goal within 1.10×).",
+        + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB"
+        + (
+            f", {settings['grow']}× {memory.get(str(settings['grow']) + 'x', 0) / 2**30:.2f} GiB: "
+            f"{checks['memory_growth']:.2f}× (goal within 1.10×)."
+            if "memory_growth" in checks
+            else " (no larger input in this run)."
+        ),
     ]
-    if "1x_own" in memory:
+    if "1x_own" in memory and "memory_growth" in checks:
         g = settings["grow"]
         lines[-1] += (
             f" Of which this process 1× {memory['1x_own'] / 2**30:.2f} GiB, {g}× {memory[f'{g}x_own'] / 2**30:.2f} GiB;"

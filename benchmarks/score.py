@@ -15,7 +15,7 @@ depend on them) logged and registered as champion in a temporary MLflow store, o
   before, outside every timing. ``flow s`` is the flow's own time (from the manifest: no task-runner or
   Dask-cluster start-up).
 - memory: the peak resident set of this process and its children (summed, sampled every 0.1 s) while
-  scoring the slice and the slice four times over (``--grow``): flat means within 10 %; beside it this
+  scoring the slice and the slice four times over (``--grow``; 0 skips it): flat means within 10 %; beside it this
   process's own peak and the largest other process's (a worker's, or Prefect's server's).
 
 ``--gzip`` writes the slices as ``.csv.gz`` (read by windows through a seek-point index; off by default).
@@ -154,6 +154,29 @@ class Rows:
         return len(runs)
 
 
+def score_grown(
+    args: argparse.Namespace, rows: list[dict[str, str]], root: Path, memory: dict[str, int]
+) -> float:
+    """Score the slice ``args.grow`` times over on the process pool, its peak memory into ``memory``;
+    the seconds it took."""
+    from flows.cli.score import run_score
+
+    grown = write_csv(root / f"imdb-slice-x{args.grow}.csv", rows, copies=args.grow, packed=args.gzip)
+    started = time.perf_counter()
+    with peak_rss() as peak:
+        run_score(
+            [str(grown)],
+            output=str(root / "out-grown"),
+            piece_rows=args.piece_rows,
+            task_runner="process",
+            workers=args.workers,
+            precision=args.precision,
+            show_progress=False,
+        )
+    memory.update(by_process(f"{args.grow}x", peak))
+    return time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = new_parser(__doc__ or "", raw=True)
     # The whole test set, as issue 30 measures: at 4,000 rows a worker's feature batches did not fill
@@ -165,7 +188,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--piece-rows", type=int, default=None, help="Rows per piece of `score` (default: the command's)."
     )
-    parser.add_argument("--grow", type=int, default=4, help="The larger input, in copies of the slice.")
+    parser.add_argument(
+        "--grow",
+        type=int,
+        default=4,
+        help="The larger input, in copies of the slice; 0 skips it (the memory check with it). [4]",
+    )
     parser.add_argument("--no-dask", action="store_true", help="Skip the Dask run.")
     parser.add_argument("--gzip", action="store_true", help="Write the slices as .csv.gz for `score`.")
     parser.add_argument(
@@ -185,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
+    if args.grow < 0:
+        parser.error(f"--grow {args.grow}: must be 0 (no larger input) or more")
     # The slices (0.2 GB as CSV), the MLflow store and the outputs: removed however the run ends.
     root = Path(tempfile.mkdtemp(prefix="mlstm-bench-score-"))
     try:
@@ -268,20 +298,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
                 )
                 if runner == "process" and not repeat:
                     memory.update(by_process("1x", peak))
-        grown = write_csv(root / f"imdb-slice-x{args.grow}.csv", rows, copies=args.grow, packed=args.gzip)
-        started = time.perf_counter()
-        with peak_rss() as peak:
-            summary = run_score(
-                [str(grown)],
-                output=str(root / "out-grown"),
-                piece_rows=args.piece_rows,
-                task_runner="process",
-                workers=args.workers,
-                precision=args.precision,
-                show_progress=False,
-            )
-        memory.update(by_process(f"{args.grow}x", peak))
-        grown_seconds = time.perf_counter() - started
+        grown_seconds = score_grown(args, rows, root, memory) if args.grow else None
     features = results[0]["rows_per_s"]
     for row in results:
         row["ratio_vs_features"] = row["rows_per_s"] / features
@@ -290,9 +307,10 @@ def measure(args: argparse.Namespace, root: Path) -> None:
         "score_vs_features": by_name["score (process pool)"]["ratio_vs_features"],
         "score_vs_predict": by_name["score (process pool)"]["rows_per_s"]
         / by_name["predict --input"]["rows_per_s"],
-        "memory_growth": memory[f"{args.grow}x"] / memory["1x"],
-        "grown_rows_per_s": args.grow * len(rows) / grown_seconds,
     }
+    if grown_seconds is not None:
+        checks["memory_growth"] = memory[f"{args.grow}x"] / memory["1x"]
+        checks["grown_rows_per_s"] = args.grow * len(rows) / grown_seconds
     if "score (Dask)" in by_name:
         checks["dask_vs_process_pool"] = (
             by_name["score (Dask)"]["rows_per_s"] / by_name["score (process pool)"]["rows_per_s"]

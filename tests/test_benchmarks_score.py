@@ -37,6 +37,12 @@ def test_fewer_than_one_repeat_is_refused_by_its_flag(
     with pytest.raises(SystemExit) as stopped:
         module.main(["--repeats", "0"])
     assert stopped.value.code == 2 and "--repeats 0: must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        module.main(["--grow", "-1"])
+    assert (
+        stopped.value.code == 2
+        and "--grow -1: must be 0 (no larger input) or more" in capsys.readouterr().err
+    )
 
 
 def test_the_page_shows_each_run_and_each_repeat_s_ratios(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,3 +71,18 @@ def test_the_page_shows_each_run_and_each_repeat_s_ratios(monkeypatch: pytest.Mo
     assert page.endswith(
         "Each repeat's own ratios: score ÷ features 1.18, 0.95, 1.20; Dask ÷ pool 0.86, 1.04, 0.91."
     )
+
+
+def test_a_run_without_a_larger_input_says_so_and_no_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    render = load_benchmark("render.py", "render_score", monkeypatch)
+    recorded = json.loads((BENCHMARKS / "results" / "score.json").read_text())["results"]
+    recorded["settings"]["grow"] = 0
+    recorded["memory"] = {k: v for k, v in recorded["memory"].items() if k.startswith("1x")}
+    for key in ("memory_growth", "grown_rows_per_s"):
+        del recorded["checks"][key]
+    page = render.score_tables(recorded)
+    assert (
+        f"Peak RSS (process and workers) 1× {recorded['memory']['1x'] / 2**30:.2f} GiB (no larger input"
+        in page
+    )
+    assert "goal within 1.10×" not in page and ", 0× " not in page
