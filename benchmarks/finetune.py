@@ -21,6 +21,9 @@ their speed does not depend on the weights.
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --record
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pretrain small:150 --epochs 1 --speed-presets "" --record small
     PYTHONPATH=. .venv/bin/python benchmarks/finetune.py --pool last --lr 1e-3 --aux-lm-weight 0 --train-rows 2000
+
+``--precision bf16`` fine-tunes under bf16 autocast and reads the probe's features in bf16 (the job's
+own dev and test scoring stays fp32); the pretraining of ``--pretrain`` stays fp32.
 """
 
 from __future__ import annotations
@@ -241,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-rows", type=int, default=0, help="Train rows kept (0: all). [0]")
     import pydantic
 
+    from models.precision import PRECISION_CHOICES
     from tasks.finetune.config import FinetuneSettings
 
     # The command's own defaults: what a user who names none fine-tunes with.
@@ -254,6 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lm-lr-factor", type=float, default=default["lm_lr_factor"])
     parser.add_argument("--freeze-lm", action="store_true", help="Train the head only.")
     parser.add_argument("--max-bytes", type=int, default=512)
+    parser.add_argument(
+        "--precision",
+        default=default["precision"],
+        choices=PRECISION_CHOICES,
+        help="Fine-tuning's products and the probe's features (auto: fp32 on a CPU). [auto]",
+    )
     parser.add_argument("--sort-batches", type=int, default=default["sort_batches"])
     parser.add_argument("--speed-presets", default="tiny,small", help="Presets whose step speeds are timed.")
     parser.add_argument("--speed-steps", type=int, default=3)
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "pool": args.pool,
         "head": args.head, "aux_lm_weight": args.aux_lm_weight, "max_bytes": args.max_bytes,
         "freeze_lm": args.freeze_lm, "sort_batches": args.sort_batches, "lm_lr_factor": args.lm_lr_factor,
-    }  # fmt: skip
+    } | ({"precision": args.precision} if args.precision != "auto" else {})  # fmt: skip
     try:  # the command's own checks, before minutes of pretraining
         FinetuneSettings(**tuning)
     except pydantic.ValidationError as error:

@@ -118,6 +118,24 @@ def test_each_epoch_is_in_mlflow_and_the_version_carries_its_lineage_and_card(wo
     assert "cut at the front" in version.description
 
 
+def test_the_frozen_probe_reads_its_features_in_the_job_s_precision(world: dict[str, Any]) -> None:
+    """A bf16 job's model card compares it with a probe of bf16 features, and says so."""
+    from tasks.finetune.stage import frozen_probe, model_card
+    from tasks.settings import get_settings
+
+    job = world["job"]
+    in_bf16 = job.model_copy(update={"config": job.config.model_copy(update={"precision": "bf16"})})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
+        probe = frozen_probe(in_bf16, get_settings())
+    report = world["result"]["report"]
+    assert report["probe"]["features_precision"] == "fp32"  # auto on a CPU
+    assert probe["features_precision"] == "bf16"
+    assert abs(probe["dev_accuracy"] - report["probe"]["dev_accuracy"]) <= 0.05
+    assert "| frozen L1 probe, same checkpoint, features in bf16 |" in model_card(report | {"probe": probe})
+    assert "| frozen L1 probe, same checkpoint |" in model_card(report)
+
+
 def test_the_registered_model_predicts_as_the_trainer_scored(world: dict[str, Any]) -> None:
     """The pyfunc (what serving and `predict` load) gives the job's own test accuracy and probabilities."""
     import mlflow.pyfunc

@@ -154,7 +154,8 @@ def job_result(job: Job, settings: Settings) -> dict[str, Any]:
 
 def frozen_probe(job: Job, settings: Settings) -> dict[str, Any]:
     """The L1 probe of the same checkpoint on the same splits (the transfer stage's features, cached in
-    the store), for the model card: ``{test_accuracy, dev_accuracy, C}``."""
+    the store, read in the job's precision: bf16 features are about 3× fp32's on a CPU that has it), for
+    the model card: ``{test_accuracy, dev_accuracy, C, features_precision}``."""
     from tasks.transfer.config import TransferParams
     from tasks.transfer.probe import fit_probe
     from tasks.transfer.stage import SPLITS, _read_split, extract
@@ -164,11 +165,13 @@ def frozen_probe(job: Job, settings: Settings) -> dict[str, Any]:
         datasets=[job.config.dataset],
         text_column=job.config.text_column,
         label_column=job.config.label_column,
+        precision=job.config.precision,
     )
     extracted = extract(params, job.config.dataset, settings)
     data = {split: _read_split(extracted["splits"][split]["uri"], settings) for split in SPLITS}
     result = fit_probe(*data["train"], *data["dev"], *data["test"], Cs=params.Cs, solver=params.solver)
-    return {key: result.summary()[key] for key in ("test_accuracy", "dev_accuracy", "C")}
+    summary = {key: result.summary()[key] for key in ("test_accuracy", "dev_accuracy", "C")}
+    return summary | {"features_precision": extracted["features_precision"]}
 
 
 def baseline(job: Job, settings: Settings) -> dict[str, Any]:
@@ -199,8 +202,10 @@ def model_card(report: dict[str, Any]) -> str:
         "|---|---:|",
         f"| fine-tuned (this version) | {report['test_accuracy']:.2%} |",
     ]
-    if report.get("probe"):
-        lines.append(f"| frozen L1 probe, same checkpoint | {report['probe']['test_accuracy']:.2%} |")
+    if probe := report.get("probe"):
+        read = probe.get("features_precision", "fp32")
+        features = "" if read == "fp32" else f", features in {read}"
+        lines.append(f"| frozen L1 probe, same checkpoint{features} | {probe['test_accuracy']:.2%} |")
     if report.get("baseline"):
         lines.append(f"| TF-IDF + logistic regression | {report['baseline']['test_accuracy']:.2%} |")
     lines += [
