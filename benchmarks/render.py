@@ -327,12 +327,20 @@ def score_tables(results: dict[str, Any]) -> str:
             else " (no larger input in this run)."
         ),
     ]
-    if "1x_own" in memory and "memory_growth" in checks:
+    if "1x_own" in memory:
         g = settings["grow"]
+        grown_own, grown_other = (
+            (
+                f", {g}× {memory[f'{g}x_own'] / 2**30:.2f} GiB",
+                f", {g}× {memory[f'{g}x_largest_other'] / 2**30:.2f} GiB",
+            )
+            if "memory_growth" in checks
+            else ("", "")
+        )
         lines[-1] += (
-            f" Of which this process 1× {memory['1x_own'] / 2**30:.2f} GiB, {g}× {memory[f'{g}x_own'] / 2**30:.2f} GiB;"
-            f" the largest other (a worker, or Prefect's server) 1× {memory['1x_largest_other'] / 2**30:.2f} GiB,"
-            f" {g}× {memory[f'{g}x_largest_other'] / 2**30:.2f} GiB."
+            f" Of which this process 1× {memory['1x_own'] / 2**30:.2f} GiB{grown_own};"
+            f" the largest other (a worker, or Prefect's server) 1× {memory['1x_largest_other'] / 2**30:.2f} GiB"
+            f"{grown_other}."
         )
     each = [
         f"{label} {', '.join(f'{v:.2f}' for v in checks[key])}"

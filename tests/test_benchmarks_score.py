@@ -86,3 +86,8 @@ def test_a_run_without_a_larger_input_says_so_and_no_growth(monkeypatch: pytest.
         in page
     )
     assert "goal within 1.10×" not in page and ", 0× " not in page
+    own, other = (recorded["memory"][key] / 2**30 for key in ("1x_own", "1x_largest_other"))
+    assert (
+        f"Of which this process 1× {own:.2f} GiB; the largest other (a worker, or Prefect's server) 1× {other:.2f} GiB."
+        in page
+    )
