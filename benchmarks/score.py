@@ -6,9 +6,10 @@ come), with a classifier of ``--preset`` (random mLSTM weights, seed 0, random p
 depend on them) logged and registered as champion in a temporary MLflow store, one run each of:
 
 - features: ``models.features.featurize`` in this process (texts packed end to end, batches sized by memory, all
-  of torch's threads): what the model itself reads per second, the ceiling;
+  of torch's threads) on the device ``score``'s workers take (a GPU where torch sees one): what the model
+  itself reads per second, the ceiling;
 - predict: what ``mlstm-sentiment predict --input FILE`` runs: the registered pyfunc's ``predict`` in one
-  process, batches of 64 (its default), all of torch's threads;
+  process, batches of 64 (its default), all of torch's threads (on the CPU: the pyfunc loads there);
 - score (process pool, ``--workers`` processes, one torch thread each) and score (Dask, as many
   workers): the flow as ``mlstm-sentiment score`` runs it (planning, reading, scoring, Parquet, the
   manifest, the MLflow run), timed from the call to its return; the temporary Prefect API is started once
@@ -232,10 +233,13 @@ def measure(args: argparse.Namespace, root: Path) -> None:
     from flows.cli.common import load_registered
     from flows.cli.score import run_score
     from flows.runtime import prefect_api
-    from models.features import featurize
+    from models.features import default_device, featurize
     from tasks.score.scoring import PIECE_ROWS
     from tasks.settings import get_settings
 
+    # The device `score`'s workers take (a GPU where there is one, `tasks.score.scoring._device`), so the
+    # features path is the same model's limit on the same device.
+    device = default_device()
     load_before = os.getloadavg()
     rows = imdb_slice(args.rows)
     texts = [r["text"] for r in rows]
@@ -255,12 +259,12 @@ def measure(args: argparse.Namespace, root: Path) -> None:
 
     def features_path() -> None:
         started = time.perf_counter()
-        featurize(
-            classifier.model, texts, batch_size=None, device=torch.device("cpu"), precision=args.precision
-        )
+        featurize(classifier.model, texts, batch_size=None, device=device, precision=args.precision)
         add("features path", time.perf_counter() - started, threads=torch.get_num_threads())
 
-    featurize(classifier.model, texts[:8], batch_size=None, precision=args.precision)  # warm-up
+    featurize(
+        classifier.model, texts[:8], batch_size=None, device=device, precision=args.precision
+    )  # warm-up
     features_path()
 
     pyfunc, _ = load_registered(None)
@@ -330,7 +334,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
             + (", ".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:.2f}")
         )
     report = {
-        "machine": machine(torch.device("cpu"), pyarrow=__import__("pyarrow").__version__),
+        "machine": machine(device, pyarrow=__import__("pyarrow").__version__),
         "settings": {
             "rows": len(rows),
             "chars": chars,
