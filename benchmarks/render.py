@@ -286,7 +286,7 @@ def score_tables(results: dict[str, Any]) -> str:
         for run in results["runs"]
     ]
     load = results["load_average"]
-    memory = results["memory"]
+    memory, g = results["memory"], settings["grow"]
     lines = [
         f"{settings['rows']:,} IMDB test reviews ({settings['chars']:,} characters)"
         + (
@@ -321,14 +321,12 @@ def score_tables(results: dict[str, Any]) -> str:
         )
         + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB"
         + (
-            f", {settings['grow']}× {memory.get(str(settings['grow']) + 'x', 0) / 2**30:.2f} GiB: "
-            f"{checks['memory_growth']:.2f}× (goal within 1.10×)."
+            f", {g}× {memory[f'{g}x'] / 2**30:.2f} GiB: {checks['memory_growth']:.2f}× (goal within 1.10×)."
             if "memory_growth" in checks
             else " (no larger input in this run)."
         ),
     ]
     if "1x_own" in memory:
-        g = settings["grow"]
         grown_own, grown_other = (
             (
                 f", {g}× {memory[f'{g}x_own'] / 2**30:.2f} GiB",

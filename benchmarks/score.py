@@ -262,9 +262,8 @@ def measure(args: argparse.Namespace, root: Path) -> None:
         featurize(classifier.model, texts, batch_size=None, device=device, precision=args.precision)
         add("features path", time.perf_counter() - started, threads=torch.get_num_threads())
 
-    featurize(
-        classifier.model, texts[:8], batch_size=None, device=device, precision=args.precision
-    )  # warm-up
+    warm_up = texts[:8]
+    featurize(classifier.model, warm_up, batch_size=None, device=device, precision=args.precision)
     features_path()
 
     pyfunc, _ = load_registered(None)

@@ -30,7 +30,7 @@ def test_a_repeated_row_is_the_median_of_its_runs_with_each_run_kept(monkeypatch
     assert rows.timed["score (process pool)"] == [50.0, 70.0, 55.0]
 
 
-def test_fewer_than_one_repeat_is_refused_by_its_flag(
+def test_fewer_than_one_repeat_or_a_negative_grow_is_refused_by_its_flag(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     module = load_benchmark("score.py", "score_benchmark", monkeypatch)
