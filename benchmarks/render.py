@@ -287,6 +287,10 @@ def score_tables(results: dict[str, Any]) -> str:
     ]
     load = results["load_average"]
     memory, g = results["memory"], settings["grow"]
+
+    def grown(key: str) -> str:  # the peak at the larger input, where the run had one
+        return f", {g}× {memory[f'{g}x{key}'] / 2**30:.2f} GiB" if "memory_growth" in checks else ""
+
     lines = [
         f"{settings['rows']:,} IMDB test reviews ({settings['chars']:,} characters)"
         + (
@@ -319,26 +323,18 @@ def score_tables(results: dict[str, Any]) -> str:
             if "dask_vs_process_pool" in checks
             else ""
         )
-        + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB"
+        + f". Peak RSS (process and workers) 1× {memory['1x'] / 2**30:.2f} GiB{grown('')}"
         + (
-            f", {g}× {memory[f'{g}x'] / 2**30:.2f} GiB: {checks['memory_growth']:.2f}× (goal within 1.10×)."
+            f": {checks['memory_growth']:.2f}× (goal within 1.10×)."
             if "memory_growth" in checks
             else " (no larger input in this run)."
         ),
     ]
     if "1x_own" in memory:
-        grown_own, grown_other = (
-            (
-                f", {g}× {memory[f'{g}x_own'] / 2**30:.2f} GiB",
-                f", {g}× {memory[f'{g}x_largest_other'] / 2**30:.2f} GiB",
-            )
-            if "memory_growth" in checks
-            else ("", "")
-        )
         lines[-1] += (
-            f" Of which this process 1× {memory['1x_own'] / 2**30:.2f} GiB{grown_own};"
+            f" Of which this process 1× {memory['1x_own'] / 2**30:.2f} GiB{grown('_own')};"
             f" the largest other (a worker, or Prefect's server) 1× {memory['1x_largest_other'] / 2**30:.2f} GiB"
-            f"{grown_other}."
+            f"{grown('_largest_other')}."
         )
     each = [
         f"{label} {', '.join(f'{v:.2f}' for v in checks[key])}"

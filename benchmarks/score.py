@@ -155,27 +155,25 @@ class Rows:
         return len(runs)
 
 
-def score_grown(
-    args: argparse.Namespace, rows: list[dict[str, str]], root: Path, memory: dict[str, int]
-) -> float:
-    """Score the slice ``args.grow`` times over on the process pool, its peak memory into ``memory``;
-    the seconds it took."""
+def timed_score(
+    args: argparse.Namespace, data: Path, output: Path, runner: str
+) -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """``score`` of ``data`` into ``output`` (a new one: nothing skipped) on ``runner``, as the benchmark's
+    settings say: its seconds, its summary and the peak memory of this process and its children."""
     from flows.cli.score import run_score
 
-    grown = write_csv(root / f"imdb-slice-x{args.grow}.csv", rows, copies=args.grow, packed=args.gzip)
     started = time.perf_counter()
     with peak_rss() as peak:
-        run_score(
-            [str(grown)],
-            output=str(root / "out-grown"),
+        summary = run_score(
+            [str(data)],
+            output=str(output),
             piece_rows=args.piece_rows,
-            task_runner="process",
+            task_runner=runner,
             workers=args.workers,
             precision=args.precision,
             show_progress=False,
         )
-    memory.update(by_process(f"{args.grow}x", peak))
-    return time.perf_counter() - started
+    return time.perf_counter() - started, summary, peak
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,7 +229,6 @@ def measure(args: argparse.Namespace, root: Path) -> None:
     import torch
 
     from flows.cli.common import load_registered
-    from flows.cli.score import run_score
     from flows.runtime import prefect_api
     from models.features import default_device, featurize
     from tasks.score.scoring import PIECE_ROWS
@@ -278,18 +275,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
             if repeat:
                 features_path()
             for runner, name in runners:
-                started = time.perf_counter()
-                with peak_rss() as peak:
-                    summary = run_score(
-                        [str(data)],
-                        output=str(root / f"out-{runner}-{repeat}"),  # a new output: nothing skipped
-                        piece_rows=args.piece_rows,
-                        task_runner=runner,
-                        workers=args.workers,
-                        precision=args.precision,
-                        show_progress=False,
-                    )
-                seconds = time.perf_counter() - started
+                seconds, summary, peak = timed_score(args, data, root / f"out-{runner}-{repeat}", runner)
                 manifest = json.loads(Path(summary["manifest_uri"]).read_text())
                 assert summary["rows_out"] == len(rows), summary
                 add(
@@ -301,7 +287,11 @@ def measure(args: argparse.Namespace, root: Path) -> None:
                 )
                 if runner == "process" and not repeat:
                     memory.update(by_process("1x", peak))
-        grown_seconds = score_grown(args, rows, root, memory) if args.grow else None
+        grown_seconds = None
+        if args.grow:
+            grown = write_csv(root / f"imdb-slice-x{args.grow}.csv", rows, copies=args.grow, packed=args.gzip)
+            grown_seconds, _, peak = timed_score(args, grown, root / "out-grown", "process")
+            memory.update(by_process(f"{args.grow}x", peak))
     features = results[0]["rows_per_s"]
     for row in results:
         row["ratio_vs_features"] = row["rows_per_s"] / features
