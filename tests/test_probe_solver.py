@@ -221,6 +221,74 @@ def test_a_large_correlated_model_is_solved_by_exact_steps_where_sweeps_alone_st
     assert sweeps <= newton.MAX_SWEEPS // 2 and solved(d), sweeps
 
 
+def test_an_ill_conditioned_model_is_solved_by_the_active_set_method_where_sweeps_stop_at_their_cap() -> None:
+    # 300 columns of 8 shared factors with noise of 0.1 % and log-normal scales (σ = 2): a float64
+    # matrix of condition about 1e15, as a Newton step on cell states of a briefly trained 4,096-unit
+    # model meets at the large-C end, where every model stopped at the sweeps' cap.
+    rng = np.random.default_rng(0)
+    X = np.tanh(
+        rng.standard_normal((2000, 8)) @ rng.standard_normal((8, 300)) / 4
+        + 1e-3 * rng.standard_normal((2000, 300))
+    )
+    X *= rng.lognormal(0.0, 2.0, 300)
+    hessian = X.T @ X / 4
+    g = X.T @ (0.5 * rng.standard_normal(2000))
+    w, lam = np.zeros(300), np.full(300, 1e-4 * np.abs(g).max())
+    target = 1e-3 * np.abs(g).max()
+
+    def residual(d: np.ndarray) -> float:
+        return float(newton._residual(g + hessian @ d, w + d, lam).max())
+
+    swept, sweeps = newton._model_minimiser(hessian, g, w, lam, target)
+    assert sweeps == newton.MAX_SWEEPS and residual(swept) > 10 * target
+    d, solves = newton._active_set_minimiser(hessian, g, w, lam, target)
+    assert solves < newton.MAX_ACTIVE and residual(d) <= target, (solves, residual(d) / target)
+    assert newton._model_value(w + d, hessian @ d, g, w, lam) < 0.0  # below the start's: a descent
+
+
+def test_a_coordinate_the_active_set_step_moves_against_its_sign_stays_out() -> None:
+    # Two nearly equal columns, both violating optimality at zero with the same sign. Brought in
+    # together, the solve on those signs sends the second far negative: taken, that step raises the
+    # model, and with no other point on its segment the method would stop at the start. Left out, the
+    # first alone is a descent, and the model is solved.
+    hessian = np.array([[1.0, 0.999], [0.999, 1.0]])
+    g, w, lam = np.array([-1.0, -0.9]), np.zeros(2), np.full(2, 0.1)
+    target = 1e-9
+    d, solves = newton._active_set_minimiser(hessian, g, w, lam, target)
+    assert newton._residual(g + hessian @ d, w + d, lam).max() <= target, (d, solves)
+    np.testing.assert_allclose(d, [0.9, 0.0], atol=1e-9)  # the minimiser: the second at zero
+
+
+def test_a_model_the_sweeps_cannot_solve_makes_the_rest_of_the_path_float64_and_active_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first model stops at the sweeps' cap: it and every later one, at this C and the larger ones
+    # after, are solved on a float64 matrix by the active-set method, and the path still ends at
+    # liblinear's objective.
+    data = _badly_scaled(64, (400, 50, 50))
+    sweeps_on: list[np.dtype] = []
+    active_on: list[np.dtype] = []
+    sweep, active = newton._model_minimiser, newton._active_set_minimiser
+
+    def capped_once(hessian: np.ndarray, *args: object, **kwargs: object) -> tuple[np.ndarray, int]:
+        sweeps_on.append(hessian.dtype)
+        d, sweeps = sweep(hessian, *args, **kwargs)  # type: ignore[arg-type]
+        return d, newton.MAX_SWEEPS if len(sweeps_on) == 1 else sweeps
+
+    def watched(hessian: np.ndarray, *args: object, **kwargs: object) -> tuple[np.ndarray, int]:
+        active_on.append(hessian.dtype)
+        return active(hessian, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(newton, "_model_minimiser", capped_once)
+    monkeypatch.setattr(newton, "_active_set_minimiser", watched)
+    Cs = (0.25, 1.0, 4.0)
+    ours = _fit(data, "newton", Cs)
+    assert sweeps_on == [np.float32]  # the first model only: never swept again along the path
+    assert len(active_on) >= len(Cs) and set(active_on) == {np.dtype(np.float64)}
+    assert all(p.converged for p in ours.sweep)
+    _assert_objectives_at_most_liblinears(ours, _fit(data, "liblinear", Cs))
+
+
 def test_an_exact_step_whose_signs_would_flip_keeps_the_projected_whole_step_where_it_is_lower() -> None:
     # A separable model (hessian 2·I): its minimiser on the non-negative orthant is the unconstrained
     # one with the negative coordinates set to zero. The whole step, projected, lands there at once;
@@ -328,7 +396,16 @@ def test_a_pass_whose_line_search_finds_no_descent_ends_the_C_unconverged(
     XT = torch.from_numpy(np.ascontiguousarray(X.T))
     monkeypatch.setattr(newton, "_model_minimiser", lambda hessian, g, w, lam, target, **_: (g.copy(), 0))
     w_H, b, _, steps, converged = newton._solve(
-        XT, XT.double(), s_N, np.zeros(20), 0.0, torch.zeros(500, dtype=torch.float64), 0.01, 1e-6, 50
+        XT,
+        XT.double(),
+        s_N,
+        np.zeros(20),
+        0.0,
+        torch.zeros(500, dtype=torch.float64),
+        0.01,
+        1e-6,
+        50,
+        newton._LazyHessian(),
     )
     assert not converged and steps == 1, steps
     assert not w_H.any() and b == 0.0
