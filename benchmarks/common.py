@@ -221,24 +221,34 @@ def precision_line(row: dict[str, Any], first: dict[str, Any]) -> str:
     )
 
 
-def tightened_line(row: dict[str, Any]) -> str:
-    """The sentence for a probe row whose answer parted from liblinear's and for which liblinear was
-    refitted at a tight tolerance (``liblinear_tightened``): per C its objective beside both sweeps',
-    its dev and test accuracy, and the C its dev accuracy picks. The benchmark's output and the rendered
-    page say the same."""
-    tight = row["liblinear_tightened"]
+# A probe row's refits at a tight tolerance, where its answer parted from liblinear's: each a sentence.
+TIGHTENED = ("liblinear_tightened", "solver_tightened")
+
+
+def tightened_line(row: dict[str, Any], key: str = "liblinear_tightened") -> str:
+    """The sentence for a probe row whose answer parted from liblinear's, refitted at a tight tolerance at
+    both chosen C: liblinear (``liblinear_tightened``) or the row's solver (``solver_tightened``, along its
+    path). Per C its objective beside both sweeps', its dev and test accuracy, and the C its dev accuracy
+    picks. The benchmark's output and the rendered page say the same."""
+    tight = row[key]
+    who, default = (
+        ("liblinear", "1e-4") if key == "liblinear_tightened" else (row["solver"], tight["default_tol"])
+    )
     if "skipped" in tight:
-        return f"{row['case']}: liblinear not refitted at tol {tight['tol']:g} at the two chosen C: {tight['skipped']}."
+        return f"{row['case']}: {who} not refitted at tol {tight['tol']:g} at the two chosen C: {tight['skipped']}."
     sweep = {p["C"]: p for p in row["per_C"]}
     parts = [
         f"C = {p['C']:g}: objective {p['objective']:.9g} (liblinear's sweep {sweep[p['C']]['objective'][0]:.9g}, "
         f"{row['solver']}'s {sweep[p['C']]['objective'][1]:.9g}), dev {p['dev_accuracy']}, test {p['test_accuracy']}"
         for p in tight["per_C"]
     ]
+    other, other_C = (row["solver"], row["C"][1]) if who == "liblinear" else ("liblinear", row["C"][0])
     return (
-        f"{row['case']}: liblinear refitted at tol {tight['tol']:g} (its default 1e-4) at the two chosen C: "
+        f"{row['case']}: {who} refitted at tol {tight['tol']:g} (its default {default})"
+        + ("" if who == "liblinear" else " along its path")
+        + " at the two chosen C: "
         + "; ".join(parts)
-        + f"; its dev accuracy picks C = {tight['C']:g} ({row['solver']} chose {row['C'][1]:g})."
+        + f"; its dev accuracy picks C = {tight['C']:g} ({other} chose {other_C:g})."
     )
 
 

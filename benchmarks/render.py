@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import REPO, RESULTS, describe, precision_line, probe_goal_misses, tightened_line
+from common import REPO, RESULTS, TIGHTENED, describe, precision_line, probe_goal_misses, tightened_line
 
 TEMPLATE = REPO / "benchmarks" / "benchmarks.md.in"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -447,7 +447,7 @@ def probe_tables(results: dict[str, Any]) -> str:
             f"C; the speed-up applies to {'; '.join(applies) or 'no case of this run'}: "
             + ("met." if not failed else f"not met for {'; '.join(failed)}.")
         )
-    parts += [tightened_line(r) for r in results["rows"] if "liblinear_tightened" in r]
+    parts += [tightened_line(r, key) for r in results["rows"] for key in TIGHTENED if key in r]
     source = results.get("liblinear_source") or {}
     if source_path(results):  # --liblinear-from: the baseline ran elsewhere, earlier
         parts.insert(

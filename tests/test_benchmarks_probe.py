@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 from conftest import load_benchmark
 
@@ -71,6 +73,45 @@ def test_liblinear_refitted_tighter_reaches_newtons_objective_and_the_line_says_
         "--tighten-max-seconds 120."
     )
     assert "per_C" in probe.tightened_liblinear(splits, list(Cs), base, max_seconds=2000)
+
+
+def test_newton_refitted_tighter_along_its_path_gives_each_chosen_C_and_the_line_says_so(
+    probe: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where liblinear's refit would take hours (real 4,096-wide cell states), newton's takes seconds: its
+    # answer at both chosen C, at a tolerance 10⁴ times its default, along the path up to the larger.
+    from tasks.transfer.probe import fit_probe
+
+    splits = probe.cell_state_like((800, 200, 200), 64, scales="lognormal-2", noise=0.05)
+    Cs = (0.25, 0.5, 1.0, 2.0)
+    lib, new = (
+        fit_probe(*splits[0], *splits[1], *splits[2], Cs=Cs, solver=s) for s in ("liblinear", "newton")
+    )
+    row = probe.row_of(
+        probe.parse_case("sst:64:lognormal-2:0.05"), "newton", probe.baseline_of(lib, 1.0), new, 0.5, 1
+    )
+    paths: list[tuple[tuple[float, ...], float]] = []
+    path = probe.newton.l1_logistic_path
+
+    def watched(X: np.ndarray, y: np.ndarray, Cs: tuple[float, ...], **kwargs: Any) -> Any:
+        paths.append((Cs, kwargs["tol"]))
+        return path(X, y, Cs, **kwargs)
+
+    monkeypatch.setattr(probe.newton, "l1_logistic_path", watched)
+    row["solver_tightened"] = tight = probe.tightened_newton(splits, Cs, [1.0, 0.25], "cpu")
+    assert paths == [((0.25, 0.5, 1.0), 1e-7)]  # from the smallest C, warm-started, not past the larger
+    assert [p["C"] for p in tight["per_C"]] == [0.25, 1.0]
+    ours = {p.C: p.objective for p in new.sweep}
+    for p in tight["per_C"]:
+        assert p["converged"] and abs(p["objective"] - ours[p["C"]]) <= 1e-6 * ours[p["C"]]
+    best = max(p["dev_accuracy"] for p in tight["per_C"])
+    assert tight["C"] == min(p["C"] for p in tight["per_C"] if p["dev_accuracy"] == best)
+    line = probe.tightened_line(row, "solver_tightened")
+    assert line.startswith(
+        "sst-sized × 64, lognormal-2 scales, noise 0.05: newton refitted at tol 1e-07 (its default 0.001) "
+        "along its path at the two chosen C: C = 0.25: objective "
+    )
+    assert line.endswith(f"; its dev accuracy picks C = {tight['C']:g} (liblinear chose {lib.C:g}).")
 
 
 @pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values

@@ -101,7 +101,7 @@ EXACT_EVERY, EXACT_CHEAP_BELOW = (10, 20), 500
 ROUNDING = 0.1  # sums in float64 where float32's rounding of the gradient exceeds this share of the tolerance
 WHOLE_ABOVE = 0.25  # float64 working sets wider than this share of the features are not gathered
 RIDGE_TRIES = 8  # tenfold ridges tried on an exact step: up to the mean of its diagonal
-MAX_ACTIVE = 100  # steps of the active-set method on one float64 model
+MAX_ACTIVE = 100  # Cholesky solves of the active-set method on one float64 model
 
 
 def l1_logistic_path(
