@@ -12,6 +12,11 @@ RSS; a last line says whether issue 27's goal holds (on a CPU): newton ≥ 10× 
 ≥ 5× on IMDB-sized cases at 4,096 features, the same C or a dev tie, test within 0.5 point, no
 objective above liblinear's.
 
+Where a solver's answer parts from liblinear's (neither its C nor a dev tie, or test over 0.5 point away),
+liblinear is refitted at tol 1e-8 at both chosen C (unless its own fit at one of them took longer than
+``--tighten-max-seconds``) and newton along its path at tol 1e-7, 10⁴ times its default: each refit's
+objective and accuracies at both C, and the C its dev accuracy picks, say whose answer is the minimiser's.
+
 Cases, ``ROWS:WIDTH[:SCALES[:NOISE]]``: synthetic features built like cell states, a ``WIDTH``-wide tanh
 of 64 shared latent factors plus independent noise of ``NOISE`` (default 0.5; 0.05 leaves the columns
 strongly correlated), each column then scaled: ``uniform`` in [0.2, 3] (the default: well conditioned),
