@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ from common import (
 
 from models.config import PRESETS
 from tasks.transfer.probe import ProbeResult, SweepPoint, accuracy, fit_probe, objective
-from tasks.transfer.solvers import SOLVERS, Solver, liblinear, newton
+from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, liblinear, newton
 
 ROWS = {"sst": (6920, 872, 1821), "imdb": (22500, 2500, 25000)}
 LATENT = 64  # shared factors behind every column: the features' correlation
@@ -292,32 +293,33 @@ def tightened_liblinear(
                 "skipped": f"liblinear's own fit at C = {slow[-1]:g} took {took[slow[-1]]:,.0f} s at its default "
                 f"tolerance, past --tighten-max-seconds {max_seconds:g}",
             }
-    (X_tr, y_tr), (X_dev, y_dev), (X_te, y_te) = splits
-    per_C = [
-        {
-            "C": p.C,
-            "objective": objective(p.coef, p.intercept, X_tr, y_tr, p.C),
-            "nonzero": int(np.count_nonzero(p.coef)),
-            "dev_accuracy": round(accuracy(p.coef, p.intercept, X_dev, y_dev), 4),
-            "test_accuracy": round(accuracy(p.coef, p.intercept, X_te, y_te), 4),
-        }
-        for p in liblinear.l1_logistic_path(
-            X_tr, y_tr, tuple(sorted(set(Cs))), tol=TIGHT_TOL, max_iter=100_000
-        )
-    ]
-    best = max(p["dev_accuracy"] for p in per_C)
-    return {"tol": TIGHT_TOL, "per_C": per_C, "C": next(p["C"] for p in per_C if p["dev_accuracy"] == best)}
+    return refits(
+        splits,
+        liblinear.l1_logistic_path(*splits[0], tuple(sorted(set(Cs))), tol=TIGHT_TOL, max_iter=100_000),
+        TIGHT_TOL,
+    )
 
 
 def tightened_newton(
     splits: Splits, Cs: tuple[float, ...], chosen: list[float], device: str
 ) -> dict[str, Any]:
-    """newton refitted with SOLVER_TIGHT_TOL along the sweep's path up to the larger of ``chosen``: at
-    each chosen C its objective, non-zero count, dev and test accuracy (as ``tightened_liblinear``), and
-    which C a dev argmax over them picks (ties: the smaller). Seconds where liblinear's refit is hours."""
-    (X_tr, y_tr), (X_dev, y_dev), (X_te, y_te) = splits
+    """newton refitted with SOLVER_TIGHT_TOL along the sweep's path up to the larger of ``chosen``, at
+    each chosen C (as ``tightened_liblinear``, and its default tolerance): seconds where liblinear's
+    refit is hours."""
     wanted = sorted(set(chosen))
-    path = tuple(C for C in Cs if wanted[-1] >= C)
+    largest = wanted[-1]
+    path = newton.l1_logistic_path(
+        *splits[0], tuple(C for C in Cs if largest >= C), device=device, tol=SOLVER_TIGHT_TOL
+    )
+    return refits(splits, (p for p in path if p.C in wanted), SOLVER_TIGHT_TOL) | {
+        "default_tol": f"{newton.TOL:g}"
+    }
+
+
+def refits(splits: Splits, points: Iterable[PathPoint], tol: float) -> dict[str, Any]:
+    """Each refitted probe's objective (as the rows keep it), non-zero count, dev and test accuracy and
+    whether it converged, and which C a dev argmax over them picks (ties: the smaller)."""
+    (X_tr, y_tr), (X_dev, y_dev), (X_te, y_te) = splits
     per_C = [
         {
             "C": p.C,
@@ -327,16 +329,10 @@ def tightened_newton(
             "test_accuracy": round(accuracy(p.coef, p.intercept, X_te, y_te), 4),
             "converged": p.converged,
         }
-        for p in newton.l1_logistic_path(X_tr, y_tr, path, device=device, tol=SOLVER_TIGHT_TOL)
-        if p.C in wanted
+        for p in points
     ]
     best = max(p["dev_accuracy"] for p in per_C)
-    return {
-        "tol": SOLVER_TIGHT_TOL,
-        "default_tol": f"{newton.TOL:g}",
-        "per_C": per_C,
-        "C": next(p["C"] for p in per_C if p["dev_accuracy"] == best),
-    }
+    return {"tol": tol, "per_C": per_C, "C": next(p["C"] for p in per_C if p["dev_accuracy"] == best)}
 
 
 def row_of(
