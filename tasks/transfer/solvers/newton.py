@@ -55,8 +55,8 @@ which the sweeps above and the lazy Hessian had made it no faster than liblinear
   every larger C after, nearer separability. On cell states of a briefly trained 4,096-unit model the
   matrices' eigenvalues span 10¹⁰ (4e-4 beside 1.2e7), and from C = 2^-3 on a model now and then,
   at C = 4 168 of 171, stopped at the cap 10 to 100 times short of its target: that C took 171 Newton
-  steps and 27 s, against 13 steps and 1.2 s now. Features conditioned as the synthetic cases are never reach
-  the cap, and keep the float32 sweeps: on the hardest (σ = 2 scales, noise 0.05), float64 and the
+  steps and 27 s, against 13 steps and 1.2 s now. None of the benchmark's 11 synthetic cases reaches
+  the cap, so they keep the float32 sweeps: on the hardest (σ = 2 scales, noise 0.05), float64 and the
   active-set method from the start took 8 times as long.
 - Each C after the second starts from the previous two solutions' line, continued in log C, where
   that lowers the objective: at the large-C end the solutions move far from one C to the next, and
