@@ -293,8 +293,7 @@ def _newton(
         if not hessian.exact:
             d_W, sweeps = _model_minimiser(matrix, g_W, u_W, lam_W, model_target)
             if sweeps >= MAX_SWEEPS:  # past float32 and coordinate descent: float64 and exact steps
-                hessian.exact = True
-                hessian.forget()
+                hessian.go_exact()
                 matrix = hessian.on(XT_WN, W, D_N)
         if hessian.exact:
             d_W, _ = _active_set_minimiser(matrix, g_W, u_W, lam_W, model_target)
@@ -322,10 +321,10 @@ class _LazyHessian:
     """X_Wᵀ diag(D) X_W for the working set W, the intercept's row and column last: D is fixed at the
     first call, and a later W reuses the rows it shares with the last one.
 
-    Float32, or float64 once ``exact`` is set (then ``forget``, so the next call rebuilds it): cell
-    states of a briefly trained 4,096-unit model near separability give matrices whose eigenvalues
-    span 10¹⁰ (4e-4 beside 1.2e7, hundreds of them below float32's resolution of the largest), and the
-    float32 matrix there is indefinite noise in most directions."""
+    Float32, or float64 from ``go_exact`` on (the next call rebuilds it): cell states of a briefly
+    trained 4,096-unit model near separability give matrices whose eigenvalues span 10¹⁰ (4e-4 beside
+    1.2e7, hundreds of them below float32's resolution of the largest), and the float32 matrix there
+    is indefinite noise in most directions."""
 
     def __init__(self) -> None:
         self.D_N: torch.Tensor | None = None
@@ -336,6 +335,11 @@ class _LazyHessian:
     def forget(self) -> None:
         """The next call builds the whole matrix again, with that call's weights."""
         self.D_N = None
+
+    def go_exact(self) -> None:
+        """Float64 from the next call on, which builds the whole matrix again."""
+        self.exact = True
+        self.forget()
 
     def on(self, XT_WN: torch.Tensor, W: np.ndarray, D_N: torch.Tensor) -> np.ndarray:
         if self.D_N is not None and np.array_equal(W, self.W):
