@@ -458,12 +458,14 @@ def main() -> None:
             with peak_rss() as memory:
                 fast_s, fast = timed(splits, solver, Cs, device)
             rows.append(row_of(case, solver, base, fast, fast_s, memory["peak"]))
-            if not rows[-1]["goal"]["same_answer"] and case.name not in recorded:
-                rows[-1]["liblinear_tightened"] = tightened_liblinear(
-                    splits, [base["C"], fast.C], base, args.tighten_max_seconds
-                )
-            if not rows[-1]["goal"]["same_answer"] and solver == "newton":
-                rows[-1]["solver_tightened"] = tightened_newton(splits, Cs, [base["C"], fast.C], device)
+            if not rows[-1]["goal"]["same_answer"]:
+                chosen = [base["C"], fast.C]
+                if case.name not in recorded:
+                    rows[-1]["liblinear_tightened"] = tightened_liblinear(
+                        splits, chosen, base, args.tighten_max_seconds
+                    )
+                if solver == "newton":
+                    rows[-1]["solver_tightened"] = tightened_newton(splits, Cs, chosen, device)
     goal = next((r for r in rows if r["case"] == GOAL_CASE and r["solver"] == "newton"), None)
     goals = {
         "case": GOAL_CASE,
