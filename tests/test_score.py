@@ -243,6 +243,33 @@ def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
 
 
 @pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
+def test_an_auto_output_begun_on_a_gpu_reads_its_other_pieces_in_bf16_on_a_cpu(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+) -> None:
+    """auto is bf16 on a GPU and fp32 on a CPU: an output whose first piece a GPU scored (its
+    ``precision.json``) reads its other pieces in bf16 on a CPU too, the scores `--precision bf16`
+    gives, so one output never holds two dtypes' scores; the manifest says which."""
+    from tasks.score.scoring import describe_inputs, plan_scoring
+    from tasks.score.tracking import resolve_model
+    from tasks.settings import get_settings
+
+    output = str(tmp_path / "out")
+    files = describe_inputs([str(imdb_slice)])
+    model = resolve_model(None, get_settings())
+    auto = plan_scoring(files, output, model, piece_rows=PIECE_ROWS)
+    Path(auto.output).mkdir(parents=True)
+    (Path(auto.output) / "precision.json").write_text(json.dumps({"precision": "auto", "dtype": "bf16"}))
+    summary = _score([str(imdb_slice)], output)
+    assert summary["output"] == auto.output and summary["pieces_scored"] == 4, summary
+    manifest = json.loads((Path(auto.output) / "manifest.json").read_text())
+    assert (manifest["precision"], manifest["dtype"]) == ("auto", "bf16")
+    bf16 = _score([str(imdb_slice)], output, precision="bf16")["output"]
+    assert bf16 != auto.output
+    in_auto, in_bf16 = (_parts(out).sort_by("input_row") for out in (auto.output, bf16))
+    np.testing.assert_array_equal(in_auto.column("probability"), in_bf16.column("probability"))
+
+
+@pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
 def test_bf16_scores_go_to_an_output_of_their_own_near_fp32_s(
     champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
 ) -> None:
@@ -260,11 +287,12 @@ def test_bf16_scores_go_to_an_output_of_their_own_near_fp32_s(
     assert bf16.scoring_id != auto.scoring_id
     with pytest.raises(ValueError, match="precision 'fp8' is not one of auto, bf16, fp16, fp32"):
         plan_scoring(files, output, model, precision="fp8")
-    score_piece(auto, auto.pieces[0])
+    assert score_piece(auto, auto.pieces[0])["dtype"] == "fp32"  # auto on a CPU, claimed for the output
+    assert json.loads((Path(auto.output) / "precision.json").read_text())["dtype"] == "fp32"
     summary = _score([str(imdb_slice)], output, precision="bf16")
     assert summary["output"] == bf16.output and summary["pieces_scored"] == 4, summary
     manifest = json.loads((Path(bf16.output) / "manifest.json").read_text())
-    assert manifest["precision"] == "bf16"
+    assert (manifest["precision"], manifest["dtype"]) == ("bf16", "bf16")
     fp32 = _parts(auto.output).sort_by("input_row")
     rows = set(fp32.column("input_row").to_pylist())
     in_bf16 = _parts(bf16.output).filter(pc.is_in(pc.field("input_row"), pa.array(sorted(rows))))

@@ -7,6 +7,8 @@ settings; another champion or other inputs give another folder, so versions neve
                                   label, sentiment_unit, model_version
     rejected/part-NNNNN.parquet   the piece's rows that could not be scored, with the reason
     pieces/NNNNN.json             written after both: the piece is done (its rows, checksums, labels)
+    precision.json                under ``--precision auto``: the dtype its first scored piece read in,
+                                  which every later piece reads in (``output_dtype``)
     manifest.json                 written last: rows in and out, rejects, checksums, model, inputs
 
 Every file is published atomically (``Store.writer``) and the manifest last, so a reader that finds
@@ -24,6 +26,7 @@ Within a part file rows keep their input order (``input_row``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -60,6 +63,7 @@ PIECE_ROWS = 1024  # rows per piece: the unit of parallel work and of resuming
 # whole window (a worker keeps the last one read), so this bounds a worker's memory: 16 × 1,024 IMDB
 # reviews are 21 MB of text.
 WINDOW_PIECES = 16
+PRECISION_KEY = "precision.json"  # the dtype an auto output's pieces read in, claimed by its first
 HISTOGRAM_BINS = 20  # of P(positive) over [0, 1], summed from the pieces for the run's plot
 OWN_COLUMNS = ("input_file", "input_row", "probability", "label", "sentiment_unit", "model_version", "reason")
 
@@ -321,6 +325,28 @@ def piece_done(plan: Plan, piece: Piece) -> dict[str, Any] | None:
     return json.loads(store.read_bytes(key)) if store.exists(key) else None
 
 
+def output_dtype(plan: Plan, device: Any) -> str:
+    """The dtype this piece reads in: an explicit precision's own (it names its own output); under
+    ``auto``, the one its output's first scored piece resolved auto to on its device, claimed in
+    ``precision.json`` (``Store.create``: one writer wins). ``auto`` is bf16 on a GPU and fp32 on a CPU,
+    so without the claim a run resumed on another kind of machine, or a cluster of CPU and GPU workers,
+    would mix two dtypes' scores in one output."""
+    from models.precision import PRECISION_NAMES, resolve_precision
+
+    if plan.precision != "auto":
+        return plan.precision
+    store = plan.store()
+    own = PRECISION_NAMES[resolve_precision("auto", device)]
+    if store.create(PRECISION_KEY, json.dumps({"precision": "auto", "dtype": own}).encode()):
+        return own
+    # A local store's claim is its file created, then written: another worker may read it in between.
+    for _ in range(100):
+        with contextlib.suppress(json.JSONDecodeError):
+            return str(json.loads(store.read_bytes(PRECISION_KEY))["dtype"])
+        time.sleep(0.05)
+    raise InputError(f"{store.url(PRECISION_KEY)}: not the dtype record a scoring run writes")
+
+
 def score_piece(
     plan: Plan,
     piece: Piece,
@@ -372,6 +398,7 @@ def score_piece(
     kept = [t for t in texts if t is not None]
     classifier = _classifier(plan.model.folder, plan.model.weights_sha256)
     device = _device()
+    dtype = output_dtype(plan, device)
     if hasattr(classifier, "coef_H"):  # a probe on the frozen features
         memory_bytes = (
             None if memory_budget is None else batch_memory(device, workers=workers, budget=memory_budget)
@@ -383,13 +410,13 @@ def score_piece(
             device=device,
             on_batch=on_batch,
             memory_bytes=memory_bytes,
-            precision=plan.precision,
+            precision=dtype,
         )
         p_N = probability(features_NH, classifier.coef_H, classifier.intercept)
         unit_N = features_NH[:, plan.model.unit]
     else:  # fine-tuned: its own pooling and head; no sentiment unit to report
         classifier.model.to(device)
-        p_N = classifier.predict_proba(kept, batch_size=batch_size or 64, precision=plan.precision)
+        p_N = classifier.predict_proba(kept, batch_size=batch_size or 64, precision=dtype)
         unit_N = np.full(len(kept), np.nan, dtype=np.float32)
         if on_batch is not None:
             on_batch(len(kept), sum(len(t) for t in kept))
@@ -429,6 +456,7 @@ def score_piece(
         "rows_in": len(taken_N),
         "rows_out": len(kept),
         "rejected": int((~good).sum()),
+        "dtype": dtype,
         "reasons": dict(Counter(r.split(" at byte")[0] for r in reasons if r is not None)),
         "chars": sum(len(t) for t in kept),
         "labels": {label: labels.count(label) for label in LABELS},
@@ -476,6 +504,8 @@ def build_manifest(plan: Plan, records: list[dict[str, Any]], seconds: float) ->
         "text_column": plan.text_column,
         "id_columns": list(plan.id_columns),
         "precision": plan.precision,
+        # What the pieces read in (auto resolved); pieces scored before records held it say nothing.
+        "dtype": ", ".join(sorted({r["dtype"] for r in records if "dtype" in r})) or None,
         # A file's row offsets are how to read it, not what was read: the manifest names inputs as before.
         "inputs": [{k: v for k, v in asdict(f).items() if k != "offsets"} for f in plan.files],
         "rows_in": sum(f.rows for f in plan.files),
