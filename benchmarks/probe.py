@@ -319,9 +319,8 @@ def tightened_newton(
     each chosen C (as ``tightened_liblinear``, and its default tolerance): seconds where liblinear's
     refit is hours."""
     wanted = sorted(set(chosen))
-    largest = wanted[-1]
-    path = newton.l1_logistic_path(
-        *splits[0], tuple(C for C in Cs if largest >= C), device=device, tol=SOLVER_TIGHT_TOL
+    path = newton.l1_logistic_path(  # Cs ascend: the path from the smallest to the larger chosen C
+        *splits[0], Cs[: Cs.index(wanted[-1]) + 1], device=device, tol=SOLVER_TIGHT_TOL
     )
     return refits(splits, (p for p in path if p.C in wanted), SOLVER_TIGHT_TOL) | {
         "default_tol": f"{newton.TOL:g}"
