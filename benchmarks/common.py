@@ -228,8 +228,8 @@ TIGHTENED = ("liblinear_tightened", "solver_tightened")
 def tightened_line(row: dict[str, Any], key: str = "liblinear_tightened") -> str:
     """The sentence for a probe row whose answer parted from liblinear's, refitted at a tight tolerance at
     both chosen C: liblinear (``liblinear_tightened``) or the row's solver (``solver_tightened``, along its
-    path). Per C its objective beside both sweeps', its dev and test accuracy, and the C its dev accuracy
-    picks. The benchmark's output and the rendered page say the same."""
+    path). Per C its objective, how far above the minimum it can be (its duality gap, relative), both
+    sweeps' objectives, its dev and test accuracy, and the C its dev accuracy picks. The benchmark's output and the rendered page say the same."""
     tight = row[key]
     who, default = (
         ("liblinear", "1e-4") if key == "liblinear_tightened" else (row["solver"], tight["default_tol"])
@@ -238,8 +238,11 @@ def tightened_line(row: dict[str, Any], key: str = "liblinear_tightened") -> str
         return f"{row['case']}: {who} not refitted at tol {tight['tol']:g} at the two chosen C: {tight['skipped']}."
     sweep = {p["C"]: p for p in row["per_C"]}
     parts = [
-        f"C = {p['C']:g}: objective {p['objective']:.9g} (liblinear's sweep {sweep[p['C']]['objective'][0]:.9g}, "
-        f"{row['solver']}'s {sweep[p['C']]['objective'][1]:.9g}), dev {p['dev_accuracy']}, test {p['test_accuracy']}"
+        f"C = {p['C']:g}: objective {p['objective']:.9g}"
+        # Records before the certificate have none.
+        + (f" (within {p['duality_gap']:.1e} of the minimum: its duality gap)" if "duality_gap" in p else "")
+        + f" (liblinear's sweep {sweep[p['C']]['objective'][0]:.9g}, {row['solver']}'s "
+        f"{sweep[p['C']]['objective'][1]:.9g}), dev {p['dev_accuracy']}, test {p['test_accuracy']}"
         for p in tight["per_C"]
     ]
     other, other_C = (row["solver"], row["C"][1]) if who == "liblinear" else ("liblinear", row["C"][0])

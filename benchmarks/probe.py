@@ -71,7 +71,7 @@ from common import (
 )
 
 from models.config import PRESETS
-from tasks.transfer.probe import ProbeResult, SweepPoint, accuracy, fit_probe, objective
+from tasks.transfer.probe import ProbeResult, SweepPoint, accuracy, duality_gap, fit_probe, objective
 from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, liblinear, newton
 
 ROWS = {"sst": (6920, 872, 1821), "imdb": (22500, 2500, 25000)}
@@ -328,13 +328,16 @@ def tightened_newton(
 
 
 def refits(splits: Splits, points: Iterable[PathPoint], tol: float) -> dict[str, Any]:
-    """Each refitted probe's objective (as the rows keep it), non-zero count, dev and test accuracy and
-    whether it converged, and which C a dev argmax over them picks (ties: the smaller)."""
+    """Each refitted probe's objective (as the rows keep it) and its duality gap (relative), non-zero count,
+    dev and test accuracy and whether it converged, and which C a dev argmax over them picks (ties: the
+    smaller)."""
     (X_tr, y_tr), (X_dev, y_dev), (X_te, y_te) = splits
     per_C = [
         {
             "C": p.C,
-            "objective": objective(p.coef, p.intercept, X_tr, y_tr, p.C),
+            "objective": (value := objective(p.coef, p.intercept, X_tr, y_tr, p.C)),
+            # Relative: how far above the minimum this objective can be, whichever solver stopped where.
+            "duality_gap": duality_gap(p.coef, p.intercept, X_tr, y_tr, p.C) / abs(value),
             "nonzero": int(np.count_nonzero(p.coef)),
             "dev_accuracy": round(accuracy(p.coef, p.intercept, X_dev, y_dev), 4),
             "test_accuracy": round(accuracy(p.coef, p.intercept, X_te, y_te), 4),

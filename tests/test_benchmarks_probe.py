@@ -104,6 +104,7 @@ def test_newton_refitted_tighter_along_its_path_gives_each_chosen_C_and_the_line
     ours = {p.C: p.objective for p in new.sweep}
     for p in tight["per_C"]:
         assert p["converged"] and abs(p["objective"] - ours[p["C"]]) <= 1e-6 * ours[p["C"]]
+        assert 0 <= p["duality_gap"] <= 1e-8  # certified: the minimum, to that (relative)
     best = max(p["dev_accuracy"] for p in tight["per_C"])
     assert tight["C"] == min(p["C"] for p in tight["per_C"] if p["dev_accuracy"] == best)
     line = probe.tightened_line(row, "solver_tightened")
@@ -112,6 +113,7 @@ def test_newton_refitted_tighter_along_its_path_gives_each_chosen_C_and_the_line
         "along its path at the two chosen C: C = 0.25: objective "
     )
     assert line.endswith(f"; its dev accuracy picks C = {tight['C']:g} (liblinear chose {lib.C:g}).")
+    assert f"within {tight['per_C'][0]['duality_gap']:.1e} of the minimum: its duality gap" in line
 
 
 @pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values

@@ -457,6 +457,28 @@ def test_an_extrapolated_start_that_would_raise_the_objective_is_refused() -> No
     assert backwards is start
 
 
+def test_the_duality_gap_bounds_how_far_a_probe_is_above_the_minimum(data: Data) -> None:
+    """``duality_gap``: about 0 near the minimiser (liblinear at tol 1e-8), and at a probe stopped short
+    (tol 1e-2) at least how far its objective is above the minimum, so above the tight fit's: a bound that
+    holds for any solver's answer."""
+    from sklearn.linear_model import LogisticRegression
+
+    from tasks.transfer.probe import duality_gap, objective
+
+    X, y = data["train"]
+    for C in (0.01, 0.1, 1.0):
+        fits = [
+            LogisticRegression(C=C, l1_ratio=1.0, solver="liblinear", tol=tol, max_iter=100_000).fit(X, y)
+            for tol in (1e-8, 1e-2)
+        ]
+        (best, best_gap), (short, short_gap) = (
+            (objective(*args, X, y, C), duality_gap(*args, X, y, C))
+            for args in ((f.coef_.ravel().astype(np.float64), float(f.intercept_[0])) for f in fits)
+        )
+        assert 0 <= best_gap <= 1e-6 * best, (C, best_gap)
+        assert short_gap >= short - best > 0, (C, short, best, short_gap)
+
+
 def test_an_unknown_solver_is_refused(data: Data) -> None:
     with pytest.raises(ValueError, match="solver must be one of liblinear, newton, torch"):
         _fit(data, "saga")
