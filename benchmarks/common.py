@@ -238,10 +238,14 @@ def tightened_line(row: dict[str, Any], key: str = "liblinear_tightened") -> str
         return f"{row['case']}: {who} not refitted at tol {tight['tol']:g} at the two chosen C: {tight['skipped']}."
     sweep = {p["C"]: p for p in row["per_C"]}
     parts = [
-        f"C = {p['C']:g}: objective {p['objective']:.9g}"
+        f"C = {p['C']:g}: objective {p['objective']:.9g} ("
         # Records before the certificate have none.
-        + (f" (within {p['duality_gap']:.1e} of the minimum: its duality gap)" if "duality_gap" in p else "")
-        + f" (liblinear's sweep {sweep[p['C']]['objective'][0]:.9g}, {row['solver']}'s "
+        + (
+            f"at most {p['duality_gap']:.1e} above the minimum: its duality gap; "
+            if "duality_gap" in p
+            else ""
+        )
+        + f"liblinear's sweep {sweep[p['C']]['objective'][0]:.9g}, {row['solver']}'s "
         f"{sweep[p['C']]['objective'][1]:.9g}), dev {p['dev_accuracy']}, test {p['test_accuracy']}"
         for p in tight["per_C"]
     ]
