@@ -229,7 +229,8 @@ def tightened_line(row: dict[str, Any], key: str = "liblinear_tightened") -> str
     """The sentence for a probe row whose answer parted from liblinear's, refitted at a tight tolerance at
     both chosen C: liblinear (``liblinear_tightened``) or the row's solver (``solver_tightened``, along its
     path). Per C its objective, how far above the minimum it can be (its duality gap, relative), both
-    sweeps' objectives, its dev and test accuracy, and the C its dev accuracy picks. The benchmark's output and the rendered page say the same."""
+    sweeps' objectives, its dev and test accuracy, and the C its dev accuracy picks. The benchmark's
+    output and the rendered page say the same."""
     tight = row[key]
     who, default = (
         ("liblinear", "1e-4") if key == "liblinear_tightened" else (row["solver"], tight["default_tol"])

@@ -63,7 +63,7 @@ PIECE_ROWS = 1024  # rows per piece: the unit of parallel work and of resuming
 # whole window (a worker keeps the last one read), so this bounds a worker's memory: 16 × 1,024 IMDB
 # reviews are 21 MB of text.
 WINDOW_PIECES = 16
-PRECISION_KEY = "precision.json"  # the dtype an auto output's pieces read in, claimed by its first
+PRECISION_KEY = "precision.json"  # an auto output's dtype, claimed by its first piece scored
 HISTOGRAM_BINS = 20  # of P(positive) over [0, 1], summed from the pieces for the run's plot
 OWN_COLUMNS = ("input_file", "input_row", "probability", "label", "sentiment_unit", "model_version", "reason")
 
