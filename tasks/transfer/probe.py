@@ -180,7 +180,12 @@ def fit_probe(
 def objective(coef_H: np.ndarray, intercept: float, X_NH: np.ndarray, y_N: np.ndarray, C: float) -> float:
     """liblinear's L1 objective divided by C (same minimiser), in float64:
     sum_i log(1 + exp(-s_i (w·x_i + b))) + (|w|_1 + |b|) / C with s_i = ±1."""
-    margin_N = (2 * np.asarray(y_N, dtype=np.float64) - 1) * _scores(X_NH, coef_H, intercept)
+    sign_N = 2 * np.asarray(y_N, dtype=np.float64) - 1
+    return _objective_of(sign_N * _scores(X_NH, coef_H, intercept), coef_H, intercept, C)
+
+
+def _objective_of(margin_N: np.ndarray, coef_H: np.ndarray, intercept: float, C: float) -> float:
+    """``objective`` from the margins s_i (w·x_i + b)."""
     return float(np.logaddexp(0.0, -margin_N).sum() + (np.abs(coef_H).sum() + abs(intercept)) / C)
 
 
@@ -195,17 +200,17 @@ def duality_gap(coef_H: np.ndarray, intercept: float, X_NH: np.ndarray, y_N: np.
     |Σ α_i s_i z_i|_∞ ≤ 1 / C, h the binary entropy in nats; at the minimiser α_i = σ(-m_i), and the
     probe's own σ(-m_i), scaled down into that box, is such a point."""
     sign_N = 2 * np.asarray(y_N, dtype=np.float64) - 1
-    alpha_N = expit(-sign_N * _scores(X_NH, coef_H, intercept))
-    weight_N, rows = sign_N * alpha_N, 1024  # blocks of rows, as _scores: no float64 copy of X
+    margin_N = sign_N * _scores(X_NH, coef_H, intercept)
+    alpha_N = expit(-margin_N)
+    weight_N = sign_N * alpha_N
     slope_H = sum(
-        (X_NH[i : i + rows].astype(np.float64).T @ weight_N[i : i + rows] for i in range(0, len(X_NH), rows)),
-        np.zeros(X_NH.shape[1]),
+        (block.T @ weight_N[rows] for rows, block in _float64_blocks(X_NH)), np.zeros(X_NH.shape[1])
     )
     largest = max(float(np.abs(slope_H).max(initial=0.0)), abs(float(weight_N.sum())))
     if C * largest > 1.0:
         alpha_N = alpha_N / (C * largest)
     dual = float((entr(alpha_N) + entr(1.0 - alpha_N)).sum())
-    return objective(coef_H, intercept, X_NH, y_N, C) - dual
+    return _objective_of(margin_N, coef_H, intercept, C) - dual
 
 
 def predict_proba(coef: np.ndarray, intercept: float, X: np.ndarray) -> np.ndarray:
@@ -262,13 +267,16 @@ def solver_path(
     return {"newton": newton, "torch": fista}[solver].l1_logistic_path(X, y, Cs, device=device)
 
 
-def _scores(X_NH: np.ndarray, coef_H: np.ndarray, intercept: float, rows: int = 1024) -> np.ndarray:
-    """X w + b in float64, a block of rows at a time: a whole float64 copy of float32 features would
-    double the probe's peak memory (737 MB for IMDB's 22,500 × 4,096 train split)."""
-    return np.concatenate(
-        [X_NH[i : i + rows].astype(np.float64) @ coef_H + intercept for i in range(0, len(X_NH), rows)]
-        or [np.zeros(0)]
-    )
+def _float64_blocks(X_NH: np.ndarray, rows: int = 1024) -> Iterator[tuple[slice, np.ndarray]]:
+    """X's rows in float64, a block at a time, with each block's rows: a whole float64 copy of float32
+    features would double the probe's peak memory (737 MB for IMDB's 22,500 × 4,096 train split)."""
+    for i in range(0, len(X_NH), rows):
+        yield slice(i, i + rows), X_NH[i : i + rows].astype(np.float64)
+
+
+def _scores(X_NH: np.ndarray, coef_H: np.ndarray, intercept: float) -> np.ndarray:
+    """X w + b in float64 (``_float64_blocks``)."""
+    return np.concatenate([block @ coef_H + intercept for _, block in _float64_blocks(X_NH)] or [np.zeros(0)])
 
 
 def accuracy(coef_H: np.ndarray, intercept: float, X: np.ndarray, y: np.ndarray) -> float:
