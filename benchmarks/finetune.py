@@ -55,9 +55,9 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str
 
     from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
     from tasks.corpus.sample import write_sample
+    from tasks.jobs.world import World
     from tasks.pretrain.config import TrainConfig
     from tasks.pretrain.train import fit
-    from tasks.pretrain.world import World
     from tasks.settings import get_settings
     from tasks.store import LocalStore
 
@@ -193,7 +193,7 @@ def compare(spec: str, checkpoint: str, settings_of_tuning: dict[str, Any]) -> d
     from tasks.finetune.config import FinetuneParams
     from tasks.finetune.stage import baseline, frozen_probe, plan_job
     from tasks.finetune.train import fit
-    from tasks.pretrain.world import World
+    from tasks.jobs.world import World
     from tasks.settings import get_settings
 
     settings = get_settings()

@@ -2,7 +2,7 @@
 """A real training job preempted and resumed, against the same job left alone, in one run.
 
 For each ``--sharding``, three launches of ``torchrun -m tasks.pretrain.train`` on one rank (the GPU
-when torch sees one, else the CPU), through ``tasks.pretrain.launchers.local.LocalLauncher`` as the
+when torch sees one, else the CPU), through ``tasks.jobs.launchers.local.LocalLauncher`` as the
 pipeline launches them, on a corpus built from the project's generated sample
 (``tasks.corpus.sample.write_sample``, the plain build functions):
 
@@ -14,7 +14,7 @@ pipeline launches them, on a corpus built from the project's generated sample
   (bf16 on a GPU: the embedding's backward adds in a non-deterministic order; fp32 on the CPU).
 
 ``none`` on one GPU is the step captured as a CUDA graph; ``full`` is FSDP2 over a world of one, its
-checkpoints DCP files (``tasks/pretrain/sharding.py``). The report gives each launch's chars/s, the
+checkpoints DCP files (``tasks/jobs/sharding.py``). The report gives each launch's chars/s, the
 checkpoint's save and load seconds (from the job's own log lines), and the largest difference.
 ``--tracking off`` by default: the job's metrics stay in its log, so MLflow need not be installed.
 
@@ -48,10 +48,11 @@ from common import (  # the working tree on the path
 )
 
 from models.precision import PRECISION_NAMES, resolve_precision
-from tasks.pretrain.checkpoint import load_checkpoint
-from tasks.pretrain.config import SHARDINGS
-from tasks.pretrain.launchers.base import JobHandle, JobSpec
-from tasks.pretrain.launchers.local import LocalLauncher
+from tasks.jobs.checkpoint import load_checkpoint
+from tasks.jobs.config import SHARDINGS
+from tasks.jobs.launchers.base import JobHandle, JobSpec
+from tasks.jobs.launchers.local import LocalLauncher
+from tasks.pretrain.stage import JOB_MODULE
 
 # The largest relative difference (‖resumed − straight‖ / ‖straight‖ per weight, and of the final loss)
 # that still counts as the same run: bf16 kernels add in another order from launch to launch.
@@ -82,6 +83,7 @@ class Jobs:
         spec = JobSpec(
             name=name,
             args=(*self.common, *args),
+            module=JOB_MODULE,
             # The job runs this checkout, as the benchmark does, not a copy the environment installed.
             env={"MLSTM_HOME": str(self.home), "PYTHONPATH": checkout_path()},
             workdir=self.home / "jobs",

@@ -3,7 +3,7 @@
 
 ``benchmarks/pretrain.py --sharding S[,S…]`` runs this: one torchrun of W ranks per sharding, each
 rank timing the job's own step (``tasks.pretrain.step.optimizer_step`` on the model
-``tasks.pretrain.sharding.wrap`` gives it) on random bytes, B/W rows each. Peak memory is the CUDA
+``tasks.jobs.sharding.wrap`` gives it) on random bytes, B/W rows each. Peak memory is the CUDA
 allocator's peak on a GPU and the process's peak resident set on a CPU (which includes Python and
 torch themselves, ≈ the same for every row); optimizer bytes are the Adam state this rank holds.
 
@@ -35,9 +35,9 @@ def worker(
 ) -> None:
     """One rank's measurement (run under torchrun)."""
     from models.mlstm import MLSTM, preset
-    from tasks.pretrain.sharding import optimizer_state_bytes, wrap
+    from tasks.jobs.sharding import optimizer_state_bytes, wrap
+    from tasks.jobs.world import World
     from tasks.pretrain.step import optimizer_step
-    from tasks.pretrain.world import World
 
     world = World.from_env(group=sharding == "full")
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
@@ -94,7 +94,7 @@ def worker(
 
 def measure(preset_name: str, sharding: str, args: Any) -> dict[str, Any]:
     """Launch W ranks for one sharding; the slowest rank's step and the largest rank's memory."""
-    from tasks.pretrain.launchers.local import loopback_env, loopback_rendezvous
+    from tasks.jobs.launchers.local import loopback_env, loopback_rendezvous
     from tasks.processes import stop_group
 
     with tempfile.TemporaryDirectory() as folder:

@@ -60,9 +60,9 @@ def _threads(count: int) -> None:
 
 def _fit(params: Any, settings: Any) -> dict[str, Any]:
     """One launch, in a pool process: the job's ``fit`` on one rank, its log kept off the terminal."""
+    from tasks.jobs.world import World
     from tasks.pretrain.stage import plan_job
     from tasks.pretrain.train import fit
-    from tasks.pretrain.world import World
 
     # MLflow left out: the arms' training is what is measured, and SQLite is one writer at a time.
     config = plan_job(params, settings).config.model_copy(update={"tracking": "off"})

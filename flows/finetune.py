@@ -1,8 +1,8 @@
 """The fine-tuning flow: plan the job, launch it (torchrun, Slurm or Kubernetes), follow rank 0's log,
 relaunch after a crash (a resume from ``latest.json``), then register the classifier as a challenger.
 
-The work is in tasks/finetune/ (plain functions); the launch and the watching are the pretraining
-flow's (``flows.pretrain.launch_and_watch``).
+The work is in tasks/finetune/ (plain functions); the launch and the watching are every job's
+(``flows.jobs.launch_and_watch``).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows import names, progress
-from flows.pretrain import _worth_relaunching, launch_and_watch
+from flows.jobs import launch_and_watch, worth_relaunching
 from tasks.finetune.config import FinetuneParams
 from tasks.finetune.stage import Job, job_result, model_card, open_mlflow_run, plan_job, register_result
-from tasks.pretrain.launchers import launcher_for
-from tasks.pretrain.launchers.base import Launcher
+from tasks.jobs.launchers import launcher_for
+from tasks.jobs.launchers.base import Launcher
 from tasks.settings import get_settings
 
 
-@task(name="finetune-train", cache_policy=NO_CACHE, retry_condition_fn=_worth_relaunching)
+@task(name="finetune-train", cache_policy=NO_CACHE, retry_condition_fn=worth_relaunching)
 def train(job: Job, launcher: Launcher) -> dict[str, Any]:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
     sink = progress.current()

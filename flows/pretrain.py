@@ -7,14 +7,9 @@ process group, the Slurm job or the Kubernetes training job): no process outlive
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import signal
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -23,98 +18,18 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
-from prefect.exceptions import TerminationSignal
 
 from flows import names, progress
-from flows.runtime import retry_unless
-from tasks.pretrain import joblog
+from flows.jobs import gpu_slot, launch_and_watch, worth_relaunching
+from tasks.jobs.launchers import launcher_for
+from tasks.jobs.launchers.base import Launcher
 from tasks.pretrain.config import PretrainParams
-from tasks.pretrain.launchers import launcher_for
-from tasks.pretrain.launchers.base import JobError, JobFailed, JobHandle, JobSpec, Launcher
-from tasks.pretrain.stage import Job, job_result, open_mlflow_run, plan_job, watch
+from tasks.pretrain.stage import Job, job_result, open_mlflow_run, plan_job
 from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
 
 
-@contextlib.contextmanager
-def terminate_raises() -> Iterator[None]:
-    """Turn SIGTERM into Prefect's TerminationSignal, so the ``finally`` that cancels the job runs, and a
-    cancelled deployment run (the worker's SIGTERM) ends Cancelled, not Crashed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        raise TerminationSignal(signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def gpu_slot(limit: str) -> Iterator[None]:
-    """Hold a slot of the global concurrency limit ``limit`` (made by `mlstm-sentiment deploy`), so two
-    pretraining jobs never share the GPUs, whichever deployment or user started them. Without the
-    limit (the embedded API of a laptop run) nothing is held."""
-    from prefect.client.orchestration import get_client
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(limit)
-        except ObjectNotFound:
-            get_run_logger().info(
-                "no concurrency limit %r on this Prefect server: not waiting for one", limit
-            )
-            yield
-            return
-    get_run_logger().info("waiting for a slot of concurrency limit %r", limit)
-    with concurrency(limit, occupy=1, strict=True):
-        yield
-
-
-# A crash (a killed rank, a lost node) is relaunched; an error the job reported itself is not.
-_worth_relaunching = retry_unless(JobError)
-
-
-def _log_line(logger: Any, line: str) -> None:
-    """A line of the job's log into the flow run's: its warnings as warnings, so that the terminal shows
-    them too (a damaged checkpoint skipped, fp16 steps skipped)."""
-    if line.startswith(joblog.WARNING_PREFIX):
-        logger.warning("%s", line.removeprefix(joblog.WARNING_PREFIX))
-    else:
-        logger.info("%s", line)
-
-
-def launch_and_watch(
-    launcher: Launcher, spec: JobSpec, on_progress: Callable[[dict[str, float]], None]
-) -> None:
-    """Submit a job and follow rank 0's log into the flow run's to the job's end; a job still running
-    when this is interrupted (SIGTERM, a cancelled flow run) is cancelled: no process outlives it."""
-    logger = get_run_logger()
-    handle: JobHandle | None = None
-    finished = False
-    try:
-        with terminate_raises():
-            handle = launcher.submit(spec)
-            logger.info("submitted %s job %s (log: %s)", launcher.name, handle.job_id, handle.log_path or "-")
-            try:
-                watch(launcher, handle, on_line=functools.partial(_log_line, logger), on_progress=on_progress)
-            except JobFailed:  # it has ended: there is nothing to stop
-                finished = True
-                raise
-            finished = True
-    finally:
-        if handle is not None and not finished:
-            logger.warning("stopping %s job %s", launcher.name, handle.job_id)
-            launcher.cancel(handle)
-
-
-@task(name="train", cache_policy=NO_CACHE, retry_condition_fn=_worth_relaunching)
+@task(name="train", cache_policy=NO_CACHE, retry_condition_fn=worth_relaunching)
 def train(job: Job, launcher: Launcher) -> dict[str, Any]:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
     sink = progress.current()

@@ -190,7 +190,7 @@ def pretrain_run_name(params: PretrainParams, corpus_id: str, *, force: bool) ->
 def finished_run(store: Store, run: str, max_steps: int | None) -> dict[str, Any] | None:
     """The run's ``latest.json`` when it has reached the end of its schedule, or ``max_steps``: nothing
     left to train. (The run's name comes from its key, so its schedule is the one asked for.)"""
-    from tasks.pretrain.checkpoint import read_latest
+    from tasks.jobs.checkpoint import read_latest
 
     latest = read_latest(store, run)
     if latest is None:

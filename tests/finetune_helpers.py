@@ -28,7 +28,7 @@ def early_byte_rows(count: int, rng: random.Random) -> list[tuple[str, int]]:
 def tiny_checkpoint(store: Path) -> str:
     """The tiny mLSTM's initial weights, saved as a pretraining checkpoint."""
     from models.mlstm import MLSTM, tiny
-    from tasks.pretrain.checkpoint import save_checkpoint
+    from tasks.jobs.checkpoint import save_checkpoint
     from tasks.store import open_store
 
     torch.manual_seed(0)

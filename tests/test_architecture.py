@@ -54,8 +54,8 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_graph_sees_the_project() -> None:
     edges = graph()
-    assert "tasks.pretrain.launchers.slurm" in edges
-    assert "tasks.pretrain.launchers.base" in edges["tasks.pretrain.launchers.slurm"]
+    assert "tasks.jobs.launchers.slurm" in edges
+    assert "tasks.jobs.launchers.base" in edges["tasks.jobs.launchers.slurm"]
     assert "models.mlstm" in edges["tasks.pretrain.train"]
 
 
@@ -109,6 +109,90 @@ def test_the_job_is_run_not_imported() -> None:
     which loads torch and the whole trainer."""
     importers = sorted(source for source, targets in graph().items() if "tasks.pretrain.train" in targets)
     assert importers == []
+
+
+# Inside tasks/: the ground floor every stage stands on, the job runtime above it, then the stages side
+# by side, and the pipeline's bookkeeping on top.
+GROUND = ("tasks.processes", "tasks.secrets", "tasks.settings", "tasks.store", "tasks.tracking")
+RUNTIME = "tasks.jobs"
+STAGES = ("tasks.corpus", "tasks.pretrain", "tasks.finetune", "tasks.transfer", "tasks.score", "tasks.sweep")
+# The longest chain of packages inside tasks/, each importing the next (secrets → settings → store →
+# corpus → pretrain → sweep → pipeline). It was 8 while the job runtime lived in tasks/pretrain/ and
+# fine-tuning stood on it: a new stage should not raise it.
+MAX_FLOORS = 7
+
+
+def package_of(module: str) -> str:
+    """``tasks.pretrain.train`` → ``tasks.pretrain``; a top-level module of tasks/ is its own package."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Which package of tasks/ imports which other."""
+    packages: dict[str, set[str]] = {}
+    for source, targets in graph().items():
+        if source.startswith("tasks."):
+            packages.setdefault(package_of(source), set()).update(
+                package_of(t)
+                for t in targets
+                if t.startswith("tasks.") and package_of(t) != package_of(source)
+            )
+    return packages
+
+
+def floors(edges: dict[str, set[str]]) -> int:
+    """How many floors the packages stand on: the longest chain of imports, counting its packages."""
+    height: dict[str, int] = {}
+
+    def of(node: str) -> int:
+        if node not in height:
+            height[node] = 1 + max((of(target) for target in edges[node]), default=0)
+        return height[node]
+
+    return max(of(node) for node in edges)
+
+
+def test_the_job_runtime_stands_below_the_stages() -> None:
+    """Pretraining and fine-tuning run their jobs on tasks/jobs/ as peers: it imports no stage."""
+    packages = package_graph()
+    assert RUNTIME in packages
+    assert not packages[RUNTIME] - set(GROUND), (
+        f"tasks/jobs/ imports {sorted(packages[RUNTIME] - set(GROUND))}"
+    )
+    for ground in GROUND:
+        assert not packages[ground] - set(GROUND), (
+            f"{ground} stands on {sorted(packages[ground] - set(GROUND))}"
+        )
+
+
+def test_every_package_of_tasks_has_its_floor() -> None:
+    assert set(package_graph()) == {*GROUND, RUNTIME, *STAGES, "tasks.pipeline"}
+
+
+def test_the_floors_inside_tasks_stay_few() -> None:
+    assert floors(package_graph()) <= MAX_FLOORS
+
+
+def test_floors_are_counted_along_the_longest_chain() -> None:
+    # The checker itself: a → b → c and a → c stand on three floors.
+    assert floors({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == 3
+
+
+def private_imports() -> list[str]:
+    """``from X import _name`` where X is in another package of the project than the importer."""
+    found = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                origin = node.module
+                if origin.split(".")[0] not in PACKAGES or package_of(origin) == package_of(name):
+                    continue
+                found += [f"{name} imports {origin}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_no_package_imports_another_packages_private_names() -> None:
+    assert private_imports() == []
 
 
 def test_no_import_circles() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import load_benchmark
 
-from tasks.pretrain import world
+from tasks.jobs import world
 
 
 def test_a_sigterm_to_the_pretraining_job_stops_the_benchmark(

@@ -15,7 +15,7 @@ import pytest
 import torch
 from train_helpers import run_job
 
-from tasks.pretrain.checkpoint import (
+from tasks.jobs.checkpoint import (
     DamagedCheckpoint,
     UntrustedCheckpoint,
     load_checkpoint,

@@ -176,7 +176,7 @@ def test_a_task_retries_what_may_pass_and_not_what_the_same_input_raises_again()
     """The retry rule the corpus, pretrain and score flows share (``flows.runtime.retry_unless``)."""
     from flows.runtime import retry_unless
     from tasks.corpus.sources import SourceError
-    from tasks.pretrain.launchers.base import JobError, JobFailed
+    from tasks.jobs.launchers.base import JobError, JobFailed
 
     class Ended:
         def __init__(self, error: Exception) -> None:

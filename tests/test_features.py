@@ -140,7 +140,7 @@ def test_every_precision_the_settings_take_is_one_the_model_reads_in() -> None:
     and the names ``models.precision`` resolves, which the served model checks a request against."""
     from typing import get_args
 
-    from tasks.pretrain.config import Precision
+    from tasks.jobs.config import Precision
 
     assert get_args(Precision) == models.precision.PRECISION_CHOICES
     cpu = torch.device("cpu")

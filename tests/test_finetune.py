@@ -40,8 +40,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A home with the tiny checkpoint, the early-byte dataset, and one fine-tuning run of it through the
     stage: planned, launched under torchrun, watched, registered in MLflow (SQLite in the home)."""
     from tasks.finetune.stage import job_result, open_mlflow_run, plan_job, register_result
-    from tasks.pretrain.launchers.local import LocalLauncher
-    from tasks.pretrain.stage import watch
+    from tasks.jobs.launchers.local import LocalLauncher
+    from tasks.jobs.watch import watch
     from tasks.settings import get_settings
 
     root = tmp_path_factory.mktemp("finetune")
@@ -63,7 +63,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def in_process(world: dict[str, Any], run: str, **changes: Any) -> dict[str, Any]:
     """The job's ``fit`` on one rank in this process, into the module's store, without MLflow."""
     from tasks.finetune.train import fit
-    from tasks.pretrain.world import World
+    from tasks.jobs.world import World
     from tasks.settings import get_settings
 
     config = world["job"].config.model_copy(
@@ -194,7 +194,7 @@ def test_a_sigterm_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(w
     """A real SIGTERM to this process in the job's second epoch; a relaunch of the same run resumes
     from the checkpoint it wrote, and ends with the weights an uninterrupted run has, bit for bit."""
     from tasks.finetune.train import finetune_store
-    from tasks.pretrain.checkpoint import read_latest
+    from tasks.jobs.checkpoint import read_latest
     from tasks.settings import Settings
 
     store = finetune_store(str(world["root"] / "home" / "store"), Settings())
@@ -269,7 +269,7 @@ def test_lm_lr_factor_moves_the_mlstm_by_that_fraction_of_the_head_s_rate(world:
     times g/(|g| + eps), and the gradients are the same), and the head exactly as far; the schedule keeps
     the ratio at later steps."""
     from tasks.finetune.train import Trainer
-    from tasks.pretrain.world import World
+    from tasks.jobs.world import World
     from tasks.settings import get_settings
 
     def stepped(run: str, factor: float, steps: int) -> Trainer:
@@ -316,7 +316,7 @@ def test_freeze_lm_turns_the_default_aux_loss_off_and_refuses_one_given() -> Non
 
 
 def test_freeze_lm_leaves_every_mlstm_weight_as_the_checkpoint_has_it(world: dict[str, Any]) -> None:
-    from tasks.pretrain.checkpoint import load_checkpoint
+    from tasks.jobs.checkpoint import load_checkpoint
 
     in_process(world, "frozen", freeze_lm=True, aux_lm_weight=0.0, epochs=1)
     trained = weights(world, "runs/frozen/epochs/epoch-001")

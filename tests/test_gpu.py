@@ -16,7 +16,7 @@ from train_helpers import run_job
 from models.features import featurize
 from models.mlstm import MLSTM, MLSTMConfig, small
 from models.recurrence import _compiled_on, gate_functions, gates, gates_backward, reading_gates
-from tasks.pretrain.checkpoint import load_checkpoint
+from tasks.jobs.checkpoint import load_checkpoint
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
 from tasks.pretrain.metrics import MEASURED_PEAKS, datasheet_flops, peak_flops

@@ -465,8 +465,8 @@ def test_manifest_holds_only_those_kinds() -> None:
 
 
 def launcher_calls() -> set[str]:
-    """The Kubernetes API methods tasks/pretrain/launchers/kubernetes.py calls (``*_namespaced_*``)."""
-    tree = ast.parse((ROOT / "tasks" / "pretrain" / "launchers" / "kubernetes.py").read_text())
+    """The Kubernetes API methods tasks/jobs/launchers/kubernetes.py calls (``*_namespaced_*``)."""
+    tree = ast.parse((ROOT / "tasks" / "jobs" / "launchers" / "kubernetes.py").read_text())
     return {
         node.func.attr
         for node in ast.walk(tree)
@@ -477,7 +477,7 @@ def launcher_calls() -> set[str]:
 
 
 def test_role_grants_what_the_launcher_calls() -> None:
-    from tasks.pretrain.launchers.kubernetes import GROUP, PLURAL
+    from tasks.jobs.launchers.kubernetes import GROUP, PLURAL
 
     # API method → (API group, resource, RBAC verb) it needs.
     needs = {
@@ -491,10 +491,10 @@ def test_role_grants_what_the_launcher_calls() -> None:
         "read_namespaced_pod_log": ("", "pods/log", "get"),
     }
     calls = launcher_calls()
-    assert calls, "found no API call in tasks/pretrain/launchers/kubernetes.py"
+    assert calls, "found no API call in tasks/jobs/launchers/kubernetes.py"
     unknown = calls - set(needs)
     assert not unknown, (
-        f"tasks/pretrain/launchers/kubernetes.py calls {unknown}: add what they need here and to the Role"
+        f"tasks/jobs/launchers/kubernetes.py calls {unknown}: add what they need here and to the Role"
     )
 
     granted = {
@@ -555,7 +555,7 @@ def test_worker_identity_namespace_and_labels_agree() -> None:
 
 
 def test_no_secret_values_in_the_manifests() -> None:
-    from tasks.pretrain.launchers.kubernetes import is_credential
+    from tasks.jobs.launchers.kubernetes import is_credential
 
     assert not any(doc["kind"] == "Secret" for doc in manifests()), "a Secret's values belong in the cluster"
     config = manifest("ConfigMap")
@@ -567,5 +567,5 @@ def test_no_secret_values_in_the_manifests() -> None:
         if is_credential(entry["name"]):
             assert "value" not in entry, f"{entry['name']}: take it from the Secret (valueFrom.secretKeyRef)"
     secrets = [source["secretRef"]["name"] for source in container["envFrom"] if "secretRef" in source]
-    # The Secret the training pods read too (tasks/pretrain/launchers/kubernetes.py, MLSTM_K8S_SECRET).
+    # The Secret the training pods read too (tasks/jobs/launchers/kubernetes.py, MLSTM_K8S_SECRET).
     assert secrets == [config["data"]["MLSTM_K8S_SECRET"]]

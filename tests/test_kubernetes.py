@@ -23,9 +23,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tasks.pretrain.launchers import launcher_for
-from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, LaunchError
-from tasks.pretrain.launchers.kubernetes import MAX_NAME, KubernetesLauncher, is_credential, job_name
+from tasks.jobs.launchers import launcher_for
+from tasks.jobs.launchers.base import JobHandle, JobSpec, JobState, LaunchError
+from tasks.jobs.launchers.kubernetes import MAX_NAME, KubernetesLauncher, is_credential, job_name
+from tasks.pretrain.stage import JOB_MODULE
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_VALUES = ("wJalrXUtnFEMI-very-secret", "session-token-value", "mlflow-password-value")
@@ -194,6 +195,7 @@ def _spec(nodes: int = 2, gpus: int = 8, env: dict[str, str] | None = None) -> J
     return JobSpec(
         name="Paper_4096 Run",
         args=PAPER_ARGS,
+        module=JOB_MODULE,
         nodes=nodes,
         nproc_per_node=max(gpus, 1),
         gpus_per_node=gpus,
@@ -288,7 +290,7 @@ def test_pod_template_matches_the_kubernetes_models(launcher: KubernetesLauncher
 
 
 def test_dollar_signs_in_job_arguments_survive_kubernetes_expansion(launcher: KubernetesLauncher) -> None:
-    spec = JobSpec(name="r", args=("--note", "costs $(HOME) $5"))
+    spec = JobSpec(name="r", args=("--note", "costs $(HOME) $5"), module=JOB_MODULE)
     command = launcher.render(spec)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
         "containers"
     ][0]["command"]
@@ -348,7 +350,7 @@ def test_launcher_needs_no_cluster_until_it_calls_one(monkeypatch: pytest.Monkey
 
 
 def test_importing_the_launcher_does_not_import_kubernetes() -> None:
-    code = "import sys, tasks.pretrain.launchers.kubernetes; sys.exit('kubernetes' in sys.modules)"
+    code = "import sys, tasks.jobs.launchers.kubernetes; sys.exit('kubernetes' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

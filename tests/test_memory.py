@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from models.mlstm import MLSTM, RECURRENCES, Recurrence, preset
+from tasks.jobs.sharding import optimizer_state_bytes
 from tasks.pretrain.memory import per_gpu_bytes
-from tasks.pretrain.sharding import optimizer_state_bytes
 from tasks.pretrain.step import optimizer_step
 
 

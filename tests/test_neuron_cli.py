@@ -18,7 +18,7 @@ from models.features import featurize
 from models.mlstm import MLSTM, tiny
 from models.neuron import generate
 from models.text import FRONT_PAD
-from tasks.pretrain.checkpoint import save_checkpoint, step_prefix
+from tasks.jobs.checkpoint import save_checkpoint, step_prefix
 from tasks.store import LocalStore
 
 CLI = str(Path(sys.executable).with_name("mlstm-sentiment"))

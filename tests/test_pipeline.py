@@ -335,7 +335,7 @@ def test_the_transfer_key_counts_the_features_precision_only_where_it_is_not_aut
 
 def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:
     from tasks.corpus.manifest import newest_manifest
-    from tasks.pretrain.checkpoint import newest_checkpoint
+    from tasks.jobs.checkpoint import newest_checkpoint
     from tasks.store import open_store
 
     store = open_store(str(tmp_path))

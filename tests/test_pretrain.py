@@ -24,13 +24,13 @@ from torch.nn import functional as F
 from train_helpers import job, run_job
 
 from models.mlstm import MLSTM, preset
-from tasks.pretrain.checkpoint import load_checkpoint, read_latest
+from tasks.jobs.checkpoint import load_checkpoint, read_latest
+from tasks.jobs.world import World
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.metrics import peak_flops
 from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
 from tasks.pretrain.train import Trainer, fit, lr_factor
-from tasks.pretrain.world import World
 from tasks.settings import get_settings
 from tasks.store import LocalStore
 
@@ -390,7 +390,7 @@ def test_a_rank_says_its_last_exception_in_one_line_and_whether_a_relaunch_may_m
     """A file that is missing stays missing: an ``error:`` line, exit 2, which the watcher fails unretried.
     Anything else may be transient: a ``failed:`` line the watcher's error quotes, and the exception goes on."""
     import tasks.pretrain.train as train
-    from tasks.pretrain import joblog
+    from tasks.jobs import joblog
 
     def fit(*args: object) -> None:
         raise raised
@@ -410,7 +410,7 @@ def test_a_rank_says_its_last_exception_in_one_line_and_whether_a_relaunch_may_m
 
 
 def test_the_watchers_error_quotes_the_ranks_last_words_and_names_the_log() -> None:
-    from tasks.pretrain.launchers.base import (
+    from tasks.jobs.launchers.base import (
         JobError,
         JobFailed,
         JobHandle,
@@ -419,7 +419,7 @@ def test_the_watchers_error_quotes_the_ranks_last_words_and_names_the_log() -> N
         JobStatus,
         Launcher,
     )
-    from tasks.pretrain.stage import watch
+    from tasks.jobs.watch import watch
 
     class Ended(Launcher):
         """A job that has ended, failed, with this log."""

@@ -1,7 +1,7 @@
 """What a resume restores and what it refuses, on one CPU rank (the 2-rank, bit-for-bit version is
 test_pretrain.py::test_resuming_reproduces_the_uninterrupted_run, marked slow).
 
-The rules (tasks/pretrain/checkpointer.py, ``Checkpointer.resume``; ``RUN_FIELDS`` in train.py):
+The rules (tasks/jobs/checkpointer.py, ``Checkpointer.resume``; ``RUN_FIELDS`` in train.py):
 relaunching a run by its name continues from its newest checkpoint with the weights, Adam's state, the
 learning-rate schedule, the carried state and the step count it saved; a setting the numbers depend on
 (``RUN_FIELDS``) may not change, and the error names it; a setting of how the job runs (how often it
@@ -16,7 +16,7 @@ import pytest
 import torch
 from train_helpers import job, run_job
 
-from tasks.pretrain.checkpoint import load_checkpoint
+from tasks.jobs.checkpoint import load_checkpoint
 
 FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--total-steps", "12"]
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tasks.jobs.config import LaunchSettings
 from tasks.pipeline import pretrain_key
-from tasks.pretrain.config import LaunchSettings, PretrainParams, TrainConfig, weight_settings
+from tasks.pretrain.config import PretrainParams, TrainConfig, weight_settings
 from tasks.pretrain.stage import Job, plan_job
 from tasks.settings import get_settings
 

@@ -14,8 +14,7 @@ import torch
 from train_helpers import job
 
 from models.mlstm import MLSTM, preset
-from tasks.pipeline import apply_overrides, pretrain_key, validated
-from tasks.pretrain.checkpoint import (
+from tasks.jobs.checkpoint import (
     UntrustedCheckpoint,
     load_checkpoint,
     load_intact,
@@ -23,9 +22,10 @@ from tasks.pretrain.checkpoint import (
     save_shards,
     step_prefix,
 )
+from tasks.jobs.joblog import iter_progress
+from tasks.jobs.sharding import optimizer_layout, save_sharded, wrap
+from tasks.pipeline import apply_overrides, pretrain_key, validated
 from tasks.pretrain.config import PretrainParams
-from tasks.pretrain.joblog import iter_progress
-from tasks.pretrain.sharding import optimizer_layout, save_sharded, wrap
 from tasks.store import LocalStore, Store, open_store
 from tasks.sweep.spec import parse_spec
 

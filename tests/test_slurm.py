@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-import tasks.pretrain.launchers.base
-from tasks.pretrain.launchers.base import JobHandle, JobSpec, JobState, LaunchError
-from tasks.pretrain.launchers.slurm import SlurmLauncher
+import tasks.jobs.launchers.base
+from tasks.jobs.launchers.base import JobHandle, JobSpec, JobState, LaunchError
+from tasks.jobs.launchers.slurm import SlurmLauncher
+from tasks.pretrain.stage import JOB_MODULE
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -50,7 +51,13 @@ def _command(script: str) -> list[str]:
 def test_render_gpu_job(workdir: Path) -> None:
     args = ("--corpus", "s3://corpora/a b/manifest.json", "--run", "it's; $HOME `x`", "--preset", "tiny")
     spec = JobSpec(
-        name="pretrain-tiny", args=args, nodes=4, nproc_per_node=8, gpus_per_node=8, workdir=workdir
+        name="pretrain-tiny",
+        args=args,
+        module=JOB_MODULE,
+        nodes=4,
+        nproc_per_node=8,
+        gpus_per_node=8,
+        workdir=workdir,
     )
     script = SlurmLauncher(cpus_per_process=4).render(spec)
 
@@ -87,11 +94,13 @@ def test_render_cpu_job_asks_for_no_gpu(workdir: Path) -> None:
 
 
 def test_render_makes_any_run_name_safe_for_slurm(workdir: Path) -> None:
-    script = SlurmLauncher().render(JobSpec(name="my run %j: 1/2", args=(), workdir=workdir))
+    script = SlurmLauncher().render(
+        JobSpec(name="my run %j: 1/2", args=(), module=JOB_MODULE, workdir=workdir)
+    )
     assert "#SBATCH --job-name=my-run-j-1-2\n" in script
     assert f"#SBATCH --output={workdir.resolve()}/my-run-j-1-2-%j.log\n" in script
     with pytest.raises(ValueError, match="job name"):
-        SlurmLauncher().render(JobSpec(name="%%", args=(), workdir=workdir))
+        SlurmLauncher().render(JobSpec(name="%%", args=(), module=JOB_MODULE, workdir=workdir))
 
 
 def test_missing_template_names_every_path_tried(
@@ -100,16 +109,16 @@ def test_missing_template_names_every_path_tried(
     monkeypatch.delenv("MLSTM_INFRA_DIR", raising=False)
     # As installed: the package in site-packages, no infra/ beside it, run outside the checkout.
     monkeypatch.setattr(
-        tasks.pretrain.launchers.base,
+        tasks.jobs.launchers.base,
         "__file__",
-        str(tmp_path / "site-packages" / "tasks" / "pretrain" / "launchers" / "base.py"),
+        str(tmp_path / "site-packages" / "tasks" / "jobs" / "launchers" / "base.py"),
     )
     monkeypatch.chdir(tmp_path)
-    spec = JobSpec(name="x", args=(), workdir=workdir)
-    with pytest.raises(LaunchError, match=r"infra/slurm/pretrain\.sbatch is missing") as error:
+    spec = JobSpec(name="x", args=(), module=JOB_MODULE, workdir=workdir)
+    with pytest.raises(LaunchError, match=r"infra/slurm/job\.sbatch is missing") as error:
         SlurmLauncher().render(spec)
-    assert str(tmp_path / "site-packages" / "infra" / "slurm" / "pretrain.sbatch") in str(error.value)
-    assert str(tmp_path / "infra" / "slurm" / "pretrain.sbatch") in str(error.value)
+    assert str(tmp_path / "site-packages" / "infra" / "slurm" / "job.sbatch") in str(error.value)
+    assert str(tmp_path / "infra" / "slurm" / "job.sbatch") in str(error.value)
     monkeypatch.setenv("MLSTM_INFRA_DIR", str(tmp_path / "nowhere"))  # when set, the only place looked
     with pytest.raises(LaunchError, match=re.escape(str(tmp_path / "nowhere" / "slurm"))):
         SlurmLauncher().render(spec)
@@ -137,7 +146,13 @@ def test_submit_passes_secrets_by_environment_only(
 ) -> None:
     seen = tmp_path / "sbatch-saw"
     fake_slurm("sbatch", f'printf "%s %s" "$AWS_SECRET_ACCESS_KEY" "$2" > {seen}; echo "4242;local"')
-    spec = JobSpec(name="secret", args=("--run", "r"), workdir=workdir, env={"AWS_SECRET_ACCESS_KEY": SECRET})
+    spec = JobSpec(
+        name="secret",
+        args=("--run", "r"),
+        module=JOB_MODULE,
+        workdir=workdir,
+        env={"AWS_SECRET_ACCESS_KEY": SECRET},
+    )
 
     handle = SlurmLauncher().submit(spec)
 
@@ -155,13 +170,13 @@ def test_missing_sbatch_says_what_to_do(
     with pytest.raises(
         LaunchError, match="sbatch is not installed: install Slurm's client or use --launcher local"
     ):
-        SlurmLauncher().submit(JobSpec(name="probe", args=(), workdir=workdir))
+        SlurmLauncher().submit(JobSpec(name="probe", args=(), module=JOB_MODULE, workdir=workdir))
 
 
 def test_sbatch_error_names_command_and_stderr(workdir: Path, fake_slurm: Callable[[str, str], None]) -> None:
     fake_slurm("sbatch", 'echo "sbatch: error: invalid partition specified: gpu" >&2; exit 1')
     with pytest.raises(LaunchError, match=r"`sbatch --parsable .*probe\.sbatch` failed .*invalid partition"):
-        SlurmLauncher().submit(JobSpec(name="probe", args=(), workdir=workdir))
+        SlurmLauncher().submit(JobSpec(name="probe", args=(), module=JOB_MODULE, workdir=workdir))
 
 
 FORGOTTEN = 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1'

@@ -597,7 +597,7 @@ def test_an_asha_sweep_of_the_real_job_on_the_shared_corpus(
     import optuna
     from mlflow.tracking import MlflowClient
 
-    from tasks.pretrain.checkpoint import read_latest
+    from tasks.jobs.checkpoint import read_latest
     from tasks.store import LocalStore
 
     # Rungs at 1 and 3 steps: the fewest launches that still promote, prune and resume.

@@ -21,7 +21,7 @@ from train_helpers import run_job
 from models.classifier import SentimentClassifier
 from models.features import featurize
 from tasks.corpus.sample import write_labelled_sample
-from tasks.pretrain.checkpoint import load_checkpoint
+from tasks.jobs.checkpoint import load_checkpoint
 from tasks.settings import get_settings
 from tasks.transfer.features import features_of
 from tasks.transfer.registry import CHAMPION, log_classifier, register
@@ -213,11 +213,11 @@ def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
     from tasks.transfer.registry import heatmaps_markdown, log_report, open_transfer_run
     from tasks.transfer.stage import (
         TransferParams,
-        _read_split,
         classifier_of,
         extract,
         measure_baseline,
         probe,
+        split_features,
     )
 
     monkeypatch.setenv("MLSTM_HOME", str(trained["home"]))
@@ -265,7 +265,7 @@ def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
     mistakes = [int(i) for i in surest if wrong_N[i]][:2]
     assert set(mistakes) <= {h["row"] for h in heatmaps}  # the two most confident mistakes are shown
     # What `generate --sentiment positive|negative` holds the unit near: its class means on train.
-    expected = class_means(*_read_split(extracted["splits"]["train"]["uri"], settings))
+    expected = class_means(*split_features(extracted, settings)["train"])
     assert classifier.class_means_2H is not None
     np.testing.assert_allclose(classifier.class_means_2H, expected, rtol=1e-6)
 

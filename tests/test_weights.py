@@ -20,7 +20,7 @@ import torch
 
 from models.features import featurize
 from models.text import CLEANING
-from tasks.pretrain.checkpoint import load_checkpoint, save_checkpoint
+from tasks.jobs.checkpoint import load_checkpoint, save_checkpoint
 from tasks.store import open_store
 from tasks.transfer.weights import (
     OPENAI_SOURCE,

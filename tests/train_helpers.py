@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.pretrain.launchers.base import JOB_MODULE, JobHandle, JobSpec
-from tasks.pretrain.launchers.local import LocalLauncher
+from tasks.jobs.launchers.base import JobHandle, JobSpec
+from tasks.jobs.launchers.local import LocalLauncher
+from tasks.pretrain.stage import JOB_MODULE
 
 
 def job(

@@ -36,7 +36,7 @@ def finetune(store: StoreOption = None, as_json: JsonOption = False, **settings:
     challenger to the champion. The same --run resumes."""
     from pydantic import ValidationError
 
-    from tasks.pretrain.launchers.base import LaunchError
+    from tasks.jobs.launchers.base import LaunchError
 
     if store:
         os.environ["MLSTM_STORE_URI"] = store

@@ -10,7 +10,8 @@ import typer
 
 from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, run_flow, styled, user_errors
 from models.config import Recurrence
-from tasks.pretrain.config import PretrainParams, Sharding, flag_errors
+from tasks.jobs.config import Sharding, flag_errors
+from tasks.pretrain.config import PretrainParams
 from tasks.settings import get_settings
 
 app = typer.Typer()
@@ -37,7 +38,7 @@ def pretrain(store: StoreOption = None, as_json: JsonOption = False, **settings:
     """Pretrain the mLSTM on a corpus; relaunching with the same --run resumes from its latest checkpoint."""
     from pydantic import ValidationError
 
-    from tasks.pretrain.launchers.base import LaunchError
+    from tasks.jobs.launchers.base import LaunchError
 
     if store:
         os.environ["MLSTM_STORE_URI"] = store

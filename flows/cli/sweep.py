@@ -48,7 +48,7 @@ def run(
     """Run a sweep (or continue it: the same spec is the same sweep); `sweep SPEC.yaml` for short."""
     import os
 
-    from tasks.pretrain.launchers.base import LaunchError
+    from tasks.jobs.launchers.base import LaunchError
     from tasks.sweep.spec import load_spec
 
     if store:

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from flows.cli.common import StoreOption, check_datasets, err, fail, out, run_flow, user_errors
-from tasks.pretrain.config import Precision
+from tasks.jobs.config import Precision
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def features(
     store: StoreOption = None,
 ) -> None:
     """Write the mLSTM's final cell state for every row of a file (cached in the store)."""
-    from tasks.pretrain.checkpoint import load_checkpoint
+    from tasks.jobs.checkpoint import load_checkpoint
     from tasks.store import store_of
     from tasks.transfer.datasets import other_columns, read_table
     from tasks.transfer.features import FEATURES, cached_features, copy_with_columns
@@ -161,7 +161,7 @@ def transfer(
     """Fit L1 logistic-regression probes on the mLSTM's features; find the sentiment neuron; register."""
     from pydantic import ValidationError
 
-    from tasks.pretrain.config import flag_errors
+    from tasks.jobs.config import flag_errors
     from tasks.transfer.config import TransferParams
 
     if store:

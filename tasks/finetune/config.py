@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.pretrain.config import (
+from tasks.jobs.config import (
     WEIGHTS,
     LaunchSettings,
     Precision,

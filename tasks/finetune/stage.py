@@ -25,8 +25,8 @@ from tasks.finetune.config import (
     flag_errors,
     weight_settings,
 )
-from tasks.pretrain.launchers.base import JobSpec, LaunchError
-from tasks.pretrain.stage import absolute_uri, job_environment
+from tasks.jobs.environment import absolute_uri, job_environment
+from tasks.jobs.launchers.base import JobSpec, LaunchError
 from tasks.settings import Settings
 from tasks.store import store_of
 from tasks.transfer.datasets import Dataset, load_dataset
@@ -124,7 +124,7 @@ def open_mlflow_run(
     from mlflow.tracking import MlflowClient
 
     from tasks.finetune.train import finetune_store
-    from tasks.pretrain.checkpoint import read_latest
+    from tasks.jobs.checkpoint import read_latest
     from tasks.tracking import connect, run_exists
 
     experiment = connect(settings)
@@ -143,7 +143,7 @@ def open_mlflow_run(
 def job_result(job: Job, settings: Settings) -> dict[str, Any]:
     """The job's ``result.json``, which it writes last once the final epoch is scored."""
     from tasks.finetune.train import RESULT, finetune_store
-    from tasks.pretrain.checkpoint import run_prefix
+    from tasks.jobs.checkpoint import run_prefix
 
     store = finetune_store(job.config.store or settings.resolved_store_uri, settings)
     key = f"{run_prefix(job.config.run_name)}/{RESULT}"
@@ -158,7 +158,7 @@ def frozen_probe(job: Job, settings: Settings) -> dict[str, Any]:
     the model card: ``{test_accuracy, dev_accuracy, C, features_precision}``."""
     from tasks.transfer.config import TransferParams
     from tasks.transfer.probe import fit_probe
-    from tasks.transfer.stage import SPLITS, _read_split, extract
+    from tasks.transfer.stage import extract, split_features
 
     params = TransferParams(
         checkpoint=job.config.checkpoint,
@@ -168,7 +168,7 @@ def frozen_probe(job: Job, settings: Settings) -> dict[str, Any]:
         precision=job.config.precision,
     )
     extracted = extract(params, job.config.dataset, settings)
-    data = {split: _read_split(extracted["splits"][split]["uri"], settings) for split in SPLITS}
+    data = split_features(extracted, settings)
     result = fit_probe(*data["train"], *data["dev"], *data["test"], Cs=params.Cs, solver=params.solver)
     summary = {key: result.summary()[key] for key in ("test_accuracy", "dev_accuracy", "C")}
     return summary | {"features_precision": extracted["features_precision"]}

@@ -2,8 +2,8 @@
 NAME=PATH --run-name NAME``.
 
 The pretraining job's machinery around another model and another data path: ranks, DDP and SIGTERM
-from ``tasks.pretrain.world``, Adam from ``tasks.pretrain.sharding.wrap``, autocast from
-``models.precision``, checkpoints and their exact resume from ``tasks.pretrain.checkpointer``.
+from ``tasks.jobs.world``, Adam from ``tasks.jobs.sharding.wrap``, autocast from
+``models.precision``, checkpoints and their exact resume from ``tasks.jobs.checkpointer``.
 What is its own: the data (each epoch's batches a function of the seed and the epoch: rows shuffled,
 then sorted by length within groups of batches, so where a step reads is a function of the step alone
 and a relaunch resumes exactly, with any number of ranks that divides the batch), the slanted
@@ -37,12 +37,12 @@ from models.finetuned import FinetunedClassifier, FinetuneModel, HeadConfig, bat
 from models.precision import autocast, resolve_precision
 from models.text import encode
 from tasks.finetune.config import FinetuneConfig, weight_settings
-from tasks.pretrain import joblog
-from tasks.pretrain import sharding as shard
-from tasks.pretrain.checkpoint import load_checkpoint, run_prefix
-from tasks.pretrain.checkpointer import Checkpointer
-from tasks.pretrain.torchrun import die_with_parent
-from tasks.pretrain.world import Preempted, World, log
+from tasks.jobs import joblog
+from tasks.jobs import sharding as shard
+from tasks.jobs.checkpoint import load_checkpoint, run_prefix
+from tasks.jobs.checkpointer import Checkpointer
+from tasks.jobs.torchrun import die_with_parent
+from tasks.jobs.world import Preempted, World, log
 from tasks.settings import Settings, get_settings
 from tasks.store import Store, open_store
 from tasks.transfer.datasets import Dataset, load_dataset

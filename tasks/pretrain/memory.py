@@ -83,7 +83,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from models.config import MLSTMConfig, Recurrence, preset
-from tasks.pretrain.config import SHARDINGS, Sharding
+from tasks.jobs.config import SHARDINGS, Sharding
 
 GiB = 1024**3
 CUDA_RESERVE = 1 * GiB

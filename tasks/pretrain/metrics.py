@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from models.precision import PRECISION_NAMES
-from tasks.pretrain import joblog
-from tasks.pretrain.world import World, log
+from tasks.jobs import joblog
+from tasks.jobs.world import World, log
 from tasks.settings import Settings
 
 # Dense bf16 tensor-core peaks (FLOP/s) of GPUs by name, for model FLOPs utilisation against the datasheet.

@@ -9,33 +9,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from models.config import PRESETS
 from tasks.corpus.manifest import ManifestError, NoManifest, check_shards, load_manifest
-from tasks.pretrain import joblog
-from tasks.pretrain.config import LauncherName, PretrainParams, TrainConfig, TrainSettings, flag_errors
-from tasks.pretrain.launchers.base import (
-    JobError,
-    JobFailed,
-    JobHandle,
+from tasks.jobs.config import flag_errors
+from tasks.jobs.environment import absolute_uri, job_environment
+from tasks.jobs.launchers.base import (
     JobSpec,
-    JobState,
-    Launcher,
     LaunchError,
 )
+from tasks.pretrain.config import PretrainParams, TrainConfig, TrainSettings
 from tasks.pretrain.memory import plan as plan_memory
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, store_of
 
 log = logging.getLogger(__name__)
+
+# The job torchrun starts for each rank (the launchers run any module they are given).
+JOB_MODULE = "tasks.pretrain.train"
 
 
 class Job(BaseModel):
@@ -99,6 +94,7 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     spec = JobSpec(
         name=run,
         args=tuple(config.to_args()),
+        module=JOB_MODULE,
         nodes=params.nodes,
         nproc_per_node=nproc,
         gpus_per_node=params.gpus_per_node,
@@ -145,28 +141,6 @@ def default_run_name(preset: str, corpus_id: str) -> str:
     return f"{preset}-{corpus_id[:8]}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
 
 
-def absolute_uri(uri: str) -> str:
-    """Ranks may start in another folder (a Slurm node, a pod): relative paths become absolute."""
-    return uri if "://" in uri else str(Path(uri).resolve())
-
-
-def job_environment(settings: Settings, launcher: LauncherName = "local") -> dict[str, str]:
-    """What the ranks need to find the same store and MLflow as this process (and, on this machine
-    or a Slurm cluster's shared disk, the same caches; a pod keeps its own)."""
-    env = {
-        "MLSTM_MLFLOW_TRACKING_URI": settings.resolved_mlflow_tracking_uri,
-        "MLSTM_MLFLOW_REGISTRY_URI": settings.resolved_mlflow_registry_uri,
-        "MLSTM_MLFLOW_EXPERIMENT": settings.mlflow_experiment,
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "MLFLOW_LOGGING_LEVEL": os.environ.get("MLFLOW_LOGGING_LEVEL", "WARNING"),
-    }
-    if launcher != "kubernetes":
-        env["MLSTM_HOME"] = str(settings.home.resolve())
-    if settings.s3_endpoint_url:
-        env["MLSTM_S3_ENDPOINT_URL"] = settings.s3_endpoint_url
-    return env
-
-
 def open_mlflow_run(
     job: Job, settings: Settings, tags: dict[str, str], parent_run_id: str | None = None
 ) -> str:
@@ -174,7 +148,7 @@ def open_mlflow_run(
     ``parent_run_id``, a pipeline's run, when given)."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.pretrain.checkpoint import read_latest
+    from tasks.jobs.checkpoint import read_latest
     from tasks.tracking import connect, run_exists
 
     experiment = connect(settings)
@@ -208,7 +182,7 @@ def open_mlflow_run(
 
 def job_result(job: Job, settings: Settings) -> dict[str, Any]:
     """What the CLI prints: read from the run's ``latest.json``, which the job writes last."""
-    from tasks.pretrain.checkpoint import read_latest
+    from tasks.jobs.checkpoint import read_latest
 
     store = open_store(job.config.store or settings.resolved_store_uri, endpoint_url=settings.s3_endpoint_url)
     latest = read_latest(store, job.config.run_name)
@@ -228,45 +202,3 @@ def result_of(run: str, latest: dict[str, Any]) -> dict[str, Any]:
         "final_loss": latest["loss"],
         "val_bpc": latest["val_bpc"],
     }
-
-
-def watch(
-    launcher: Launcher,
-    handle: JobHandle,
-    *,
-    on_line: Callable[[str], None],
-    on_progress: Callable[[dict[str, float]], None],
-    poll_seconds: float = 1.0,
-) -> JobState:
-    """Follow a job to its end, passing on each line of rank 0's log and each progress line. A failed
-    job's error names what the ranks said last and where the whole log is."""
-    offset = 0
-    errors: list[str] = []  # what the job said when it gave up (tasks/pretrain/joblog.py)
-    failures: list[str] = []
-    where = f" (log: {handle.log_path})" if handle.log_path else ""
-
-    def drain() -> None:
-        nonlocal offset
-        text, offset = launcher.logs(handle, offset)
-        lines = text.splitlines()
-        for line in lines:
-            on_line(line)
-        errors.extend(joblog.errors_in(lines))
-        failures.extend(joblog.failures_in(lines))
-        for progress in joblog.iter_progress(lines):
-            on_progress(progress)
-
-    while True:
-        status = launcher.status(handle)
-        drain()
-        if status.state.finished:
-            drain()
-            if status.state is JobState.FAILED and errors:
-                raise JobError(f"job {handle.job_id} failed: {errors[-1]}{where}")
-            if status.state is JobState.FAILED:
-                said = f"; {failures[-1]}" if failures else ""
-                raise JobFailed(f"job {handle.job_id} failed: {status.message}{said}{where}")
-            if status.state is JobState.CANCELLED:
-                raise LaunchError(f"job {handle.job_id} was cancelled")
-            return status.state
-        time.sleep(poll_seconds)

@@ -23,16 +23,16 @@ from torch.nn import functional as F
 
 from models.mlstm import MLSTM, State, preset
 from models.precision import autocast, resolve_precision
-from tasks.pretrain import checkpoint, joblog
-from tasks.pretrain import sharding as shard
-from tasks.pretrain.checkpointer import Checkpointer
+from tasks.jobs import checkpoint, joblog
+from tasks.jobs import sharding as shard
+from tasks.jobs.checkpointer import Checkpointer
+from tasks.jobs.torchrun import die_with_parent
+from tasks.jobs.world import Preempted, World, log
 from tasks.pretrain.config import RUN_FIELDS, TrainConfig
 from tasks.pretrain.graphed import GraphedStep, capturable_adam, graph_supported
 from tasks.pretrain.metrics import Report, Throughput, Tracker
 from tasks.pretrain.step import optimizer_step
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
-from tasks.pretrain.torchrun import die_with_parent
-from tasks.pretrain.world import Preempted, World, log
 from tasks.settings import Settings, get_settings
 from tasks.store import Store, open_store, split_object_uri
 

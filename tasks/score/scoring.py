@@ -43,7 +43,7 @@ from typing import Any, get_args
 import numpy as np
 import pyarrow as pa
 
-from tasks.pretrain.config import Precision
+from tasks.jobs.config import Precision
 from tasks.score.inputs import (
     PROBLEM,
     InputError,

@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tasks.jobs.environment import absolute_uri
 from tasks.pretrain.config import PretrainParams
-from tasks.pretrain.stage import absolute_uri, plan_job, resolve_corpus
+from tasks.pretrain.stage import plan_job, resolve_corpus
 from tasks.secrets import redact
 from tasks.settings import Settings
 from tasks.sweep.asha import Done, Promote, Standing, Start, Wait, next_move

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.pretrain.config import Precision
+from tasks.jobs.config import Precision
 from tasks.transfer.datasets import declared_name
 from tasks.transfer.solvers import Solver
 

@@ -26,7 +26,7 @@ import numpy as np
 from models.classifier import SentimentClassifier, probability
 from models.features import OnBatch, default_device
 from models.precision import PRECISION_NAMES, resolve_precision
-from tasks.pretrain.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
+from tasks.jobs.checkpoint import Checkpoint, load_checkpoint, newest_checkpoint
 from tasks.settings import Settings
 from tasks.store import split_object_uri, store_of
 from tasks.transfer.config import TransferParams
@@ -139,9 +139,13 @@ def extract(
     }
 
 
-def _read_split(uri: str, settings: Settings) -> tuple[np.ndarray, np.ndarray]:
-    # The `probe` command's reader: memory-mapped, and every error names the file and the column.
-    return read_split(uri, endpoint_url=settings.s3_endpoint_url)
+def split_features(extracted: dict[str, Any], settings: Settings) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each split's features and labels, as ``extract`` wrote them (the `probe` command's reader:
+    memory-mapped, and every error names the file and the column)."""
+    return {
+        split: read_split(extracted["splits"][split]["uri"], endpoint_url=settings.s3_endpoint_url)
+        for split in SPLITS
+    }
 
 
 def probe(
@@ -152,7 +156,7 @@ def probe(
     on_fit: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
     """Fit the L1 probe on one dataset's features; write its weights, report and plots to the store."""
-    data = {split: _read_split(extracted["splits"][split]["uri"], settings) for split in SPLITS}
+    data = split_features(extracted, settings)
     result = fit_probe(
         *data["train"], *data["dev"], *data["test"], Cs=params.Cs, seed=params.seed, on_fit=on_fit,
         solver=params.solver, device=_probe_device(params.solver),

@@ -29,7 +29,7 @@ import torch
 
 from models.mlstm import MLSTMConfig
 from models.text import CLEANING
-from tasks.pretrain.checkpoint import read_latest, save_checkpoint
+from tasks.jobs.checkpoint import read_latest, save_checkpoint
 from tasks.store import open_store
 
 OPENAI_SOURCE = "openai/generating-reviews-discovering-sentiment"
@@ -163,7 +163,7 @@ def _check_run_name(run: str) -> None:
 def import_openai(folder: Path, store_uri: str, *, run: str | None = None, **store_options: Any) -> str:
     """Write OpenAI's weights in ``folder`` as step 0 of run ``run`` (default ``openai-<H>``); return its URI.
 
-    ``tasks.pretrain.checkpoint.load_checkpoint(uri).model()`` then gives the model. Importing again writes the
+    ``tasks.jobs.checkpoint.load_checkpoint(uri).model()`` then gives the model. Importing again writes the
     same checkpoint to the same URI. A run that holds checkpoints from elsewhere (a pretraining run of
     the same name) is refused rather than having its ``latest.json`` pointed at the import.
     ``store_options`` go to ``open_store`` (``endpoint_url``, ``max_attempts``).

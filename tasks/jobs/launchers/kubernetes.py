@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 
-from tasks.pretrain.launchers.base import (
+from tasks.jobs.launchers.base import (
     JobHandle,
     JobSpec,
     JobState,

@@ -1,4 +1,4 @@
-"""``python -m tasks.pretrain.torchrun ARGS`` is ``torchrun ARGS`` that cannot outlive the process that started it.
+"""``python -m tasks.jobs.torchrun ARGS`` is ``torchrun ARGS`` that cannot outlive the process that started it.
 
 The local launcher starts torchrun in its own session, so that cancelling reaches every rank; the price
 is that torchrun no longer dies with the flow process. When a worker SIGKILLs a flow run that has not

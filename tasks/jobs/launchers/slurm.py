@@ -1,4 +1,4 @@
-"""The Slurm launcher: renders ``infra/slurm/pretrain.sbatch`` for a job and drives it with Slurm's CLI.
+"""The Slurm launcher: renders ``infra/slurm/job.sbatch`` for a job and drives it with Slurm's CLI.
 
 ``sbatch`` submits, ``squeue`` → ``scontrol`` → ``sacct`` answer for the job as it leaves the queue and
 then the controller's memory, ``scancel`` stops it. The submitting environment plus ``spec.env`` is the
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from tasks.pretrain.launchers.base import (
+from tasks.jobs.launchers.base import (
     JobHandle,
     JobSpec,
     JobState,
@@ -27,7 +27,7 @@ from tasks.pretrain.launchers.base import (
     read_log,
 )
 
-TEMPLATE = "slurm/pretrain.sbatch"
+TEMPLATE = "slurm/job.sbatch"
 # A job's name ends up in file names and #SBATCH lines: nothing a shell or Slurm's %-patterns would read.
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # Set on a job's Comment when it is cancelled, so that any process can tell a job stopped on request

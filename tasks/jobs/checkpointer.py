@@ -1,6 +1,6 @@
 """A training run's checkpoints: what of its state each one holds, and how a relaunch takes it back.
 
-``tasks.pretrain.checkpoint`` is the files in the store; this is the run's side of them. A checkpoint
+``tasks.jobs.checkpoint`` is the files in the store; this is the run's side of them. A checkpoint
 holds the weights and Adam's state (whole, or each rank's share as DCP files where the state is
 sharded), the schedule, the loss scale, the carried hidden state of every row and the RNG state. It is
 the same file whichever way the step ran: learning rates as numbers and Adam's default flags, though a
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from models.mlstm import State
-from tasks.pretrain import checkpoint, joblog
-from tasks.pretrain import sharding as shard
-from tasks.pretrain.world import World, log
+from tasks.jobs import checkpoint, joblog
+from tasks.jobs import sharding as shard
+from tasks.jobs.world import World, log
 from tasks.store import Store
 
 # How Adam runs, besides its hyperparameters: a checkpoint's say how it ran, not how a launch runs.

@@ -15,7 +15,7 @@ and a resume at any world size and any sharding loads the files, DCP resharding 
 (``full_state``, ``load_full_state``), which any sharding also resumes from. The transfer stage,
 ``features``, the registry and ``explain`` read a consolidated ``state.pt``: a sharded checkpoint is
 consolidated on first use (``consolidate``, in one process) and cached beside its DCP files
-(tasks/pretrain/checkpoint.py).
+(tasks/jobs/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.pretrain.config import Sharding
+from tasks.jobs.config import Sharding
 
 
 def wrap(

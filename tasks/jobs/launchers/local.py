@@ -10,7 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from tasks.pretrain.launchers.base import (
+from tasks.jobs.launchers.base import (
     JobHandle,
     JobSpec,
     JobState,
@@ -19,7 +19,7 @@ from tasks.pretrain.launchers.base import (
     LaunchError,
     read_log,
 )
-from tasks.pretrain.torchrun import PARENT_PID_ENV
+from tasks.jobs.torchrun import PARENT_PID_ENV
 from tasks.processes import stop_group
 
 LOOPBACK = "127.0.0.1"
@@ -43,14 +43,14 @@ class LocalLauncher(Launcher):
 
         Not ``--standalone``: its rendezvous stores are TCPStores, and a TCPStore server listens on every
         interface whatever host it is given (torch 2.13, libuv and legacy alike). A file store opens no
-        socket; the workers' own store is hosted by rank 0 on ``--local-addr`` (``tasks.pretrain.world``).
+        socket; the workers' own store is hosted by rank 0 on ``--local-addr`` (``tasks.jobs.world``).
         """
         if spec.nodes != 1:
             raise ValueError(
                 f"the local launcher runs on this machine only: --nodes {spec.nodes} needs "
                 "--launcher slurm or --launcher kubernetes"
             )
-        torchrun = [sys.executable, "-m", "tasks.pretrain.torchrun", *loopback_rendezvous(rendezvous)]
+        torchrun = [sys.executable, "-m", "tasks.jobs.torchrun", *loopback_rendezvous(rendezvous)]
         return [*torchrun, "--nproc-per-node", str(spec.nproc_per_node), *spec.job_command()]
 
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -130,7 +130,7 @@ def loopback_env() -> dict[str, str]:
     """The environment that keeps a one-machine job's sockets on loopback.
 
     Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` torchrun's agent would host the workers' store itself,
-    as a TCPStore on every interface; with it, rank 0 hosts it (``tasks.pretrain.world.World.from_env``
+    as a TCPStore on every interface; with it, rank 0 hosts it (``tasks.jobs.world.World.from_env``
     binds it to ``MASTER_ADDR``, the ``--local-addr``). gloo's and NCCL's own listening sockets take
     the address of the interface named here, not of the host name's (which may be any interface).
     """

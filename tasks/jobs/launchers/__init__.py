@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tasks.pretrain.launchers.base import Launcher
+    from tasks.jobs.launchers.base import Launcher
 
 NAMES = ("local", "slurm", "kubernetes")
 
@@ -18,15 +18,15 @@ def launcher_for(name: str) -> Launcher:
     machines that never use it.
     """
     if name == "local":
-        from tasks.pretrain.launchers.local import LocalLauncher
+        from tasks.jobs.launchers.local import LocalLauncher
 
         return LocalLauncher()
     if name == "slurm":
-        from tasks.pretrain.launchers.slurm import SlurmLauncher
+        from tasks.jobs.launchers.slurm import SlurmLauncher
 
         return SlurmLauncher()
     if name == "kubernetes":
-        from tasks.pretrain.launchers.kubernetes import KubernetesLauncher
+        from tasks.jobs.launchers.kubernetes import KubernetesLauncher
 
         return KubernetesLauncher()
     raise ValueError(f"unknown launcher {name!r}: choose {', '.join(NAMES)}")

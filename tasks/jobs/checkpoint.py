@@ -323,7 +323,7 @@ def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: An
             if secret is not None:  # signed with the checkpoint's own HMAC: not another step's cache
                 _check_signature(secret, {**cached, "of": meta[HMAC_FIELD]}, store.url(key(CONSOLIDATED)))
             return _read_state(store, key(STATE_FILE), cached["sha256"], map_location)
-    from tasks.pretrain.sharding import consolidate
+    from tasks.jobs.sharding import consolidate
 
     run_state = _read_state(store, key(RUN_STATE_FILE), meta["sha256"][RUN_STATE_FILE], map_location)
     with tempfile.TemporaryDirectory(prefix="mlstm-dcp-") as scratch:

@@ -1,7 +1,8 @@
-"""The launchers' one interface: start the training job on this machine, under Slurm or on Kubernetes.
+"""The launchers' one interface: start a torchrun job on this machine, under Slurm or on Kubernetes.
 
 ``submit(spec) → handle``, then ``status``, ``logs`` and ``cancel`` on the handle. Every launcher runs
-the same thing: ``torchrun … -m tasks.pretrain.train <flags>``, one torchrun per node. Only rank 0 of the job
+the same thing: ``torchrun … -m <the spec's module> <flags>``, one torchrun per node (pretraining's
+``tasks.pretrain.train``, fine-tuning's ``tasks.finetune.train``). Only rank 0 of the job
 writes progress, so "the job's log" is rank 0's log (plus any rank's traceback).
 """
 
@@ -14,8 +15,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-JOB_MODULE = "tasks.pretrain.train"
 
 
 class LaunchError(RuntimeError):
@@ -54,7 +53,8 @@ class JobSpec:
     nodes: int = 1
     nproc_per_node: int = 1
     gpus_per_node: int = 0
-    module: str = JOB_MODULE
+    # The job's entry point (``python -m module``): the stage's, never guessed.
+    module: str
     # Variables every rank needs (store endpoint, MLflow URI). Credentials never go into a rendered
     # file: Slurm passes the submitting environment on, Kubernetes reads them from a Secret.
     env: Mapping[str, str] = field(default_factory=dict)
@@ -148,7 +148,7 @@ def infra_file(relative: str) -> Path:
         tried = [
             Path(__file__).resolve().parents[3] / "infra",
             Path.cwd() / "infra",
-        ]  # <root>/tasks/pretrain/launchers/
+        ]  # <root>/tasks/jobs/launchers/
     for folder in tried:
         if (folder / relative).is_file():
             return folder / relative
