@@ -14,7 +14,7 @@ MLflow or boto3), the parts, in order:
   profiled step (``--profile``: where the time goes);
 - features: ``benchmarks/features.py``: paper_4096 on IMDB test reviews in bf16 (the shared data
   under ``MLSTM_SHARED_DIR``; the generated sample, said so, where it is absent);
-- probe: ``benchmarks/probe.py``: the 4096-wide SST-sized sweep on the GPU (newton and torch)
+- probe: ``benchmarks/probe.py``: the 4096-wide SST-sized sweep on the GPU (newton)
   against liblinear's sweep as recorded on a CPU (``benchmarks/results/probe-cpu.json``);
 - tests: every ``-m gpu`` test (``tests/test_gpu.py``, ``tests/test_probe_solver.py``);
 - job: ``benchmarks/job.py``: a real one-GPU job through torchrun, small preset, preempted by SIGTERM
@@ -203,7 +203,7 @@ def parts(args: argparse.Namespace, logs: Path) -> list[Part]:
         pretrain = ["--presets", "paper_4096", "--batch", "256,512", "--precision", "bf16"]
         pretrain += ["--impls", "graphed,fused,reference", "--no-baseline"]
         features = ["--presets", "paper_4096"]
-        probe = ["--cases", "sst:4096", "--solvers", "newton,torch"]
+        probe = ["--cases", "sst:4096", "--solvers", "newton"]
         probe += ["--liblinear-from", str(RESULTS / "probe-cpu.json")]
         record = ["--record", "gpu"]
     pretrain += ["--json", str(logs / "pretrain.json"), "--profile", str(logs / "pretrain-profile.txt")]

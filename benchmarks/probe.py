@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""The L1 probe's full C sweep: the newton and torch solvers against liblinear (the reference), same run.
+"""The L1 probe's full C sweep: the newton solver against liblinear (the reference), same run.
 
 Each case fits ``tasks.transfer.probe.fit_probe`` on the same train/dev/test arrays once with
-``solver="liblinear"`` (the baseline) and once with each solver of ``--solvers`` (newton, torch: on CUDA
-when torch sees one, else CPU threads), over the C values 2^c_min … 2^c_max, and reports, one row per
+``solver="liblinear"`` (the baseline) and once with each solver of ``--solvers`` (newton: on CUDA when
+torch sees one, else CPU threads), over the C values 2^c_min … 2^c_max, and reports, one row per
 solver, each sweep's seconds, the speed-up (liblinear ÷ solver), the chosen C and both accuracies.
 
 Each row also gives, over the C values, the largest gap between the solver's objective and liblinear's
@@ -37,7 +37,7 @@ with bf16 in hardware), said in the case's name.
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-imdb:1024 --features-precision bf16 --solvers newton
 
 ``--liblinear-from RECORD`` takes liblinear's sweeps (seconds, C, accuracies, per C) from a recorded run of
-this script instead of running them: on a GPU machine the newton and torch sweeps then take a minute, not
+this script instead of running them: on a GPU machine the newton sweep then takes a minute, not
 liblinear's several, and the report names the machine and date the baseline ran on. The features are the
 same (seeded), so the cases compare; a case the record lacks is an error before any work.
 
@@ -71,6 +71,7 @@ from common import (
 )
 
 from models.config import PRESETS
+from tasks.transfer.config import ProbeSettings
 from tasks.transfer.probe import ProbeResult, SweepPoint, accuracy, duality_gap, fit_probe, objective
 from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, liblinear, newton
 
@@ -400,10 +401,11 @@ def main() -> None:
         default=DEFAULT_CASES,
         help="ROWS:WIDTH[:SCALES[:NOISE]] or real-ROWS:WIDTH, comma-separated",
     )
-    parser.add_argument("--c-min-log2", type=int, default=-8)
-    parser.add_argument("--c-max-log2", type=int, default=2)
+    probe = ProbeSettings()  # the sweep `transfer` and `probe` run by default
+    parser.add_argument("--c-min-log2", type=int, default=probe.c_min_log2)
+    parser.add_argument("--c-max-log2", type=int, default=probe.c_max_log2)
     parser.add_argument(
-        "--solvers", default="newton,torch", help="solvers compared with liblinear, comma-separated"
+        "--solvers", default="newton", help="solvers compared with liblinear, comma-separated"
     )
     parser.add_argument(
         "--train-steps", type=int, default=25, help="real cases: the model's training budget in steps"
@@ -436,7 +438,7 @@ def main() -> None:
     args = parser.parse_args()
     solvers = args.solvers.split(",")
     if unknown := [s for s in solvers if s not in SOLVERS or s == "liblinear"]:
-        parser.error(f"--solvers: {', '.join(unknown)} is not one of newton, torch")
+        parser.error(f"--solvers: {', '.join(unknown)} is not a solver compared with liblinear (newton)")
     cases = [parse_case(c) for c in args.cases.split(",")]
     cases = [replace(c, precision=args.features_precision) if c.scales is None else c for c in cases]
     Cs = tuple(2.0**k for k in range(args.c_min_log2, args.c_max_log2 + 1))

@@ -7,14 +7,45 @@ Reading the settings has no side effects: no folder is created and no tracking U
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TaskRunnerName = Literal["process", "thread", "dask", "ray"]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a parameter is spelt on the command line where its field's name with dashes is not the flag
+    (``Annotated[list[str], Flag("--dataset")]``: one NAME=PATH a use), or where the flag takes it as
+    text (``text`` writes the default so; the model then parses that text)."""
+
+    name: str | None = None
+    text: Callable[[Any], str] | None = None
+
+
+def flag_of(name: str, info: FieldInfo) -> Flag:
+    """The field's ``Flag``, its name filled in: ``--batch-size`` for ``batch_size`` unless it says."""
+    flag = next((mark for mark in info.metadata if isinstance(mark, Flag)), Flag())
+    return Flag(flag.name or f"--{name.replace('_', '-')}", flag.text)
+
+
+class WorkerOptions(BaseModel):
+    """How a command that spreads its work over processes runs it (``corpus build``, ``score``): for one
+    run, each overrides its setting below (``MLSTM_MAX_WORKERS``, ``MLSTM_TASK_RUNNER``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int | None = Field(default=None, ge=1, description="Parallel workers. [default: CPU count]")
+    task_runner: TaskRunnerName | None = Field(
+        default=None, description="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]"
+    )
 
 
 class Settings(BaseSettings):

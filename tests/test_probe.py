@@ -55,7 +55,7 @@ def result(data: dict[str, tuple[np.ndarray, np.ndarray]]) -> ProbeResult:
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", ConvergenceWarning)
         warnings.simplefilter("error", UserWarning)
-        return fit_probe(*_args(data))
+        return fit_probe(*_args(data), solver="liblinear")
 
 
 def test_the_probe_finds_the_sentiment_unit(result: ProbeResult) -> None:
@@ -95,7 +95,7 @@ def test_summary_has_exactly_the_headline_keys_and_is_json(result: ProbeResult) 
 
 
 def test_a_negatively_correlated_unit_has_sign_minus_one() -> None:
-    result = fit_probe(*_args(_data(sign=-1.0)))
+    result = fit_probe(*_args(_data(sign=-1.0)), solver="liblinear")
     assert result.top_unit == SENTIMENT_UNIT
     assert result.top_unit_sign == -1
     assert result.coef[SENTIMENT_UNIT] < 0
@@ -105,7 +105,7 @@ def test_a_negatively_correlated_unit_has_sign_minus_one() -> None:
 def test_on_fit_reports_each_point_of_the_sweep(data: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     seen: list[SweepPoint] = []
     Cs = (1.0, 2.0**-8, 0.25)
-    result = fit_probe(*_args(data), Cs=Cs, on_fit=seen.append)
+    result = fit_probe(*_args(data), Cs=Cs, on_fit=seen.append, solver="liblinear")
     assert tuple(seen) == result.sweep
     assert [p.C for p in seen] == sorted(Cs)
 
@@ -133,7 +133,7 @@ def test_predict_proba_does_not_overflow_on_large_logits() -> None:
 def test_the_same_inputs_give_the_same_probe(
     result: ProbeResult, data: dict[str, tuple[np.ndarray, np.ndarray]]
 ) -> None:
-    again = fit_probe(*_args(data))
+    again = fit_probe(*_args(data), solver="liblinear")
     assert again.summary() == result.summary()
     assert again.sweep == result.sweep
     assert again.intercept == result.intercept and again.top_unit_sign == result.top_unit_sign
@@ -183,7 +183,7 @@ def test_non_finite_features_are_refused(data: dict[str, tuple[np.ndarray, np.nd
 @pytest.mark.parametrize("Cs", [(), (0.0, 1.0), (-1.0,), (float("inf"),)])
 def test_bad_Cs_are_refused(data: dict[str, tuple[np.ndarray, np.ndarray]], Cs: tuple[float, ...]) -> None:
     with pytest.raises(ValueError, match=r"Cs is empty|finite and positive"):
-        fit_probe(*_args(data), Cs=Cs)
+        fit_probe(*_args(data), Cs=Cs, solver="liblinear")
 
 
 def _no_pyplot_figures() -> None:
@@ -244,7 +244,7 @@ def _c_matters(seed: int = 3) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 def test_C_is_the_dev_argmax_and_the_test_labels_play_no_part() -> None:
     data = _c_matters()
-    result = fit_probe(*_args(data))
+    result = fit_probe(*_args(data), solver="liblinear")
     dev = [p.dev_accuracy for p in result.sweep]
     assert result.sweep[0].nonzero == 0  # the smallest C leaves no weight: C matters here
     assert result.C == result.sweep[int(np.argmax(dev))].C != result.sweep[0].C, result.sweep
@@ -256,7 +256,7 @@ def test_C_is_the_dev_argmax_and_the_test_labels_play_no_part() -> None:
     )
     assert result.test_accuracy != result.dev_accuracy
 
-    inverted = fit_probe(*_args({**data, "test": (X_te, 1 - y_te)}))
+    inverted = fit_probe(*_args({**data, "test": (X_te, 1 - y_te)}), solver="liblinear")
     # Inverted test labels turn the test accuracy around and change nothing else: C is chosen on dev.
     assert inverted.C == result.C and inverted.dev_accuracy == result.dev_accuracy
     assert inverted.test_accuracy == pytest.approx(1 - result.test_accuracy)

@@ -13,12 +13,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from tasks.jobs.config import flag_errors
 from tasks.secrets import redact_text
-from tasks.settings import get_settings
+from tasks.settings import flag_of, get_settings
 
 if TYPE_CHECKING:
     from prefect import Flow
     from pydantic import BaseModel
+    from pydantic.fields import FieldInfo
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 
@@ -49,18 +51,11 @@ SetOption = Annotated[
 
 def options_from(model: type[BaseModel], names: Iterable[str]) -> Callable[[Command], Command]:
     """Give a command one option per field of ``model`` that ``names`` lists, in that order: ``--batch-size``
-    for ``batch_size``, the field's description for help, its default, and its Literal's values as
-    choices. The command takes them as ``**settings`` and builds the model, whose validation (bounds,
-    presets) is then the only one: a setting is declared once, in the model."""
-    options = [
-        inspect.Parameter(
-            name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=... if info.is_required() else info.default,
-            annotation=Annotated[info.annotation, typer.Option(help=info.description)],
-        )
-        for name, info in ((name, model.model_fields[name]) for name in names)
-    ]
+    for ``batch_size`` (or the field's ``Flag``), the field's description for help, its default, and its
+    Literal's values as choices. The command takes them as ``**settings`` and builds the model
+    (``parsed``), whose validation (bounds, presets) is then the only one: a setting is declared once, in
+    the model."""
+    options = [_option(name, model.model_fields[name]) for name in names]
 
     def decorate(command: Command) -> Command:
         signature = inspect.signature(command, eval_str=True)
@@ -74,6 +69,37 @@ def options_from(model: type[BaseModel], names: Iterable[str]) -> Callable[[Comm
         return command
 
     return decorate
+
+
+def _option(name: str, info: FieldInfo) -> inspect.Parameter:
+    flag = flag_of(name, info)
+    kind, default = (
+        info.annotation,
+        ... if info.is_required() else info.get_default(call_default_factory=True),
+    )
+    if flag.text is not None:  # the flag takes the value as text, which the model parses
+        kind, default = str, flag.text(default)
+    # Named only where the field's Flag says: typer names the rest, a bool as --x/--no-x.
+    names = [flag.name] if flag.name and flag.name != f"--{name.replace('_', '-')}" else []
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=default,
+        annotation=Annotated[kind, typer.Option(*names, help=info.description)],
+    )
+
+
+Model = TypeVar("Model", bound="BaseModel")
+
+
+def parsed(model: type[Model], settings: dict[str, Any]) -> Model:
+    """``model`` from a command's flags, or the command's one-line refusal naming each bad flag."""
+    from pydantic import ValidationError
+
+    try:
+        return model(**settings)
+    except ValidationError as error:
+        raise fail(flag_errors(error, model)) from None
 
 
 class RichSink:

@@ -4,59 +4,51 @@ TF-IDF baseline the probe is measured against."""
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from flows.cli.common import check_datasets, err, fail, out, user_errors
+from flows.cli.common import check_datasets, err, fail, options_from, out, parsed, user_errors
 from tasks.settings import get_settings
+from tasks.transfer.config import ProbeFilesParams
 
 app = typer.Typer()
 PANEL = "Transfer"
 
 
+# The command's parameters as flags: the files', then the probe's (tasks/transfer/config.py, shared
+# with `transfer`).
+SETTINGS = ("train", "dev", "test", "features_column", "label_column", "solver", "c_min_log2", "c_max_log2",
+            "seed")  # fmt: skip
+
+
 @app.command(rich_help_panel=PANEL)
+@options_from(ProbeFilesParams, SETTINGS)
 def probe(
-    train: Annotated[str, typer.Option(help="Arrow features of the train split (a path or s3:// URI).")],
-    dev: Annotated[str, typer.Option(help="Arrow features of the dev split: chooses C.")],
-    test: Annotated[str, typer.Option(help="Arrow features of the test split: scores the probe.")],
-    features_column: Annotated[str, typer.Option(help="The column of feature vectors.")] = "features",
-    label_column: Annotated[str, typer.Option(help="The column of 0/1 labels.")] = "label",
-    solver: Annotated[
-        str, typer.Option(help="newton (fast), liblinear (the reference) or torch (CPU threads or GPU).")
-    ] = "newton",
-    c_min_log2: Annotated[int, typer.Option(help="Smallest C of the sweep, as a power of 2.")] = -8,
-    c_max_log2: Annotated[int, typer.Option(help="Largest C of the sweep, as a power of 2.")] = 2,
     as_json: Annotated[
         bool,
         typer.Option("--json", help="Print {test_accuracy, dev_accuracy, C, nonzero, top_unit, …, seconds}."),
     ] = False,
+    **settings: Any,
 ) -> None:
     """Fit the L1 probe on precomputed features (what `features` writes); one line per C on stderr."""
+    params = parsed(ProbeFilesParams, settings)
     import torch
 
     from tasks.transfer.precomputed import probe_files
     from tasks.transfer.probe import SweepPoint
-    from tasks.transfer.solvers import SOLVERS
-
-    if solver not in SOLVERS:
-        raise fail(f"--solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
-    if c_min_log2 > c_max_log2:
-        raise fail(f"--c-min-log2 {c_min_log2} is above --c-max-log2 {c_max_log2}")
-    settings = get_settings()
 
     def on_fit(point: SweepPoint) -> None:
         err.print(str(point), highlight=False)
 
     try:
         _, summary = probe_files(
-            train, dev, test,
-            features_column=features_column, label_column=label_column,
-            solver=solver,  # checked against SOLVERS above
-            device="cuda" if torch.cuda.is_available() else "cpu",
-            Cs=tuple(2.0**k for k in range(c_min_log2, c_max_log2 + 1)),
-            endpoint_url=settings.s3_endpoint_url, on_fit=on_fit,
+            params.train, params.dev, params.test,
+            features_column=params.features_column, label_column=params.label_column,
+            solver=params.solver, seed=params.seed, Cs=params.Cs,
+            device="cuda" if params.solver == "newton" and torch.cuda.is_available() else "cpu",
+            endpoint_url=get_settings().s3_endpoint_url, on_fit=on_fit,
         )  # fmt: skip
     except user_errors() as error:  # FeatureFileError is a ValueError
         raise fail(error) from None

@@ -5,18 +5,26 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flows.cli.common import StoreOption, check_datasets, err, fail, out, run_flow, user_errors
+from flows.cli.common import (
+    StoreOption,
+    check_datasets,
+    err,
+    fail,
+    options_from,
+    out,
+    parsed,
+    run_flow,
+    user_errors,
+)
 from tasks.jobs.config import Precision
 from tasks.settings import get_settings
-
-if TYPE_CHECKING:
-    from tasks.transfer.config import TransferParams
+from tasks.transfer.config import TransferInputs, TransferParams
 
 app = typer.Typer()
 PANEL = "Transfer"
@@ -24,12 +32,9 @@ PANEL = "Transfer"
 CheckpointOption = Annotated[
     str, typer.Option(help="Checkpoint URI: a step folder, a run folder or latest.json.")
 ]
+# The features' dtype, said once for every command that reads features (transfer, features, predict).
 PrecisionOption = Annotated[
-    Precision,
-    typer.Option(
-        help="The features' dtype: auto (bf16/fp16 on a GPU, fp32 on a CPU), bf16 (on CPUs with AVX-512 "
-        "BF16 or AMX about 3x fp32's speed at 1,024 units and more, slower at 64), fp16 or fp32."
-    ),
+    Precision, typer.Option(help=TransferInputs.model_fields["precision"].description)
 ]
 
 
@@ -124,58 +129,27 @@ def run_transfer(params: TransferParams, *, show_progress: bool = True) -> dict[
     return run_flow(transfer_flow, show_progress=show_progress, params=params)
 
 
+# The stage's parameters as flags: each is declared once, in tasks/transfer/config.py.
+SETTINGS = ("checkpoint", "datasets", "text_column", "label_column", "batch_size", "c_min_log2", "c_max_log2",
+            "register_dataset", "seed", "baseline", "solver", "precision")  # fmt: skip
+
+
 @app.command(rich_help_panel=PANEL)
+@options_from(TransferParams, SETTINGS)
 def transfer(
-    checkpoint: CheckpointOption,
-    dataset: Annotated[
-        list[str],
-        typer.Option(
-            help="NAME=PATH, repeatable: SST (folder), IMDB (aclImdb folder, tarball or CSV), a table."
-        ),
-    ],
-    text_column: Annotated[str | None, typer.Option(help="Text column of CSV/JSONL tables.")] = None,
-    label_column: Annotated[str | None, typer.Option(help="Label column of CSV/JSONL tables.")] = None,
-    batch_size: Annotated[
-        int | None, typer.Option(min=1, help="Texts per feature batch. [default: as many as fit memory]")
-    ] = None,
-    c_min_log2: Annotated[int, typer.Option(help="Smallest C of the sweep, as a power of 2.")] = -8,
-    c_max_log2: Annotated[int, typer.Option(help="Largest C of the sweep, as a power of 2.")] = 2,
-    register: Annotated[
-        str | None,
-        typer.Option(help="Dataset whose classifier is registered. [default: the first; none: none]"),
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the probe's solver.")] = 0,
-    baseline: Annotated[
-        bool,
-        typer.Option(help="Also measure the TF-IDF baseline on the same splits (cached in the store)."),
-    ] = True,
-    solver: Annotated[
-        str, typer.Option(help="Probe solver: newton (fast), liblinear (the reference) or torch.")
-    ] = "newton",
-    precision: PrecisionOption = "auto",
     store: StoreOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print {dataset: {test_accuracy, …}} on stdout.")
     ] = False,
+    **settings: Any,
 ) -> None:
     """Fit L1 logistic-regression probes on the mLSTM's features; find the sentiment neuron; register."""
-    from pydantic import ValidationError
-
-    from tasks.jobs.config import flag_errors
-    from tasks.transfer.config import TransferParams
-
     if store:
         os.environ["MLSTM_STORE_URI"] = store
+    params = parsed(TransferParams, settings)
     try:
-        params = TransferParams(
-            checkpoint=checkpoint, datasets=dataset, text_column=text_column, label_column=label_column,
-            batch_size=batch_size, c_min_log2=c_min_log2, c_max_log2=c_max_log2, register_dataset=register, seed=seed, solver=solver,
-            baseline=baseline, precision=precision,
-        )  # fmt: skip
         check_datasets(params.datasets)
         result = run_transfer(params)
-    except ValidationError as error:
-        raise fail(flag_errors(error)) from None
     except user_errors() as error:  # DatasetError is a ValueError
         raise fail(error) from None
     if as_json:

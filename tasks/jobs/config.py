@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tasks.settings import flag_of
+
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Sharding = Literal["none", "optimizer", "full"]
 SHARDINGS: tuple[Sharding, ...] = typing.get_args(Sharding)
@@ -96,10 +98,18 @@ def flag_type(annotation: Any) -> tuple[type, list[str] | None]:
     return annotation, None
 
 
-def flag_errors(error: ValidationError) -> str:
-    """A validation error in the words of the command line: ``--batch-size: …; --preset: …``."""
+def flag_errors(error: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """A validation error in the words of the command line: ``--batch-size: …; --preset: …``, each field
+    by its flag in ``model`` (``--dataset`` for ``datasets``); a check of the whole model names its
+    settings itself."""
+    fields = model.model_fields if model else {}
     messages = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"])
-        messages.append(f"--{field.replace('_', '-')}: {item['msg']}".replace("Value error, ", ""))
+        message = item["msg"].replace("Value error, ", "")
+        if not item["loc"]:
+            messages.append(message)
+            continue
+        name, *inner = (str(part) for part in item["loc"])
+        flag = flag_of(name, fields[name]).name if name in fields else f"--{name.replace('_', '-')}"
+        messages.append(f"{'.'.join([str(flag), *inner])}: {message}")
     return "; ".join(messages)

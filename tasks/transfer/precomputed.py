@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from tasks.store import split_object_uri
 from tasks.transfer.probe import DEFAULT_CS, ProbeResult, SweepPoint, fit_probe
-from tasks.transfer.solvers import Solver
+from tasks.transfer.solvers import DEFAULT_SOLVER, Solver
 
 SPLITS = ("train", "dev", "test")
 
@@ -116,7 +116,8 @@ def probe_files(
     *,
     features_column: str = "features",
     label_column: str = "label",
-    solver: Solver = "liblinear",
+    solver: Solver = DEFAULT_SOLVER,
+    seed: int = 0,
     device: str = "cpu",
     Cs: Sequence[float] = DEFAULT_CS,
     endpoint_url: str | None = None,
@@ -135,6 +136,13 @@ def probe_files(
         raise FeatureFileError(f"column {features_column!r} has different widths across files: {widths}")
     started = time.perf_counter()
     result = fit_probe(
-        *data["train"], *data["dev"], *data["test"], Cs=Cs, solver=solver, device=device, on_fit=on_fit
+        *data["train"],
+        *data["dev"],
+        *data["test"],
+        Cs=Cs,
+        solver=solver,
+        seed=seed,
+        device=device,
+        on_fit=on_fit,
     )
     return result, {**result.summary(), "seconds": round(time.perf_counter() - started, 3)}

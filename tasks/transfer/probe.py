@@ -25,10 +25,11 @@ from sklearn.linear_model import LogisticRegression
 
 from models.classifier import probability
 from models.classifier import top_unit as unit_of
-from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, fista, liblinear, newton
+from tasks.transfer.config import ProbeSettings
+from tasks.transfer.solvers import DEFAULT_SOLVER, SOLVERS, PathPoint, Solver, liblinear, newton
 
-# 2^-8 … 2^2: from a probe with no non-zero weight to one that overfits 4096 features on 25k reviews.
-DEFAULT_CS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 3))
+# The sweep's values of C where a caller gives none: the probe settings' defaults.
+DEFAULT_CS: tuple[float, ...] = ProbeSettings().Cs
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def fit_probe(
     Cs: Sequence[float] = DEFAULT_CS,
     seed: int = 0,
     on_fit: Callable[[SweepPoint], None] | None = None,
-    solver: Solver = "liblinear",
+    solver: Solver = DEFAULT_SOLVER,
     device: str = "cpu",
 ) -> ProbeResult:
     """Sweeps C on dev, keeps the best probe, and finds its top unit.
@@ -106,9 +107,9 @@ def fit_probe(
         Cs: inverse L1 strengths to try; swept in ascending order whatever the order given.
         seed: liblinear's random_state, so that the same inputs give the same probe.
         on_fit: called with each C's sweep point as soon as it is scored, for progress.
-        solver: ``liblinear`` (the reference), ``newton`` (warm-started proximal Newton path) or
-            ``torch`` (warm-started FISTA path): one of ``tasks/transfer/solvers/``.
-        device: where the newton and torch solvers run ("cpu", "cuda"); liblinear ignores it.
+        solver: ``newton`` (warm-started proximal Newton path) or ``liblinear`` (the reference): one of
+            ``tasks/transfer/solvers/``.
+        device: where the newton solver runs ("cpu", "cuda"); liblinear ignores it.
 
     Raises:
         ValueError: naming the split, for mismatched shapes, labels other than 0/1, a split holding
@@ -264,7 +265,7 @@ def solver_path(
     """The probe at each C of ``Cs`` (ascending) by ``solver``; liblinear takes ``seed``, the others ``device``."""
     if solver == "liblinear":
         return liblinear.l1_logistic_path(X, y, Cs, seed=seed)
-    return {"newton": newton, "torch": fista}[solver].l1_logistic_path(X, y, Cs, device=device)
+    return newton.l1_logistic_path(X, y, Cs, device=device)
 
 
 def _float64_blocks(X_NH: np.ndarray, rows: int = 1024) -> Iterator[tuple[slice, np.ndarray]]:

@@ -266,7 +266,7 @@ def _neuron_heatmaps(
 def _probe_device(solver: str) -> str:
     import torch
 
-    return "cuda" if solver in ("newton", "torch") and torch.cuda.is_available() else "cpu"
+    return "cuda" if solver == "newton" and torch.cuda.is_available() else "cpu"
 
 
 def _figures(result: ProbeResult, name: str, test_X: np.ndarray, test_y: np.ndarray) -> dict[str, Any]:
