@@ -231,7 +231,7 @@ def measure(args: argparse.Namespace, root: Path) -> None:
     from flows.cli.common import load_registered
     from flows.runtime import prefect_api
     from models.features import default_device, featurize
-    from tasks.score.scoring import PIECE_ROWS
+    from tasks.score.config import PIECE_ROWS
     from tasks.settings import get_settings
 
     # The device `score`'s workers take (a GPU where there is one, `tasks.score.scoring._device`), so the

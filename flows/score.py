@@ -15,9 +15,9 @@ from prefect.task_runners import ProcessPoolTaskRunner
 from flows import names, progress
 from flows.runtime import retry_unless
 from tasks.corpus.build import cpu_count
+from tasks.score.config import PIECE_ROWS
 from tasks.score.inputs import InputError, InputFile
 from tasks.score.scoring import (
-    PIECE_ROWS,
     Piece,
     Plan,
     build_manifest,

@@ -75,7 +75,7 @@ CASES: dict[str, tuple[list[str], str, Setup | None]] = {
     "sample a negative count": (["corpus", "sample", "--reviews", "-1", "{dir}/out"], "'--reviews'", None),
     "sample into a file": (["corpus", "sample", "{dir}/a-file"], "a-file is a file", _files),
     "build with an empty split": (["corpus", "build", "{dir}/corpus", "--split", "0:0:0"], "split: ", _files),
-    "build with no workers": (["corpus", "build", "{dir}/corpus", "--workers", "0"], "'--workers'", _files),
+    "build with no workers": (["corpus", "build", "{dir}/corpus", "--workers", "0"], "--workers: ", _files),
     "build from a path with markup": (["corpus", "build", "{dir}/no[/]such"], "no[/]such", None),
     "plan an infinite GPU": (
         ["plan", "--preset", "tiny", "--batch-size", "8", "--gpu-memory", "inf"],

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from flows.cli.common import RichSink, StoreOption, fail, out, progress_bar, styled, user_errors
-from tasks.settings import TaskRunnerName, get_settings
-
-if TYPE_CHECKING:
-    from tasks.corpus.config import CorpusConfig
+from flows.cli.common import (
+    RichSink,
+    StoreOption,
+    fail,
+    options_from,
+    out,
+    parsed,
+    progress_bar,
+    styled,
+    user_errors,
+)
+from tasks.corpus.config import CorpusConfig
+from tasks.settings import TaskRunnerName, WorkerOptions, get_settings
 
 app = typer.Typer(help="Build and inspect review corpora (Arrow shards + manifest).", no_args_is_help=True)
 
@@ -58,40 +66,36 @@ def run_corpus_build(
         return flow(sources=sources, store=settings.resolved_store_uri, config=config)
 
 
+# The build's settings as flags: each is declared once, in tasks/corpus/config.py (the build's) and
+# tasks/settings.py (the workers', shared with `score`).
+SETTINGS = ("split", "shard_mb", "bucket_mb", "piece_mb")
+WORKER_SETTINGS = tuple(WorkerOptions.model_fields)
+
+
 @app.command("build")
+@options_from(CorpusConfig, SETTINGS)
+@options_from(WorkerOptions, WORKER_SETTINGS)
 def corpus_build(
     sources: Annotated[
         list[str], typer.Argument(help="Files, folders, globs, s3:// prefixes or http(s):// URLs.")
     ],
     store: StoreOption = None,
-    split: Annotated[str, typer.Option(help="train:val:test proportions.")] = "1000:1:1",
-    shard_mb: Annotated[int, typer.Option(min=1, help="Target shard size in MiB of text.")] = 256,
-    bucket_mb: Annotated[int, typer.Option(min=1, help="Input MiB per dedupe bucket (bounds memory).")] = 128,
-    piece_mb: Annotated[
-        int, typer.Option(min=1, help="Plain files are parsed in pieces of this many MiB.")
-    ] = 64,
-    workers: Annotated[int | None, typer.Option(min=1, help="Parallel workers. [default: CPU count]")] = None,
-    task_runner: Annotated[
-        str | None, typer.Option(help="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]")
-    ] = None,
     create_bucket: Annotated[
         bool, typer.Option("--create-bucket", help="Create the store's S3 bucket if it does not exist.")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    **settings: Any,
 ) -> None:
     """Shard raw Amazon reviews (2014/2018/2023 formats) into deduplicated Arrow files with a manifest."""
-    from tasks.corpus.config import CorpusConfig, parse_split
-
+    config = parsed(CorpusConfig, {name: settings[name] for name in SETTINGS})
+    workers = parsed(WorkerOptions, {name: settings[name] for name in WORKER_SETTINGS})
     try:
-        config = CorpusConfig(
-            split=parse_split(split), shard_mb=shard_mb, bucket_mb=bucket_mb, piece_mb=piece_mb
-        )
         summary = run_corpus_build(
             sources,
             store=store,
             config=config,
-            task_runner=task_runner,  # type: ignore[arg-type]  # the settings validate the name
-            workers=workers,
+            task_runner=workers.task_runner,
+            workers=workers.workers,
             create_bucket=create_bucket,
         )
     except user_errors() as error:

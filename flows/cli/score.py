@@ -9,9 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.cli.common import RichSink, fail, out, progress_bar, styled, user_errors
-from flows.cli.transfer import PrecisionOption
-from tasks.settings import get_settings
+from flows.cli.common import RichSink, fail, options_from, out, parsed, progress_bar, styled, user_errors
+from tasks.score.config import PIECE_ROWS, ScoreParams
+from tasks.settings import WorkerOptions, get_settings
 
 app = typer.Typer()
 PANEL = "Transfer"
@@ -35,7 +35,7 @@ def run_score(
     The inputs are described (found, hashed, counted) first, before Prefect starts: a bad file is one
     error naming it, not a failed task run's log lines in front of it, and it costs no API start.
     """
-    from tasks.score.scoring import PIECE_ROWS, describe_inputs, save_described
+    from tasks.score.scoring import describe_inputs, save_described
 
     settings = get_settings(task_runner=task_runner, max_workers=workers)
     # Hashing and counting a 40 GB file takes minutes; the bar goes when done (or failed: the error alone).
@@ -76,7 +76,15 @@ def run_score(
         )
 
 
+# The command's parameters as flags: each is declared once, in tasks/score/config.py and (the workers',
+# shared with `corpus build`) tasks/settings.py.
+SETTINGS = ("output", "model", "text_column", "id_columns", "piece_rows", "precision")
+WORKER_SETTINGS = tuple(WorkerOptions.model_fields)
+
+
 @app.command(rich_help_panel=PANEL)
+@options_from(ScoreParams, SETTINGS)
+@options_from(WorkerOptions, WORKER_SETTINGS)
 def score(
     inputs: Annotated[
         list[str],
@@ -84,34 +92,15 @@ def score(
             help="CSV, JSON-lines (.gz too), Parquet or Arrow files; folders, globs or s3:// prefixes."
         ),
     ],
-    output: Annotated[
-        str, typer.Option("--output", help="Folder or s3://bucket/prefix; scores go to OUTPUT/<scoring id>/.")
-    ],
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="models:/NAME@ALIAS or models:/NAME/VERSION. [default: models:/<MLSTM_MODEL_NAME>@champion]"
-        ),
-    ] = None,
-    text_column: Annotated[str, typer.Option(help="The column (JSON field) holding the review.")] = "text",
-    id_column: Annotated[
-        list[str] | None, typer.Option("--id-column", help="A column to copy beside the scores; repeatable.")
-    ] = None,
-    piece_rows: Annotated[
-        int | None,
-        typer.Option(min=1, help="Rows per piece on average (parallel work, resuming). [default: 1024]"),
-    ] = None,
-    workers: Annotated[int | None, typer.Option(min=1, help="Parallel workers. [default: CPU count]")] = None,
-    task_runner: Annotated[
-        str | None, typer.Option(help="process, thread, dask or ray. [env: MLSTM_TASK_RUNNER]")
-    ] = None,
-    precision: PrecisionOption = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    **settings: Any,
 ) -> None:
     """Score every row of review tables with a registered classifier: Parquet + a manifest, resumable."""
     from tasks.corpus.sources import SourceError, expand_sources
     from tasks.score.formats import SUFFIXES
 
+    params = parsed(ScoreParams, {name: settings[name] for name in SETTINGS})
+    workers = parsed(WorkerOptions, {name: settings[name] for name in WORKER_SETTINGS})
     try:
         if local := [i for i in inputs if "://" not in i or i.startswith("file://")]:
             # A missing local input is refused before pyarrow, Prefect, MLflow and torch are imported.
@@ -121,14 +110,14 @@ def score(
     try:
         summary = run_score(
             inputs,
-            output=output,
-            model=model,
-            text_column=text_column,
-            id_columns=id_column,
-            piece_rows=piece_rows,
-            task_runner=task_runner,
-            workers=workers,
-            precision=precision,
+            output=params.output,
+            model=params.model,
+            text_column=params.text_column,
+            id_columns=params.id_columns,
+            piece_rows=params.piece_rows,
+            task_runner=workers.task_runner,
+            workers=workers.workers,
+            precision=params.precision,
         )
     except user_errors() as error:  # InputError and ModelNotFound are ValueErrors
         raise fail(error) from None

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from flows.cli.common import JsonOption, StoreOption, fail, out, run_flow, user_errors
+from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, parsed, run_flow, user_errors
 from tasks.settings import get_settings
+from tasks.sweep.spec import SweepRunOptions
 
 if TYPE_CHECKING:
     from tasks.sweep.spec import SweepSpec
@@ -39,11 +40,12 @@ def run_sweep(spec: SweepSpec, parallel: int = 1, *, show_progress: bool = True)
 
 
 @app.command("run", rich_help_panel=PANEL)
+@options_from(SweepRunOptions, SweepRunOptions.model_fields)
 def run(
     spec_path: Annotated[str, typer.Argument(metavar="SPEC.yaml", help="The sweep spec (docs/sweep.md).")],
-    parallel: Annotated[int, typer.Option(min=1, help="Trials at once (each holds a GPU slot).")] = 1,
     store: StoreOption = None,
     as_json: JsonOption = False,
+    **settings: Any,
 ) -> None:
     """Run a sweep (or continue it: the same spec is the same sweep); `sweep SPEC.yaml` for short."""
     import os
@@ -51,10 +53,11 @@ def run(
     from tasks.jobs.launchers.base import LaunchError
     from tasks.sweep.spec import load_spec
 
+    options = parsed(SweepRunOptions, settings)
     if store:
         os.environ["MLSTM_STORE_URI"] = store
     try:
-        result = run_sweep(load_spec(spec_path), parallel, show_progress=not as_json)
+        result = run_sweep(load_spec(spec_path), options.parallel, show_progress=not as_json)
     except user_errors(LaunchError) as error:
         raise fail(error) from None
     if as_json:

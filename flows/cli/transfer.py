@@ -22,9 +22,9 @@ from flows.cli.common import (
     run_flow,
     user_errors,
 )
-from tasks.jobs.config import Precision
+from tasks.jobs.config import FEATURES_PRECISION, Precision
 from tasks.settings import get_settings
-from tasks.transfer.config import TransferInputs, TransferParams
+from tasks.transfer.config import TransferParams
 
 app = typer.Typer()
 PANEL = "Transfer"
@@ -32,10 +32,7 @@ PANEL = "Transfer"
 CheckpointOption = Annotated[
     str, typer.Option(help="Checkpoint URI: a step folder, a run folder or latest.json.")
 ]
-# The features' dtype, said once for every command that reads features (transfer, features, predict).
-PrecisionOption = Annotated[
-    Precision, typer.Option(help=TransferInputs.model_fields["precision"].description)
-]
+PrecisionOption = Annotated[Precision, typer.Option(help=FEATURES_PRECISION)]
 
 
 def _feature_bar() -> Progress:

@@ -1,11 +1,18 @@
 """A corpus build's settings: pydantic only, so that the CLI and the pipeline's parameters check them
-without loading the build's libraries (pyarrow, numpy)."""
+without loading the build's libraries (pyarrow, numpy). Each field a flag of ``corpus build`` shows is
+generated from it (``flows/cli/corpus.py``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tasks.settings import Flag
+
+
+def _split_text(split: tuple[int, int, int]) -> str:
+    return ":".join(str(part) for part in split)
 
 
 class CorpusConfig(BaseModel):
@@ -13,15 +20,27 @@ class CorpusConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    split: tuple[int, int, int] = Field(
+    # The flag takes it as text: --split 1000:1:1.
+    split: Annotated[tuple[int, int, int], Flag(text=_split_text)] = Field(
         default=(1000, 1, 1), description="train:val:test proportions (the paper's 1000:1:1)."
     )
-    shard_mb: int = Field(default=256, ge=1, description="Target shard size, MiB of text.")
+    shard_mb: int = Field(default=256, ge=1, description="Target shard size in MiB of text.")
     bucket_mb: int = Field(
-        default=128, ge=1, description="Input MiB per reduce bucket: bounds a worker's memory."
+        default=128, ge=1, description="Input MiB per dedupe bucket: bounds a worker's memory."
     )
-    piece_mb: int = Field(default=64, ge=1, description="Plain files are parsed in pieces this big.")
+    piece_mb: int = Field(default=64, ge=1, description="Plain files are parsed in pieces of this many MiB.")
     block_mb: int = Field(default=8, ge=1, description="Lines parsed at once within a piece.")
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split_of_text(cls, split: Any) -> Any:
+        """``"1000:1:1"`` → ``(1000, 1, 1)``; a list or tuple passes as it is."""
+        if not isinstance(split, str):
+            return split
+        parts = split.split(":")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"{split!r}: write three whole numbers train:val:test, e.g. 1000:1:1")
+        return tuple(int(p) for p in parts)
 
     @field_validator("split")
     @classmethod
@@ -38,11 +57,3 @@ class CorpusConfig(BaseModel):
     def identity(self) -> dict[str, Any]:
         """The settings the output depends on (pieces and blocks only change how work is cut)."""
         return {"split": list(self.split), "shard_mb": self.shard_mb, "bucket_mb": self.bucket_mb}
-
-
-def parse_split(text: str) -> tuple[int, int, int]:
-    """``"1000:1:1"`` → ``(1000, 1, 1)``, with an error that names the flag."""
-    parts = text.split(":")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"--split {text!r}: write three whole numbers train:val:test, e.g. 1000:1:1")
-    return (int(parts[0]), int(parts[1]), int(parts[2]))

@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.jobs.config import Precision
+from tasks.score.config import PIECE_ROWS
 from tasks.score.inputs import (
     PROBLEM,
     InputError,
@@ -58,7 +59,6 @@ from tasks.store import Store, open_store
 
 PRECISIONS = get_args(Precision)  # models.precision.PRECISION_CHOICES (tests/test_features.py)
 FORMAT_VERSION = 2  # of the output's layout; part of the scoring id (2: pieces cut by length in windows)
-PIECE_ROWS = 1024  # rows per piece: the unit of parallel work and of resuming
 # Pieces per window: a window's rows are ordered by length before they are cut. Each piece reads its
 # whole window (a worker keeps the last one read), so this bounds a worker's memory: 16 × 1,024 IMDB
 # reviews are 21 MB of text.

@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.jobs.config import Precision
+from tasks.jobs.config import FEATURES_PRECISION, Precision
 from tasks.settings import Flag
 from tasks.transfer.solvers import DEFAULT_SOLVER, Solver
 
@@ -62,11 +62,7 @@ class TransferInputs(BaseModel):
     batch_size: int | None = Field(
         default=None, ge=1, description="Texts per feature batch. [default: as many as fit memory]"
     )
-    precision: Precision = Field(
-        default="auto",
-        description="The features' dtype: auto (bf16 or fp16 on GPUs, fp32 on CPU), bf16 (on CPUs with "
-        "AVX-512 BF16 or AMX about 3x fp32's speed at 1,024 units and more, slower at 64), fp16 or fp32.",
-    )
+    precision: Precision = Field(default="auto", description=FEATURES_PRECISION)
 
     @field_validator("datasets")
     @classmethod
