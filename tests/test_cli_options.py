@@ -19,7 +19,7 @@ from tasks.finetune.config import FinetuneParams
 from tasks.pretrain.config import PretrainParams
 from tasks.score.config import ScoreParams
 from tasks.settings import WorkerOptions, flag_of
-from tasks.sweep.spec import SweepRunOptions
+from tasks.sweep.config import SweepRunOptions
 from tasks.transfer.config import ProbeFilesParams, ProbeSettings, TransferParams
 
 # Each command, the models its settings come from, and the fields that are no flag of it.

@@ -10,7 +10,7 @@ from typer.core import TyperGroup
 
 from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, parsed, run_flow, user_errors
 from tasks.settings import get_settings
-from tasks.sweep.spec import SweepRunOptions
+from tasks.sweep.config import SweepRunOptions
 
 if TYPE_CHECKING:
     from tasks.sweep.spec import SweepSpec

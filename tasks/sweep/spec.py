@@ -24,14 +24,6 @@ SEARCHABLE = ("lr", "batch_size", "seq_len", "warmup_steps", "lr_scaling", "prec
 SPEC_KEYS = ("corpus", "objective", "budget", "asha", "sampler", "seed", "space")
 
 
-class SweepRunOptions(BaseModel):
-    """How a run of a sweep proceeds, beside its spec: not part of the sweep's identity."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    parallel: int = Field(default=1, ge=1, description="Trials at once (each holds a GPU slot).")
-
-
 class SpecError(ValueError):
     """A spec that cannot run; the message names the file, the key and its line."""
 
