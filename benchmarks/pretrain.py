@@ -60,6 +60,8 @@ from torch import nn
 
 from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
 from models.precision import PRECISION_CHOICES, PRECISION_NAMES, resolve_precision
+from tasks.jobs.config import OptimizerSettings
+from tasks.jobs.optim import build_optimizer
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
@@ -251,12 +253,9 @@ def train_row(
     model = IMPLEMENTATIONS[impl](config).to(device)
     num_params = sum(p.numel() for p in model.parameters())
     row = Row(name, impl, num_params, batch, args.seq_len, DTYPE_NAMES[dtype])
-    optimizer = (
-        # As the job makes it for a captured step: lr a device tensor the schedule fills, Adam capturable.
-        torch.optim.Adam(model.parameters(), lr=torch.tensor(LR, device=device), fused=True, capturable=True)
-        if impl == "graphed"
-        else torch.optim.Adam(model.parameters(), lr=LR)
-    )
+    # The job's Adam, for a captured step (lr a device tensor the schedule fills, fused, capturable) or not.
+    path = "captured" if impl == "graphed" else "eager"
+    optimizer = build_optimizer(model.parameters(), OptimizerSettings(), lr=LR, path=path)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     state = model.zero_state(batch, device=device)
     torch.manual_seed(1)  # and see the same batches
@@ -325,11 +324,8 @@ def profile_step(
     torch.manual_seed(0)
     model = IMPLEMENTATIONS[impl](preset(name)).to(device)
     graphed = impl == "graphed"
-    optimizer = torch.optim.Adam(
-        model.parameters(),
-        lr=torch.tensor(LR, device=device) if graphed else LR,
-        fused=graphed,
-        capturable=graphed,
+    optimizer = build_optimizer(
+        model.parameters(), OptimizerSettings(), lr=LR, path="captured" if graphed else "eager"
     )
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     state = model.zero_state(batch, device=device)

@@ -35,6 +35,7 @@ def worker(
 ) -> None:
     """One rank's measurement (run under torchrun)."""
     from models.mlstm import MLSTM, preset
+    from tasks.jobs.config import OptimizerSettings
     from tasks.jobs.sharding import optimizer_state_bytes, wrap
     from tasks.jobs.world import World
     from tasks.pretrain.step import optimizer_step
@@ -44,7 +45,13 @@ def worker(
     torch.manual_seed(0)
     model = MLSTM(preset(preset_name)).to(world.device)
     module, optimizer = wrap(
-        model, sharding, world_size=world.size, device=world.device, dtype=dtype, lr=5e-4
+        model,
+        sharding,
+        world_size=world.size,
+        device=world.device,
+        dtype=dtype,
+        optimizer=OptimizerSettings(),
+        lr=5e-4,
     )  # type: ignore[arg-type]
     scaler = torch.amp.GradScaler(world.device.type, enabled=False)
     rows = batch // world.size

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tasks.corpus.config import CorpusConfig
 from tasks.finetune.config import FinetuneParams
-from tasks.pretrain.config import PretrainParams, weight_settings
+from tasks.jobs.config import run_identity
+from tasks.pretrain.config import PretrainParams
 from tasks.secrets import hide
 from tasks.settings import Settings
 from tasks.store import Store
@@ -147,8 +148,7 @@ def finetune_params(params: PipelineParams, checkpoint_uri: str) -> FinetunePara
 
 def finetune_key(params: FinetuneParams, settings: Settings) -> str:
     """What a fine-tuning's result depends on: the weights, the dataset's content, the settings of the
-    weights (``WEIGHTS``) and its run."""
-    from tasks.finetune.config import weight_settings
+    weights (``WEIGHTS``; a later one only once it differs from its neutral value) and its run."""
     from tasks.transfer.datasets import load_dataset
     from tasks.transfer.features import weights_fingerprint
     from tasks.transfer.stage import load_checkpoint_of
@@ -159,7 +159,8 @@ def finetune_key(params: FinetuneParams, settings: Settings) -> str:
         {
             "weights": weights_fingerprint(model),
             "dataset": data.checksum,
-            **params.model_dump(include=set(weight_settings()) | {"run", "baseline"}),
+            **run_identity(params),
+            **params.model_dump(include={"run", "baseline"}),
         }
     )
 
@@ -174,8 +175,9 @@ def transfer_params(stage: TransferStage, checkpoint_uri: str) -> TransferParams
 
 def pretrain_key(params: PretrainParams, corpus_id: str) -> str:
     """What a training run's weights depend on: the corpus and the settings marked as changing them
-    (tasks/pretrain/config.py); where, how wide and how often it reports leave the key as it is."""
-    return digest({"corpus_id": corpus_id, **params.model_dump(include=set(weight_settings()))})
+    (tasks/pretrain/config.py), a later one only once it differs from its neutral value, so that the runs
+    trained before it keep their keys; where, how wide and how often it reports leave the key as it is."""
+    return digest({"corpus_id": corpus_id, **run_identity(params)})
 
 
 def pretrain_run_name(params: PretrainParams, corpus_id: str, *, force: bool) -> str:

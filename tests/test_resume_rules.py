@@ -1,10 +1,10 @@
 """What a resume restores and what it refuses, on one CPU rank (the 2-rank, bit-for-bit version is
 test_pretrain.py::test_resuming_reproduces_the_uninterrupted_run, marked slow).
 
-The rules (tasks/jobs/checkpointer.py, ``Checkpointer.resume``; ``RUN_FIELDS`` in train.py):
+The rules (tasks/jobs/checkpointer.py, ``Checkpointer.resume``; ``TrainConfig.run_settings``):
 relaunching a run by its name continues from its newest checkpoint with the weights, Adam's state, the
 learning-rate schedule, the carried state and the step count it saved; a setting the numbers depend on
-(``RUN_FIELDS``) may not change, and the error names it; a setting of how the job runs (how often it
+(``run_settings``) may not change, and the error names it; a setting of how the job runs (how often it
 logs, say) may."""
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from tasks.jobs.checkpoint import (
     save_shards,
     step_prefix,
 )
+from tasks.jobs.config import OptimizerSettings
 from tasks.jobs.joblog import iter_progress
 from tasks.jobs.sharding import optimizer_layout, save_sharded, wrap
 from tasks.pipeline import apply_overrides, pretrain_key, validated
@@ -235,5 +236,6 @@ def test_full_sharding_refuses_fp16_with_what_to_use() -> None:
             world_size=2,
             device=torch.device("cpu"),
             dtype=torch.float16,
+            optimizer=OptimizerSettings(),
             lr=1e-3,
         )

@@ -3,11 +3,12 @@
 - ``FinetuneSettings``: how the job trains. Each field is a flag of ``mlstm-sentiment finetune``, a
   field of the pipeline's ``finetune.`` settings and of the Prefect form, and a flag of the job
   (``python -m tasks.finetune.train``). Those marked ``WEIGHTS`` change the trained weights: a resume
-  refuses a change to one.
+  refuses a change to one (a later one declares its neutral value: tasks/jobs/config.py's ``Weights``).
+  Adam's settings besides the learning rate come from ``OptimizerSettings``, shared with pretraining.
 - ``FinetuneParams``: the stage's parameters: the checkpoint, the dataset, the settings, the launch.
 - ``FinetuneConfig``: what the job parses from its command line.
 
-Only pydantic and the pretraining stage's config are imported: a command refuses a bad setting
+Only pydantic and the job runtime's config are imported: a command refuses a bad setting
 without loading torch.
 """
 
@@ -20,17 +21,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tasks.jobs.config import (
     WEIGHTS,
     LaunchSettings,
+    OptimizerSettings,
     Precision,
     checked_run_name,
     flag_errors,
     job_args,
     parse_job_args,
+    weight_marks,
 )
 
 __all__ = ["FinetuneConfig", "FinetuneParams", "FinetuneSettings", "flag_errors", "weight_settings"]
 
 
-class FinetuneSettings(BaseModel):
+class FinetuneSettings(OptimizerSettings):
     """How the job fine-tunes: the head, the data's shape, the optimiser and its schedule."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -76,7 +79,8 @@ class FinetuneSettings(BaseModel):
 
 
 def weight_settings() -> frozenset[str]:
-    return frozenset(name for name, info in FinetuneSettings.model_fields.items() if WEIGHTS in info.metadata)
+    """The settings marked ``WEIGHTS``: what a resume compares, and the run's identity besides its data."""
+    return frozenset(weight_marks(FinetuneSettings))
 
 
 class FinetuneTarget(BaseModel):

@@ -2,7 +2,7 @@
 NAME=PATH --run-name NAME``.
 
 The pretraining job's machinery around another model and another data path: ranks, DDP and SIGTERM
-from ``tasks.jobs.world``, Adam from ``tasks.jobs.sharding.wrap``, autocast from
+from ``tasks.jobs.world``, Adam from ``tasks.jobs.sharding.wrap`` (built by ``tasks.jobs.optim``), autocast from
 ``models.precision``, checkpoints and their exact resume from ``tasks.jobs.checkpointer``.
 What is its own: the data (each epoch's batches a function of the seed and the epoch: rows shuffled,
 then sorted by length within groups of batches, so where a step reads is a function of the step alone
@@ -41,6 +41,7 @@ from tasks.jobs import joblog
 from tasks.jobs import sharding as shard
 from tasks.jobs.checkpoint import load_checkpoint, run_prefix
 from tasks.jobs.checkpointer import Checkpointer
+from tasks.jobs.config import neutral_values, weight_marks
 from tasks.jobs.torchrun import die_with_parent
 from tasks.jobs.world import Preempted, World, log
 from tasks.settings import Settings, get_settings
@@ -150,8 +151,8 @@ class Trainer:
             parameter.requires_grad_(not config.freeze_lm)
         self.model.lm.out.requires_grad_(config.aux_lm_weight > 0)
         self.ddp, self.optimizer = shard.wrap(
-            self.model, "none", world_size=W, device=world.device, dtype=self.dtype, lr=config.lr,
-            params=lambda model: param_groups(model, config.lr, config.lm_lr_factor),
+            self.model, "none", world_size=W, device=world.device, dtype=self.dtype, optimizer=config,
+            lr=config.lr, params=lambda model: param_groups(model, config.lr, config.lm_lr_factor),
         )  # fmt: skip
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -183,7 +184,9 @@ class Trainer:
 
     def resume(self) -> bool:
         saved = self.checkpoints.resume(
-            self.config.model_dump(include=set(weight_settings())), self.total_steps
+            self.config.model_dump(include=set(weight_marks(type(self.config)))),
+            self.total_steps,
+            neutral=neutral_values(type(self.config)),
         )
         if saved is None:
             return False

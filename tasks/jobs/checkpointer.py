@@ -15,6 +15,7 @@ import dataclasses
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,20 @@ def plain_lr(value: Any) -> Any:
     if isinstance(value, list):
         return [plain_lr(item) for item in value]
     return value
+
+
+def changed_settings(
+    saved: dict[str, Any], launch: dict[str, Any], neutral: Mapping[str, Any]
+) -> dict[str, tuple[Any, Any]]:
+    """The settings whose value in this launch (``launch``) differs from the checkpoint's (``saved``, its
+    config), as (saved, launch) pairs. A setting the checkpoint lacks was added since: it ran with the
+    setting's neutral value where the setting declares one, else counts as None (and is refused)."""
+    changed = {}
+    for name, value in launch.items():
+        old = saved[name] if name in saved else neutral.get(name)
+        if old != value:
+            changed[name] = (old, value)
+    return changed
 
 
 @dataclasses.dataclass
@@ -116,10 +131,14 @@ class Checkpointer:
             "rng": torch.get_rng_state(),
         }
 
-    def resume(self, run_settings: dict[str, Any], total_steps: int) -> checkpoint.Checkpoint | None:
+    def resume(
+        self, run_settings: dict[str, Any], total_steps: int, *, neutral: Mapping[str, Any]
+    ) -> checkpoint.Checkpoint | None:
         """Load the run's newest intact checkpoint into the model, optimizer, schedule, scaler and RNG,
         and return it (the carried state and the step's counters are the caller's to take); None for a
-        new run. ``run_settings``: this launch's values of the settings the run's numbers depend on."""
+        new run. ``run_settings``: this launch's values of the settings the run's numbers depend on;
+        ``neutral``: the value of each setting added later that trains as before it existed, which a
+        checkpoint saved without that setting is read as having (``tasks.jobs.config.neutral_values``)."""
         # A sharded checkpoint's DCP files, where a store is not a folder they can be read in place.
         # One folder a rank: a node's ranks do not wait on each other to download.
         shards_to = self.scratch / f"{self.run}-rank{self.world.rank}"
@@ -136,7 +155,9 @@ class Checkpointer:
                 self.world,
                 f"{joblog.WARNING_PREFIX}{'; '.join(damaged)}; resuming from step {saved.step} ({saved.uri})",
             )
-        self._check_same_run(saved, run_settings, total_steps)
+        self._check_same_run(
+            saved, changed_settings(saved.meta["config"], run_settings, neutral), total_steps
+        )
         state = saved.state
         # Learning rates as numbers: a checkpoint written before they were saved so held device tensors.
         state["schedule"] = plain_lr(state["schedule"])
@@ -158,14 +179,8 @@ class Checkpointer:
         return saved
 
     def _check_same_run(
-        self, saved: checkpoint.Checkpoint, run_settings: dict[str, Any], total_steps: int
+        self, saved: checkpoint.Checkpoint, mismatched: dict[str, tuple[Any, Any]], total_steps: int
     ) -> None:
-        saved_settings = saved.meta["config"]
-        mismatched = {
-            name: (saved_settings.get(name), value)
-            for name, value in run_settings.items()
-            if saved_settings.get(name) != value
-        }
         if mismatched:
             changes = ", ".join(
                 f"--{k.replace('_', '-')} was {old!r}, now {new!r}" for k, (old, new) in mismatched.items()

@@ -1,5 +1,6 @@
-"""What every torchrun job's settings share: the launch, the mark of a setting that changes the
-weights, and the job's command line generated from a pydantic model (and read back by the job).
+"""What every torchrun job's settings share: the launch, the optimizer's settings, the mark of a setting
+that changes the weights (and a run's identity from it), and the job's command line generated from a
+pydantic model (and read back by the job).
 
 Only pydantic is imported: a command refuses a bad setting without loading torch.
 """
@@ -7,6 +8,7 @@ Only pydantic is imported: a command refuses a bad setting without loading torch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import types
 import typing
 from typing import Any, Literal
@@ -27,14 +29,71 @@ SHARDINGS: tuple[Sharding, ...] = typing.get_args(Sharding)
 LauncherName = Literal["local", "slurm", "kubernetes"]
 
 
-class _ChangesWeights:
-    """The marker of a setting the trained weights depend on (``Annotated[int, WEIGHTS]``)."""
+# What a mark without ``neutral`` holds: no value leaves the setting out of a run's identity.
+_ALWAYS = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The mark of a setting the trained weights depend on: ``Annotated[int, WEIGHTS]``. Such settings
+    are a run's identity: the pipeline's skip key hashes them and a resume refuses a change to one.
+
+    A setting added once runs exist declares ``neutral``, the value with which it changes nothing (the
+    behaviour of the runs trained before it existed): ``Annotated[float, Weights(neutral=0.0)]``. At that
+    value it stays out of a run's key, so every existing run keeps its key, and a checkpoint saved
+    without it reads as having had it, so every existing run still resumes. A mark without ``neutral``
+    (``WEIGHTS``) is always part of the identity, and a checkpoint that lacks its setting is refused."""
+
+    neutral: Any = _ALWAYS
+
+    def has_neutral(self) -> bool:
+        return self.neutral is not _ALWAYS
 
     def __repr__(self) -> str:
-        return "WEIGHTS"
+        return f"Weights(neutral={self.neutral!r})" if self.has_neutral() else "WEIGHTS"
 
 
-WEIGHTS = _ChangesWeights()
+WEIGHTS = Weights()
+
+
+def weight_marks(cls: type[BaseModel]) -> dict[str, Weights]:
+    """The fields of ``cls`` marked as changing the weights, with their marks."""
+    marks = {}
+    for name, info in cls.model_fields.items():
+        found = [item for item in info.metadata if isinstance(item, Weights)]
+        if found:
+            marks[name] = found[0]
+    return marks
+
+
+def neutral_values(cls: type[BaseModel]) -> dict[str, Any]:
+    """What a checkpoint saved before each of ``cls``'s later settings existed ran with: its neutral value."""
+    return {name: mark.neutral for name, mark in weight_marks(cls).items() if mark.has_neutral()}
+
+
+def run_identity(settings: BaseModel) -> dict[str, Any]:
+    """The values of the settings marked as changing the weights, for a run's key: each later one left out
+    while it has its neutral value, so that the keys of runs trained before it existed hold."""
+    marks = weight_marks(type(settings))
+    values = settings.model_dump(include=set(marks))
+    return {
+        name: value
+        for name, value in values.items()
+        if not (marks[name].has_neutral() and value == marks[name].neutral)
+    }
+
+
+class OptimizerSettings(BaseModel):
+    """Adam's settings besides its learning rate, shared by every job that trains (pretraining's and
+    fine-tuning's settings derive from it); each field is one of Adam's keywords, by name, and
+    ``tasks/jobs/optim.py`` passes it on every path (eager, captured, sharded). The learning rate is each
+    job's own: its setting differs (scaled by the batch, or per param group) and its schedule moves it.
+
+    None is a setting yet: Adam runs with torch's defaults (betas 0.9 and 0.999, eps 1e-8, no weight
+    decay, no AMSGrad). A new one (weight decay, say) is one line here, marked
+    ``Weights(neutral=...)`` with the default that reproduces those runs, and a case in its test."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LaunchSettings(BaseModel):

@@ -41,7 +41,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.jobs.config import Sharding
+from tasks.jobs.config import OptimizerSettings, Sharding
+from tasks.jobs.optim import OptimizerPath, build_optimizer
 
 
 def wrap(
@@ -51,16 +52,18 @@ def wrap(
     world_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    optimizer: OptimizerSettings,
     lr: float,
     params: Callable[[nn.Module], Any] = nn.Module.parameters,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The module to run forward through and its Adam, for a sharding. On one rank ``none`` and
-    ``optimizer`` are plain Adam (nothing to share: the same numbers); ``full`` is FSDP2 over a world of
-    one, so that the many-rank code and its DCP checkpoints run, and resume, on one GPU too. ``params``:
-    what Adam updates (its parameters, or param groups with their own lr), read from the model after it
-    is sharded (FSDP2 puts DTensors in place of its parameters)."""
+    """The module to run forward through and its Adam (``tasks.jobs.optim``, from the job's ``optimizer``
+    settings at ``lr``), for a sharding. On one rank ``none`` and ``optimizer`` are plain Adam (nothing to
+    share: the same numbers); ``full`` is FSDP2 over a world of one, so that the many-rank code and its
+    DCP checkpoints run, and resume, on one GPU too. ``params``: what Adam updates (its parameters, or
+    param groups with their own lr), read from the model after it is sharded (FSDP2 puts DTensors in
+    place of its parameters)."""
     if world_size == 1 and sharding != "full":
-        return model, torch.optim.Adam(params(model), lr=lr)
+        return model, build_optimizer(params(model), optimizer, lr=lr)
     if sharding == "full" and dtype == torch.float16:
         # GradScaler's unscale and skip do not see FSDP2's sharded gradients as one step; not verified.
         raise ValueError(
@@ -77,11 +80,10 @@ def wrap(
             param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
         )
         fully_shard(model, mp_policy=policy)
-        return model, torch.optim.Adam(params(model), lr=lr)
+        return model, build_optimizer(params(model), optimizer, lr=lr)
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    if sharding == "optimizer":
-        return ddp, ZeroRedundancyOptimizer(params(model), optimizer_class=torch.optim.Adam, lr=lr)
-    return ddp, torch.optim.Adam(params(model), lr=lr)
+    path: OptimizerPath = "zero" if sharding == "optimizer" else "eager"
+    return ddp, build_optimizer(params(model), optimizer, lr=lr, path=path)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -10,7 +10,10 @@
 
 A setting marked ``WEIGHTS`` changes the weights a run trains: it is part of the run's identity, so
 the pipeline's skip key is computed from these fields and a resume refuses a change to one. Adding a
-setting is one line here (and its test); nothing else lists them.
+setting is one line here (and its test); nothing else lists them. One that changes the weights, added
+once runs exist, is marked ``Weights(neutral=...)`` with the value that trains as before it existed,
+so that existing runs keep their keys and resume (tasks/jobs/config.py). Adam's settings besides the
+learning rate come from ``OptimizerSettings``, shared with fine-tuning.
 
 Only pydantic and ``models/config.py`` are imported, so that a command can refuse a bad setting
 without loading torch.
@@ -19,7 +22,7 @@ without loading torch.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -27,17 +30,19 @@ from models.config import PRESETS, Recurrence, preset
 from tasks.jobs.config import (
     WEIGHTS,
     LaunchSettings,
+    OptimizerSettings,
     Precision,
     Sharding,
     checked_run_name,
     job_args,
     parse_job_args,
+    weight_marks,
 )
 
 LrScaling = Literal["none", "linear", "sqrt"]
 
 
-class TrainSettings(BaseModel):
+class TrainSettings(OptimizerSettings):
     """How the job trains: the model, the data's shape, the optimiser and its schedule, how often it
     reports, and how a step runs."""
 
@@ -107,12 +112,7 @@ class PretrainParams(LaunchSettings, TrainSettings, RunTarget):
 
 def weight_settings() -> frozenset[str]:
     """The settings marked ``WEIGHTS``: a run's identity besides its corpus."""
-    return frozenset(name for name, info in TrainSettings.model_fields.items() if WEIGHTS in info.metadata)
-
-
-# What a resume compares with the checkpoint's config: the corpus and the settings of the weights. The
-# schedule's length is compared once resolved (its default is one epoch of the corpus).
-RUN_FIELDS = ("corpus", *sorted(weight_settings() - {"total_steps"}))
+    return frozenset(weight_marks(TrainSettings))
 
 
 class TrainConfig(TrainSettings):
@@ -135,6 +135,11 @@ class TrainConfig(TrainSettings):
     @classmethod
     def _run_is_a_key(cls, name: str) -> str:
         return checked_run_name(name)
+
+    def run_settings(self) -> dict[str, Any]:
+        """What a resume compares with the checkpoint's config: the corpus and the settings of the
+        weights. The schedule's length is compared once resolved (its default is one epoch of the corpus)."""
+        return self.model_dump(include={"corpus", *weight_marks(type(self))} - {"total_steps"})
 
     def effective_lr(self) -> float:
         ratio = self.batch_size / self.lr_base_batch

@@ -2,9 +2,10 @@
 
 Shapes are static in a run (the batch and seq_len are fixed), so the whole step is captured, the same
 ``tasks.pretrain.step.device_step`` the eager job runs: autocast forward through the fused recurrence,
-cross-entropy, the GradScaler's scaling and unscaling, gradient clipping, Adam (``fused=True,
-capturable=True``: torch refuses to capture an Adam without ``capturable``; its learning rate a device
-tensor the schedule fills in place), the GradScaler's update, and the carried state copied into the
+cross-entropy, the GradScaler's scaling and unscaling, gradient clipping, Adam (built for the
+``captured`` path by ``tasks.jobs.optim``: ``fused=True, capturable=True``, since torch refuses to
+capture an Adam without ``capturable``; its learning rate a device tensor the schedule fills in place),
+the GradScaler's update, and the carried state copied into the
 next step's input. What stays outside, and why:
 
 - the batch: copied into the graph's input tensors before each replay (it comes from the host);
@@ -34,17 +35,6 @@ WARMUP_STEPS = 3  # eager steps before capture (DDP would need 11; it is not cap
 def graph_supported(device: torch.device, world_size: int) -> bool:
     """Capture where it can run: a CUDA device and a single rank."""
     return device.type == "cuda" and world_size == 1
-
-
-def capturable_adam(model: torch.nn.Module, lr: float) -> torch.optim.Adam:
-    """Adam as a captured step needs it: lr a device tensor the schedule fills (a float would be baked
-    into the graph), and fused, so an fp16 overflow step is skipped on the device without asking the host."""
-    return torch.optim.Adam(
-        model.parameters(),
-        lr=torch.tensor(lr, device=next(model.parameters()).device),
-        fused=True,
-        capturable=True,  # or Adam refuses to be captured
-    )
 
 
 class GraphedStep:

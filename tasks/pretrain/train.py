@@ -26,10 +26,12 @@ from models.precision import autocast, resolve_precision
 from tasks.jobs import checkpoint, joblog
 from tasks.jobs import sharding as shard
 from tasks.jobs.checkpointer import Checkpointer
+from tasks.jobs.config import neutral_values
+from tasks.jobs.optim import build_optimizer
 from tasks.jobs.torchrun import die_with_parent
 from tasks.jobs.world import Preempted, World, log
-from tasks.pretrain.config import RUN_FIELDS, TrainConfig
-from tasks.pretrain.graphed import GraphedStep, capturable_adam, graph_supported
+from tasks.pretrain.config import TrainConfig
+from tasks.pretrain.graphed import GraphedStep, graph_supported
 from tasks.pretrain.metrics import Report, Throughput, Tracker
 from tasks.pretrain.step import optimizer_step
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
@@ -78,7 +80,10 @@ class Trainer:
             and graph_supported(world.device, world.size)
         )
         self.ddp, self.optimizer = (
-            (self.model, capturable_adam(self.model, config.effective_lr()))
+            (
+                self.model,
+                build_optimizer(self.model.parameters(), config, lr=config.effective_lr(), path="captured"),
+            )
             if self.graphed
             else shard.wrap(
                 self.model,
@@ -86,6 +91,7 @@ class Trainer:
                 world_size=world.size,
                 device=world.device,
                 dtype=self.dtype,
+                optimizer=config,
                 lr=config.effective_lr(),
             )
         )
@@ -120,7 +126,9 @@ class Trainer:
 
     def resume(self) -> bool:
         """Continue the run from its newest intact checkpoint, if it has one (see ``Checkpointer``)."""
-        saved = self.checkpoints.resume(self.config.model_dump(include=set(RUN_FIELDS)), self.total_steps)
+        saved = self.checkpoints.resume(
+            self.config.run_settings(), self.total_steps, neutral=neutral_values(type(self.config))
+        )
         if saved is None:
             return False
         rows = self.plan.rows
@@ -218,7 +226,7 @@ def start_tracker(trainer: Trainer) -> Tracker:
     """Rank 0's MLflow run for this run, its params the settings the numbers depend on."""
     config, model_config = trainer.config, trainer.model.config
     params = {
-        **config.model_dump(include=set(RUN_FIELDS)),
+        **config.run_settings(),
         "total_steps": trainer.total_steps,
         "effective_lr": config.effective_lr(),
         "hidden_size": model_config.hidden_size,
