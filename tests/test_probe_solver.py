@@ -472,6 +472,24 @@ def test_the_duality_gap_bounds_how_far_a_probe_is_above_the_minimum(data: Data)
         assert short_gap >= short - best > 0, (C, short, best, short_gap)
 
 
+def test_the_duality_gap_holds_where_the_intercepts_row_binds() -> None:
+    """The dual constraint has a row for the intercept (liblinear penalises it too): on labels nine to one
+    and features near zero, the probe at zero is far from the minimum almost only through its intercept,
+    and its gap must still bound that distance."""
+    from sklearn.linear_model import LogisticRegression
+
+    from tasks.transfer.probe import duality_gap, objective
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(scale=0.01, size=(400, 20)).astype(np.float32)
+    y = (rng.random(400) < 0.9).astype(np.int64)
+    C = 1.0
+    tight = LogisticRegression(C=C, l1_ratio=1.0, solver="liblinear", tol=1e-10, max_iter=100_000).fit(X, y)
+    minimum = objective(tight.coef_.ravel().astype(np.float64), float(tight.intercept_[0]), X, y, C)
+    zero = np.zeros(X.shape[1])
+    assert duality_gap(zero, 0.0, X, y, C) >= objective(zero, 0.0, X, y, C) - minimum > 0
+
+
 def test_an_unknown_solver_is_refused(data: Data) -> None:
     with pytest.raises(ValueError, match="solver must be one of liblinear, newton"):
         _fit(data, "saga")
