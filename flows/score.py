@@ -143,7 +143,8 @@ def score(
         text_column: The column (JSON field) holding the review.
         id_columns: Columns copied to the output beside each row's scores.
         piece_rows: Rows per piece on average: the unit of parallel work and of resuming.
-        threads_per_worker: torch threads of each worker. Default: the cores shared by the workers.
+        threads_per_worker: torch threads of each worker. Default: the cores shared by the workers, one
+            for a small model (``tasks.jobs.threads``).
         described: A JSON file of ``inputs`` as ``describe_inputs`` found them (``save_described``),
             where the caller described them before the run (the CLI does, to refuse a bad file before
             Prefect starts); described here when not given. A file, not the list: a flow run's
@@ -194,7 +195,6 @@ def score(
         plan.output,
     )
     workers = workers or settings.max_workers or cpu_count()
-    threads = threads_per_worker or max(1, cpu_count() // workers)
     sink = progress.current()
     sink.stage("score", total=sum(f.rows for f in plan.files))
     records = []
@@ -202,7 +202,7 @@ def score(
     pieces = score_piece_task.map(
         plan.for_pieces(),
         list(plan.pieces),
-        threads=threads,
+        threads=threads_per_worker,
         workers=workers,
         memory_budget=settings.score_memory_mib * 2**20,
     )

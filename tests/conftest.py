@@ -23,6 +23,8 @@ from types import ModuleType
 import pytest
 from processes import SESSION_VARIABLE, started_by_session
 
+from tasks.jobs.threads import thread_share, usable_cores  # imports no torch: the share is set before it
+
 # Before anything imports prefect or mlflow: a private Prefect home, quiet consoles, no telemetry.
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="mlstm-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
@@ -47,11 +49,12 @@ _MLFLOW_STATE = (
 )
 for name in _MLFLOW_STATE:
     os.environ.pop(name, None)
-# Under pytest-xdist, each worker and every process it starts gets its share of the cores as OpenMP (and
-# so torch, MKL and OpenBLAS) threads: two workers each spinning two threads on two cores ran a small
-# training loop more than 4× slower than one thread each did.
-if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
+# Under several pytest-xdist workers, each worker and every process it starts gets its share of the cores
+# as OpenMP (and so torch, MKL and OpenBLAS) threads: two workers each spinning two threads on two cores
+# ran a small training loop more than 4× slower than one thread each did. With one worker the processes
+# size their own threads (tasks/jobs/threads.py).
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(thread_share(cores=usable_cores(), sharers=workers)))
 # Every process the suite starts inherits this, so the session's end finds any that outlived it.
 _SESSION_TOKEN = uuid.uuid4().hex
 os.environ[SESSION_VARIABLE] = _SESSION_TOKEN

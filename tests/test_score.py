@@ -589,10 +589,12 @@ def test_a_piece_s_progress_artifact_grows_as_its_batches_are_scored(
 ) -> None:
     """The Prefect UI shows each piece's rows scored as they go, not 0 then 100 at its end: with a small
     memory budget a piece runs in several batches, each told to its artifact (every update here, none
-    held back). Thread workers, so the updates are seen here."""
+    held back). Thread workers, so the updates are seen here; and so is the lone worker's thread count:
+    one for the tiny model, though it has the machine's cores to itself (``tasks.jobs.threads``)."""
     import torch
 
     import flows.score
+    import tasks.score.scoring
 
     updates: dict[Any, list[float]] = {}
     real = flows.score.update_progress_artifact
@@ -603,11 +605,18 @@ def test_a_piece_s_progress_artifact_grows_as_its_batches_are_scored(
         lambda id, progress: updates.setdefault(id, []).append(progress) or real(id, progress=progress),
     )
     monkeypatch.setenv("MLSTM_SCORE_MEMORY_MIB", "32")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the test workers' own share is not the rule's
+    taken: list[int] = []  # OpenMP's thread count is the calling thread's: the worker's, not seen here
+    share = tasks.score.scoring.take_share
+    monkeypatch.setattr(
+        tasks.score.scoring, "take_share", lambda **kw: taken.append(share(**kw)) or taken[-1]
+    )
     threads = torch.get_num_threads()
     try:
         summary = _score([str(imdb_slice)], str(tmp_path / "out"), task_runner="thread", workers=1)
     finally:
         torch.set_num_threads(threads)
+    assert taken == [1] * 4, taken
     assert summary["pieces_scored"] == 4 and len(updates) == 4  # a piece each (the CLI described)
     for shown in updates.values():
         assert shown == sorted(shown) and shown[-1] == 100.0, shown

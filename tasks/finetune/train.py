@@ -136,6 +136,7 @@ class Trainer:
 
         pretrained = load_checkpoint(config.checkpoint, endpoint_url=settings.s3_endpoint_url)
         self.checkpoint_uri, self.checkpoint_run_id = pretrained.uri, pretrained.meta.get("mlflow_run_id")
+        world.take_threads(pretrained.model_config.hidden_size)
         torch.manual_seed(config.seed)  # the same head on every rank
         head = HeadConfig(
             pool=config.pool,

@@ -1,5 +1,6 @@
 """The training job's distributed world: this process's rank and device from torchrun's environment,
-the process group and the few collectives the job uses, its SIGTERM flag, and its log (rank 0's)."""
+its share of the node's cores, the process group and the few collectives the job uses, its SIGTERM flag,
+and its log (rank 0's)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 
+from tasks.jobs.threads import take_share
+
 
 @dataclass
 class World:
@@ -26,6 +29,7 @@ class World:
     local_rank: int = 0
     size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    local_size: int = 1  # the ranks on this node, which share its cores
 
     @property
     def is_main(self) -> bool:
@@ -36,6 +40,8 @@ class World:
         """``group``: a process group even for a world of one (``--sharding full`` shards over it)."""
         rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        take_share(sharers=local_size)  # before any work: the node's ranks must not spin against each other
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
@@ -48,7 +54,12 @@ class World:
                 dist.init_process_group(backend)
             else:
                 dist.init_process_group(backend, store=store, rank=rank, world_size=size)
-        return cls(rank, local_rank, size, device)
+        return cls(rank, local_rank, size, device, local_size)
+
+    def take_threads(self, width: int) -> int:
+        """This rank's torch threads for a model ``width`` units wide, once the model is known: one for a
+        small model, else its share of the node's cores (``tasks.jobs.threads``)."""
+        return take_share(sharers=self.local_size, width=width)
 
     def barrier(self) -> None:
         if self.size > 1:

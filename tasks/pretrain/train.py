@@ -67,6 +67,7 @@ class Trainer:
         self.total_steps = config.total_steps or self.plan.steps_per_epoch
         self.dtype = resolve_precision(config.precision, world.device)
 
+        world.take_threads(preset(config.preset).hidden_size)
         torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP checks them too)
         self.model = MLSTM(
             preset(config.preset), recurrence=config.recurrence, compile_gates=config.compile == "auto"

@@ -45,6 +45,7 @@ import pyarrow as pa
 
 from tasks.jobs.config import Precision
 from tasks.score.config import PIECE_ROWS
+from tasks.jobs.threads import take_share
 from tasks.score.inputs import (
     PROBLEM,
     InputError,
@@ -362,17 +363,14 @@ def score_piece(
     record exists is skipped (``skipped`` True). ``batch_size`` None: rows per batch sized by memory,
     longest texts first, as the features path batches (``models.features.featurize``): this worker's
     share of ``memory_budget`` bytes among ``workers`` (``batch_memory``), or the features path's own
-    default where no budget is given. ``on_rows`` is told the piece's rows once they are known (its
-    window read), ``on_batch`` each batch scored."""
+    default where no budget is given. ``threads``: this worker's torch threads; None: its share of the
+    cores among ``workers``, one for a small model (``tasks.jobs.threads``). ``on_rows`` is told the
+    piece's rows once they are known (its window read), ``on_batch`` each batch scored."""
     if (done := piece_done(plan, piece)) is not None:
         return {**done, "skipped": True}
-    import torch
-
     from models.classifier import LABELS, labels_of, probability
     from models.features import featurize
 
-    if threads:
-        torch.set_num_threads(threads)
     started = time.perf_counter()
     window, cuts = _window(
         piece.file,
@@ -397,6 +395,8 @@ def score_piece(
     good = np.array([t is not None for t in texts], dtype=bool)
     kept = [t for t in texts if t is not None]
     classifier = _classifier(plan.model.folder, plan.model.weights_sha256)
+    lm = getattr(classifier.model, "lm", classifier.model)  # a fine-tuned model's mLSTM, or the probe's
+    take_share(sharers=workers, width=lm.config.hidden_size, explicit=threads)
     device = _device()
     dtype = output_dtype(plan, device)
     if hasattr(classifier, "coef_H"):  # a probe on the frozen features

@@ -1,0 +1,65 @@
+"""How many torch threads a process takes: its share of the cores it may use, and one for a small model.
+
+Left alone, every torch process takes a thread per core, so processes that share the cores (a job's
+ranks on one node, a scoring run's workers, the test suite's workers) spin against each other: each
+product waits for a thread that another process has descheduled. Benchmarks/threads.py measures it
+(docs/benchmarks.md): on two cores, one of them busy, the tiny model's training step ran 8× faster with
+one thread than with two. A small model's products are too small to split: the tiny (64 units) and
+small (1,024) presets' training steps and the features path ran faster with one thread than two on
+two cores, quiet or busy. An explicit ``OMP_NUM_THREADS`` (or a caller's own count) always wins.
+
+The rule is ``thread_share``, a pure function; ``take_share`` applies it to this process. Importing
+this module imports no torch, so a caller may size the threads before torch is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Widths up to this take one thread: the presets at and below it (tiny 64, small 1,024) trained and read
+# features faster with one thread than two on two cores (benchmarks/threads.py).
+SMALL_WIDTH = 1024
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a Slurm allocation or a container narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def explicit_threads() -> int | None:
+    """``OMP_NUM_THREADS`` where it is set to a positive whole number, else None."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def thread_share(
+    *, cores: int, sharers: int = 1, width: int | None = None, explicit: int | None = None
+) -> int:
+    """The torch threads of one of ``sharers`` processes on ``cores`` cores, for a model ``width`` units
+    wide (None: not known): ``explicit`` where given; one for a small model; else an equal share of the
+    cores, at least one."""
+    if explicit is not None:
+        if explicit < 1:
+            raise ValueError(f"threads must be at least 1, got {explicit}")
+        return explicit
+    if sharers < 1:
+        raise ValueError(f"sharers must be at least 1, got {sharers}")
+    if width is not None and width <= SMALL_WIDTH:
+        return 1
+    return max(1, cores // sharers)
+
+
+def take_share(*, sharers: int = 1, width: int | None = None, explicit: int | None = None) -> int:
+    """Set this process's torch threads to ``thread_share`` of its usable cores (``explicit``, else an
+    ``OMP_NUM_THREADS`` set by hand, wins) and return the count."""
+    import torch
+
+    threads = thread_share(
+        cores=usable_cores(),
+        sharers=sharers,
+        width=width,
+        explicit=explicit if explicit is not None else explicit_threads(),
+    )
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
