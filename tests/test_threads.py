@@ -116,3 +116,17 @@ def test_both_jobs_size_their_threads_by_their_model_s_width(
     )
     FinetuneTrainer(config, world, settings)
     assert world.widths == [64]
+
+
+def test_the_transfer_stage_reads_a_small_model_s_features_on_one_thread(
+    monkeypatch: pytest.MonkeyPatch, torch_threads: None, tmp_path: Path
+) -> None:
+    """The features path runs in the stage's own process, not a job: it sizes that process's threads."""
+    from models.mlstm import MLSTM, tiny
+    from tasks.store import open_store
+    from tasks.transfer.features import write_features
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    write_features(open_store(str(tmp_path)), "f.arrow", MLSTM(tiny()), ["good", "bad"], batch_size=2)
+    assert torch.get_num_threads() == 1

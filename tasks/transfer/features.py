@@ -24,6 +24,7 @@ import torch
 from models.features import OnBatch, default_device, featurize
 from models.mlstm import MLSTM
 from models.precision import PRECISION_NAMES, resolve_precision
+from tasks.jobs.threads import take_share
 from tasks.store import Store, split_object_uri
 
 FEATURES = "features"
@@ -115,11 +116,13 @@ def write_features(
     """Compute the features of ``texts`` chunk by chunk, in input order, appending each chunk to the
     Arrow file at ``key`` as one record batch as soon as it is computed: memory holds one chunk
     (``rows_per_chunk``), not the whole [N, H] array. ``batch_size`` None: rows per batch sized by the
-    device's memory (``models.features.rows_for_memory``). Returns the file's URI."""
+    device's memory (``models.features.rows_for_memory``). This process's torch threads are sized for
+    the model (``tasks.jobs.threads``). Returns the file's URI."""
     hidden = model.config.hidden_size
     step = chunk_rows or rows_per_chunk(hidden)
     arrays = _arrow_columns(columns, len(texts))
     device = device or default_device()
+    take_share(width=hidden)  # in the stage's own process: one thread for a small model
     with store.writer(key) as path, pa.OSFile(str(path), "wb") as sink:
         writer: pa.ipc.RecordBatchFileWriter | None = None
         for start in range(0, max(len(texts), 1), step):
