@@ -595,6 +595,23 @@ def cli_tables(results: dict[str, Any]) -> str:
     )
 
 
+def threads_tables(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    base = {(r["work"], r["condition"]): r["steps_per_s"] for r in rows if r["threads"] == 2}
+    body = [
+        [r["work"], r["condition"], str(r["threads"]), str(r["steps"]), num(r["steps_per_s"]),
+         ratio(r["steps_per_s"] / base[(r["work"], r["condition"])]) if (r["work"], r["condition"]) in base else ""]
+        for r in rows
+    ]  # fmt: skip
+    before, after = results["load_average"]
+    return (
+        f"{results['settings']['seconds']:g} s per row; small at {results['settings']['small_batch']} rows × 64 "
+        f"bytes. The machine's load average (1 min) was {before:.1f} before the run and {after:.1f} after: "
+        "other work shared its cores throughout.\n\n"
+        + table(["work", "condition", "threads", "steps", "steps/s", "× 2 threads"], body)
+    )
+
+
 def finetune_tables(results: dict[str, Any]) -> str:
     settings = results["settings"]
     described = ", ".join(f"{k} {v}" for k, v in settings.items())
@@ -668,6 +685,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "neuron": neuron_tables,
     "job": job_tables,
     "gpu-check": gpu_check_tables,
+    "threads": threads_tables,
 }
 
 
