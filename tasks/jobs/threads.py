@@ -2,11 +2,10 @@
 
 Left alone, every torch process takes a thread per core, so processes that share the cores (a job's
 ranks on one node, a scoring run's workers, the test suite's workers) spin against each other: each
-product waits for a thread that another process has descheduled. Benchmarks/threads.py measures it
-(docs/benchmarks.md): on two cores, one of them busy, the tiny model's training step ran 8× faster with
-one thread than with two. A small model's products are too small to split: the tiny (64 units) and
-small (1,024) presets' training steps and the features path ran faster with one thread than two on
-two cores, quiet or busy. An explicit ``OMP_NUM_THREADS`` (or a caller's own count) always wins.
+product waits for a thread that another process has descheduled. A small model's products are too
+small to split: on two cores the tiny (64 units) and small (1,024) presets trained, and tiny read
+features, faster on one thread than on two, with a core busy or not (``benchmarks/threads.py``, its
+figures in docs/benchmarks.md). An explicit ``OMP_NUM_THREADS`` (or a caller's own count) always wins.
 
 The rule is ``thread_share``, a pure function; ``take_share`` applies it to this process. Importing
 this module imports no torch, so a caller may size the threads before torch is first imported.
@@ -16,8 +15,8 @@ from __future__ import annotations
 
 import os
 
-# Widths up to this take one thread: the presets at and below it (tiny 64, small 1,024) trained and read
-# features faster with one thread than two on two cores (benchmarks/threads.py).
+# Widths up to this take one thread: the presets at and below it (tiny 64, small 1,024) trained faster
+# with one thread than two on two cores (benchmarks/threads.py); wider ones are not measured on a CPU.
 SMALL_WIDTH = 1024
 
 
