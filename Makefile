@@ -5,7 +5,10 @@
 
 VENV ?= .venv
 PYTHON ?= python3
-STAMP := $(VENV)/.installed
+# Each command installs what it runs: the demo the runtime only; the tests the dev, Dask and team extras
+# on top (about 40 s more that a newcomer's first command does not wait for).
+RUNTIME := $(VENV)/.installed-runtime
+EXTRAS := $(VENV)/.installed-extras
 # The CPU build of PyTorch: never let pip resolve the CUDA one (several GB).
 TORCH := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -16,19 +19,23 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test test-long gpu-check lint clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(RUNTIME): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q "$(TORCH)" 2>/dev/null \
 		|| $(VENV)/bin/pip install -q "$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(VENV)/bin/pip install -q -c constraints.txt ".[dev,dask,team]"
-	touch $(STAMP)
+	$(VENV)/bin/pip install -q -c constraints.txt .
+	touch $(RUNTIME)
 
-demo: $(STAMP)
+$(EXTRAS): $(RUNTIME)
+	$(VENV)/bin/pip install -q -c constraints.txt ".[dev,dask,team]"
+	touch $(EXTRAS)
+
+demo: $(RUNTIME)
 	rm -rf build
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/mlstm-sentiment demo
 
-test: $(STAMP)
+test: $(EXTRAS)
 	rm -rf build
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/ruff check .
@@ -42,7 +49,7 @@ test: $(STAMP)
 # The end-to-end runs that take a minute or more each (the demo, the pipeline, a champion's transfer, the
 # outage, deployments on workers; tests/README.md lists them): about 30 minutes on two cores, so CI's test
 # command leaves them out.
-test-long: $(STAMP)
+test-long: $(EXTRAS)
 	rm -rf build
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/pytest -m long
