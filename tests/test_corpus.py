@@ -15,7 +15,8 @@ import xxhash
 from corpus_helpers import build, corpus_dir, read_split, rejected, saved_manifest, shard_digests
 
 from models.text import clean_text
-from tasks.corpus.build import SPLITS, CorpusConfig, plan_corpus, split_of, text_keys
+from tasks.corpus.build import SPLITS, CorpusConfig, plan_corpus
+from tasks.corpus.keys import split_of, text_keys
 from tasks.corpus.reviews import CORPUS_SCHEMA
 from tasks.corpus.sample import write_sample
 from tasks.corpus.sources import SourceError
