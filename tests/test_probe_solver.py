@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from tasks.transfer.features import features_table
 from tasks.transfer.probe import DEFAULT_CS, ProbeResult, fit_probe
-from tasks.transfer.solvers import Solver, newton
+from tasks.transfer.solvers import Solver, newton, quadratic
 
 Data = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -174,9 +174,9 @@ def test_anderson_extrapolation_cuts_the_sweeps_to_the_same_minimiser() -> None:
     hessian, g, w, lam = _correlated_model()
     target = 1e-4 * np.abs(g).max()
     # Sweeps alone, with and without the extrapolation (no exact steps, which would hide it).
-    plain, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, anderson=0, exact_every=0)
-    fast, fast_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_every=0)
-    assert plain_sweeps < newton.MAX_SWEEPS  # both solved it, one faster
+    plain, plain_sweeps = quadratic.model_minimiser(hessian, g, w, lam, target, anderson=0, exact_every=0)
+    fast, fast_sweeps = quadratic.model_minimiser(hessian, g, w, lam, target, exact_every=0)
+    assert plain_sweeps < quadratic.MAX_SWEEPS  # both solved it, one faster
     assert fast_sweeps * 1.5 <= plain_sweeps, (fast_sweeps, plain_sweeps)
     np.testing.assert_allclose(fast, plain, atol=1e-3 * np.abs(plain).max())
 
@@ -192,10 +192,10 @@ def test_exact_steps_on_the_signs_solve_a_nearly_collinear_model_in_fewer_sweeps
     g = X.T @ (0.5 * rng.standard_normal(2000) + 0.05)
     w, lam = np.zeros(30), np.full(30, 0.02 * np.abs(g).max())
     target = 1e-3 * np.abs(g).max()
-    _, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_every=0)
-    d, sweeps = newton._model_minimiser(hessian, g, w, lam, target)
+    _, plain_sweeps = quadratic.model_minimiser(hessian, g, w, lam, target, exact_every=0)
+    d, sweeps = quadratic.model_minimiser(hessian, g, w, lam, target)
     assert sweeps * 2 <= plain_sweeps, (sweeps, plain_sweeps)
-    residual = newton._residual(g + hessian.astype(np.float64) @ d, w + d, lam)
+    residual = quadratic.min_subgradient(g + hessian.astype(np.float64) @ d, w + d, lam)
     assert residual.max() <= target
 
 
@@ -206,12 +206,12 @@ def test_a_large_correlated_model_is_solved_by_exact_steps_where_sweeps_alone_st
     target = 1e-3 * np.abs(g).max()
 
     def solved(d: np.ndarray) -> bool:
-        return bool(newton._residual(g + hessian.astype(np.float64) @ d, w + d, lam).max() <= target)
+        return bool(quadratic.min_subgradient(g + hessian.astype(np.float64) @ d, w + d, lam).max() <= target)
 
-    plain, plain_sweeps = newton._model_minimiser(hessian, g, w, lam, target, exact_every=0)
-    d, sweeps = newton._model_minimiser(hessian, g, w, lam, target)
-    assert plain_sweeps == newton.MAX_SWEEPS and not solved(plain)
-    assert sweeps <= newton.MAX_SWEEPS // 2 and solved(d), sweeps
+    plain, plain_sweeps = quadratic.model_minimiser(hessian, g, w, lam, target, exact_every=0)
+    d, sweeps = quadratic.model_minimiser(hessian, g, w, lam, target)
+    assert plain_sweeps == quadratic.MAX_SWEEPS and not solved(plain)
+    assert sweeps <= quadratic.MAX_SWEEPS // 2 and solved(d), sweeps
 
 
 def test_an_ill_conditioned_model_is_solved_by_the_active_set_method_where_sweeps_stop_at_their_cap() -> None:
@@ -230,13 +230,13 @@ def test_an_ill_conditioned_model_is_solved_by_the_active_set_method_where_sweep
     target = 1e-3 * np.abs(g).max()
 
     def residual(d: np.ndarray) -> float:
-        return float(newton._residual(g + hessian @ d, w + d, lam).max())
+        return float(quadratic.min_subgradient(g + hessian @ d, w + d, lam).max())
 
-    swept, sweeps = newton._model_minimiser(hessian, g, w, lam, target)
-    assert sweeps == newton.MAX_SWEEPS and residual(swept) > 10 * target
-    d, solves = newton._active_set_minimiser(hessian, g, w, lam, target)
-    assert solves < newton.MAX_ACTIVE and residual(d) <= target, (solves, residual(d) / target)
-    assert newton._model_value(w + d, hessian @ d, g, w, lam) < 0.0  # below the start's: a descent
+    swept, sweeps = quadratic.model_minimiser(hessian, g, w, lam, target)
+    assert sweeps == quadratic.MAX_SWEEPS and residual(swept) > 10 * target
+    d, solves = quadratic.active_set_minimiser(hessian, g, w, lam, target)
+    assert solves < quadratic.MAX_ACTIVE and residual(d) <= target, (solves, residual(d) / target)
+    assert quadratic.model_value(w + d, hessian @ d, g, w, lam) < 0.0  # below the start's: a descent
 
 
 def test_a_coordinate_the_active_set_step_moves_against_its_sign_stays_out() -> None:
@@ -247,8 +247,8 @@ def test_a_coordinate_the_active_set_step_moves_against_its_sign_stays_out() -> 
     hessian = np.array([[1.0, 0.999], [0.999, 1.0]])
     g, w, lam = np.array([-1.0, -0.9]), np.zeros(2), np.full(2, 0.1)
     target = 1e-9
-    d, solves = newton._active_set_minimiser(hessian, g, w, lam, target)
-    assert newton._residual(g + hessian @ d, w + d, lam).max() <= target, (d, solves)
+    d, solves = quadratic.active_set_minimiser(hessian, g, w, lam, target)
+    assert quadratic.min_subgradient(g + hessian @ d, w + d, lam).max() <= target, (d, solves)
     np.testing.assert_allclose(d, [0.9, 0.0], atol=1e-9)  # the minimiser: the second at zero
 
 
@@ -261,19 +261,19 @@ def test_a_model_the_sweeps_cannot_solve_makes_the_rest_of_the_path_float64_and_
     data = _badly_scaled(64, (400, 50, 50))
     sweeps_on: list[np.dtype] = []
     active_on: list[np.dtype] = []
-    sweep, active = newton._model_minimiser, newton._active_set_minimiser
+    sweep, active = quadratic.model_minimiser, quadratic.active_set_minimiser
 
     def capped_once(hessian: np.ndarray, *args: object, **kwargs: object) -> tuple[np.ndarray, int]:
         sweeps_on.append(hessian.dtype)
         d, sweeps = sweep(hessian, *args, **kwargs)  # type: ignore[arg-type]
-        return d, newton.MAX_SWEEPS if len(sweeps_on) == 1 else sweeps
+        return d, quadratic.MAX_SWEEPS if len(sweeps_on) == 1 else sweeps
 
     def watched(hessian: np.ndarray, *args: object, **kwargs: object) -> tuple[np.ndarray, int]:
         active_on.append(hessian.dtype)
         return active(hessian, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(newton, "_model_minimiser", capped_once)
-    monkeypatch.setattr(newton, "_active_set_minimiser", watched)
+    monkeypatch.setattr(newton, "model_minimiser", capped_once)
+    monkeypatch.setattr(newton, "active_set_minimiser", watched)
     Cs = (0.25, 1.0, 4.0)
     ours = _fit(data, "newton", Cs)
     assert sweeps_on == [np.float32]  # the first model only: never swept again along the path
@@ -293,7 +293,7 @@ def test_an_exact_step_whose_signs_would_flip_keeps_the_projected_whole_step_whe
     hd = hessian.astype(np.float64) @ (u - w)
     unconstrained = -np.sign(g) * np.maximum(np.abs(g) - lam, 0.0) / 2
     assert (unconstrained < 0).sum() >= 3  # several would flip
-    assert newton._orthant_step(hessian, g, w, lam, u, hd)
+    assert quadratic.orthant_step(hessian, g, w, lam, u, hd)
     np.testing.assert_allclose(u, np.maximum(unconstrained, 0.0), rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9)
 
@@ -317,8 +317,8 @@ def test_where_float32_sums_round_past_the_tolerance_every_C_still_converges() -
         r = -s / (1 + np.exp(s * scores))  # d loss / d score, exactly
         lam = 1 / point.C
         worst = max(
-            newton._residual(X.T.astype(np.float64) @ r, point.coef, lam).max(),
-            newton._residual(np.array([r.sum()]), np.array([point.intercept]), lam)[0],
+            quadratic.min_subgradient(X.T.astype(np.float64) @ r, point.coef, lam).max(),
+            quadratic.min_subgradient(np.array([r.sum()]), np.array([point.intercept]), lam)[0],
         )
         assert point.converged and worst <= newton.TOL * lam * 1.01, (point.C, worst / (newton.TOL * lam))
 
@@ -334,14 +334,14 @@ def test_an_extrapolation_that_would_raise_the_model_is_refused() -> None:
     us = np.vstack([rng.standard_normal((5, 40)), best])
     hds = us @ hessian.T.astype(np.float64)
     u, hd = us[-1].copy(), hds[-1].copy()
-    assert not newton._extrapolate(us, hds, g, w, lam, u, hd)
+    assert not quadratic.extrapolate(us, hds, g, w, lam, u, hd)
     np.testing.assert_array_equal(u, best)
     # The same iterates ending anywhere else: the extrapolation lands lower, and is kept.
     us[-1] = rng.standard_normal(40)
     hds = us @ hessian.T.astype(np.float64)
     u, hd = us[-1].copy(), hds[-1].copy()
-    assert newton._extrapolate(us, hds, g, w, lam, u, hd)
-    assert newton._model_value(u, hd, g, w, lam) < newton._model_value(us[-1], hds[-1], g, w, lam)
+    assert quadratic.extrapolate(us, hds, g, w, lam, u, hd)
+    assert quadratic.model_value(u, hd, g, w, lam) < quadratic.model_value(us[-1], hds[-1], g, w, lam)
 
 
 @pytest.mark.parametrize(
@@ -387,7 +387,7 @@ def test_a_pass_whose_line_search_finds_no_descent_ends_the_C_unconverged(
     X = rng.standard_normal((500, 20)).astype(np.float32)
     s_N = torch.from_numpy(np.where(rng.random(500) < 0.5, -1.0, 1.0))
     XT = torch.from_numpy(np.ascontiguousarray(X.T))
-    monkeypatch.setattr(newton, "_model_minimiser", lambda hessian, g, w, lam, target, **_: (g.copy(), 0))
+    monkeypatch.setattr(newton, "model_minimiser", lambda hessian, g, w, lam, target, **_: (g.copy(), 0))
     w_H, b, _, steps, converged = newton._solve(
         XT,
         XT.double(),
@@ -768,7 +768,7 @@ def test_an_exact_step_on_a_float32_matrix_indefinite_past_its_ridge_is_damped_n
     g, w, lam = 1e3 * rng.standard_normal(40), np.zeros(40), np.full(40, 1.0)
     u = np.sign(-g) * 1e-3  # every coordinate non-zero, with the signs the step keeps
     hd = hessian.astype(np.float64) @ (u - w)
-    before = newton._model_value(u, hd, g, w, lam)
-    assert newton._orthant_step(hessian, g, w, lam, u, hd)
-    assert newton._model_value(u, hd, g, w, lam) < before
+    before = quadratic.model_value(u, hd, g, w, lam)
+    assert quadratic.orthant_step(hessian, g, w, lam, u, hd)
+    assert quadratic.model_value(u, hd, g, w, lam) < before
     np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9, atol=1e-6)

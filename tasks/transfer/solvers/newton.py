@@ -5,69 +5,30 @@ For each C, ascending, it minimises liblinear's objective divided by C (same min
     sum_i log(1 + exp(-s_i (w·x_i + b)))  +  (||w||_1 + |b|) / C,        s_i = ±1
 
 (liblinear penalises the intercept as one more feature of value 1). Each C starts from the previous
-C's solution, or from the line through the previous two continued to this C where that is lower
-(``_extrapolated_start``). An outer loop takes the full gradient (one pass over X), stops if the point is optimal,
-and otherwise picks a working set W: the non-zero weights plus the worst violators of the optimality
-conditions, a quarter as many (at least 100). On W it takes proximal Newton steps (Lee, Sun & Saunders
-2014; Yuan, Ho & Lin 2012): the Hessian restricted to W, X_Wᵀ diag(p(1-p)) X_W, is one dense
-symmetric product (BLAS's syrk on CPU threads, half a general product's work; a matrix product on the
-GPU); the quadratic model plus the L1 term is minimised by cyclic coordinate descent on that k × k
-matrix, compiled with numba (one matrix row per changed coordinate); a backtracking (Armijo) line
-search on the true objective keeps every step a descent. Working sets stay small at the small-C end,
-so a C costs a few passes over X.
+C's solution, or from the line through the previous two continued in log C where that is lower
+(``_extrapolated_start``: at the large-C end the solutions move far from one C to the next). An outer
+loop takes the full gradient (one pass over X), stops if the point is optimal, and otherwise picks a
+working set W: the non-zero weights plus the worst violators of the optimality conditions, a quarter as
+many (at least 100). On W it takes proximal Newton steps (Lee, Sun & Saunders 2014; Yuan, Ho & Lin
+2012) with a backtracking (Armijo) line search on the true objective, so every step is a descent:
 
-The Hessian is lazy (Doikov, Chayti & Jaggi 2023): its weights p(1-p) are those of each C's first
-Newton step, and later steps at that C reuse the matrix, computing only the rows of coordinates new to
-the working set. Building the k × k matrix was about two thirds of a 4096-wide sweep's CPU time;
-within one C the weights move little, and any positive semi-definite matrix still gives a descent
-direction for the line search, so the extra (cheap) steps cost less than the builds they save: the
-sweep took half the time (docs/benchmarks.md). The converged point is the same: only the gradient,
-always exact, decides when a C is done.
+- The Hessian restricted to W, X_Wᵀ diag(p(1-p)) X_W, is one dense symmetric product (BLAS's syrk on
+  CPU threads, half a general product's work; a matrix product on the GPU). It is lazy (Doikov, Chayti
+  & Jaggi 2023): its weights are those of each C's first Newton step, and later steps reuse it, adding
+  only the rows of coordinates new to W; any positive semi-definite matrix still gives a descent
+  direction, and building it is most of a sweep's time. It is rebuilt after a poor step (one the line
+  search shortened, or one that left more than ``SLOW_STEP`` of W's residual), where p(1-p) has moved.
+- The quadratic model plus the L1 term is minimised by ``quadratic.model_minimiser`` (coordinate
+  descent with Anderson extrapolation and exact steps on the signs), or, once a model defeats it, by
+  ``quadratic.active_set_minimiser`` on a float64 Hessian, for that C and every larger one: near
+  separability the matrices' eigenvalues span more than float32 resolves.
+- Gradients and scores are float32 sums where their rounding, measured at each C's start, stays below
+  ``ROUNDING`` of the tolerance, and float64 sums otherwise (from a float64 copy of the features):
+  on features with heavy-tailed scales a float32 gradient entry can be off by more than the tolerance.
 
-Six things keep it fast on features conditioned like real cell states (columns sharing a few
-factors with little noise of their own, unit scales spread over orders of magnitude; issue 27), on
-which the sweeps above and the lazy Hessian had made it no faster than liblinear:
-
-- The lazy Hessian is rebuilt, with the current weights, after a poor step: one the line search had to
-  shorten (the model's curvature too low) or one that left more than half of the working set's residual
-  (too high). Near separability, at the large-C end, p(1-p) moves far within one C; the stale matrix
-  had made each C's Newton steps converge linearly, 30 to 50 of them.
-- The coordinate sweeps on the quadratic model are Anderson-accelerated (Bertrand & Massias 2021,
-  as skglm does): on correlated columns plain sweeps creep along the model's flat valley and often
-  stopped at their cap of 200; every 5 sweeps an extrapolation of the last iterates is taken where it
-  lowers the model.
-- The models also take exact steps on their signs every 10 or 20 sweeps (``_orthant_step``): on cell
-  states of a briefly trained model, whose nearly constant units are collinear with the intercept,
-  the sweeps made no headway even on 30 coordinates and the large-C end never converged; on the
-  large working sets of a 4,096-wide IMDB-sized sweep they stopped at their cap, every time. Where the
-  float32 matrix is indefinite past its ridge (real 4,096-wide cell states at C = 4), the ridge grows
-  until it factorises: without that, that C ran to its outer cap.
-- Gradients and scores are float64 sums where float32's would round too coarsely for the tolerance.
-  On IMDB-sized features with heavy-tailed scales, a float32 gradient entry (a sum of 22,500
-  products) was off by about 0.005, ten times the tolerance at C = 2: the residual could not fall
-  below it, each of those C ran to its 50 outer iterations, and the sweep spent three quarters of its
-  time there. The rounding is measured at each C's start (the float32 and float64 gradients at its
-  first point); where it exceeds a tenth of the tolerance, the C sums in float64 from a float64 copy
-  of the features (twice their float32 size) and recomputes the scores it starts from. The Hessian
-  stays float32 (any positive semi-definite matrix gives a descent direction) until the next item.
-- Where the sweeps cannot solve a model (it stops at their cap), the Hessian is built in float64 and
-  its models solved by an active-set method (``_active_set_minimiser``), for the rest of that C and
-  every larger C after, nearer separability. On cell states of a briefly trained 4,096-unit model the
-  matrices' eigenvalues span 10¹⁰ (4e-4 beside 1.2e7), and from C = 2^-3 on a model now and then,
-  at C = 4 168 of 171, stopped at the cap 10 to 100 times short of its target: that C took 171 Newton
-  steps and 27 s, against 13 steps and 1.2 s now. None of the benchmark's 11 synthetic cases reaches
-  the cap, so they keep the float32 sweeps: on the hardest (σ = 2 scales, noise 0.05), float64 and the
-  active-set method from the start took 8 times as long.
-- Each C after the second starts from the previous two solutions' line, continued in log C, where
-  that lowers the objective: at the large-C end the solutions move far from one C to the next, and
-  the extrapolated start cut the coordinate sweeps by a fifth and the Hessian builds by a quarter.
-
-The dense linear algebra other than syrk goes through torch (MKL) or compiled loops, not through
-scipy's or numpy's OpenBLAS: on two cores OpenBLAS's threads and torch's OpenMP threads spin against
-each other, and a 1,000 × 1,000 Cholesky factorisation took 0.3 to 2 s through scipy against 0.05 s
-through torch (one C of a 4,096-wide sweep spent 3.5 s in ten of them).
-
-docs/benchmarks.md (Probe) has the cases and liblinear's times beside newton's.
+Dense linear algebra other than syrk goes through torch (MKL) or compiled loops, not scipy's or numpy's
+OpenBLAS, whose threads spin against torch's on few cores. docs/transfer.md (Solvers) says why each
+part is there; docs/benchmarks.md (Probe) has the measurements against liblinear.
 
 Convergence: a C is done when the minimum-norm subgradient of the objective above has max-norm
 ≤ ``tol`` / C over every weight and the intercept (each coordinate's optimality residual is at most
@@ -85,23 +46,22 @@ import scipy.linalg.blas
 import torch
 
 from tasks.transfer.solvers import PathPoint
+from tasks.transfer.solvers.quadratic import (
+    MAX_SWEEPS,
+    active_set_minimiser,
+    min_subgradient,
+    model_minimiser,
+)
 
 TOL = 1e-3
 MAX_OUTER = 50
 MAX_NEWTON = 20  # Newton steps on one working set before the full gradient is looked at again
-MAX_SWEEPS = 200  # coordinate-descent sweeps on one quadratic model
 MIN_WORKING_SET = 100
 INNER = 0.3  # a working set is done when its residual is below this fraction of the full one
 MODEL = 0.1  # the quadratic model is solved to this fraction of the residual it started from
-ANDERSON = 5  # coordinate-descent sweeps between Anderson extrapolations (skglm's choice)
 SLOW_STEP = 0.5  # a Newton step that leaves more than this of the residual rebuilds the Hessian
-# Coordinate-descent sweeps between exact steps on the signs: 10 on working sets of up to 500
-# coordinates, where a solve costs a few sweeps, 20 on larger ones, where it costs about 50.
-EXACT_EVERY, EXACT_CHEAP_BELOW = (10, 20), 500
 ROUNDING = 0.1  # sums in float64 where float32's rounding of the gradient exceeds this share of the tolerance
 WHOLE_ABOVE = 0.25  # float64 working sets wider than this share of the features are not gathered
-RIDGE_TRIES = 8  # tenfold ridges tried on an exact step: up to the mean of its diagonal
-MAX_ACTIVE = 100  # Cholesky solves of the active-set method on one float64 model
 
 
 def l1_logistic_path(
@@ -174,13 +134,6 @@ def _extrapolated_start(
     return start
 
 
-def _residual(g: np.ndarray, w: np.ndarray, lam: float | np.ndarray) -> np.ndarray:
-    """The minimum-norm subgradient of loss + lam·|w|, per coordinate: zero exactly at the minimum."""
-    return np.where(
-        w > 0, np.abs(g + lam), np.where(w < 0, np.abs(g - lam), np.maximum(np.abs(g) - lam, 0.0))
-    )
-
-
 def _loss(s_N: torch.Tensor, z_N: torch.Tensor) -> float:
     return float(torch.nn.functional.softplus(-s_N * z_N).sum())
 
@@ -209,8 +162,8 @@ def _solve(
         r_N = -s_N * torch.sigmoid(-s_N * z_N)  # d loss / d score
         g_H = (XG_HN @ r_N.to(XG_HN.dtype)).double().cpu().numpy()
         g_b = float(r_N.sum())
-        residual_H = _residual(g_H, w_H, lam)
-        worst = max(float(residual_H.max()), float(_residual(np.array([g_b]), np.array([b]), lam)[0]))
+        residual_H = min_subgradient(g_H, w_H, lam)
+        worst = max(float(residual_H.max()), float(min_subgradient(np.array([g_b]), np.array([b]), lam)[0]))
         if worst <= tol * lam:
             return w_H, b, z_N, newton_steps, True
         support = np.flatnonzero(w_H)
@@ -283,7 +236,7 @@ def _newton(
         r_N = -s_N * p_N
         D_N = p_N * (1 - p_N)
         g_W = np.append(sums.gradient(r_N), float(r_N.sum()))
-        worst = float(_residual(g_W, u_W, lam_W).max())
+        worst = float(min_subgradient(g_W, u_W, lam_W).max())
         if worst <= target:
             return u_W, z_N, step_count, False
         if step_count and worst > SLOW_STEP * last_worst:  # a poor step: the model's weights are stale
@@ -291,12 +244,12 @@ def _newton(
         last_worst = worst
         matrix, model_target = hessian.on(XT_WN, W, D_N), MODEL * worst
         if not hessian.exact:
-            d_W, sweeps = _model_minimiser(matrix, g_W, u_W, lam_W, model_target)
+            d_W, sweeps = model_minimiser(matrix, g_W, u_W, lam_W, model_target)
             if sweeps >= MAX_SWEEPS:  # past float32 and coordinate descent: float64 and exact steps
                 hessian.go_exact()
                 matrix = hessian.on(XT_WN, W, D_N)
         if hessian.exact:
-            d_W, _ = _active_set_minimiser(matrix, g_W, u_W, lam_W, model_target)
+            d_W, _ = active_set_minimiser(matrix, g_W, u_W, lam_W, model_target)
         dz_N = sums.scores(d_W[:-1]) + float(d_W[-1])
         # Armijo on the true objective; the model's decrease bounds the step's.
         penalty = lam * float(np.abs(u_W).sum())
@@ -398,278 +351,3 @@ def _mirror(lower: np.ndarray, out: np.ndarray) -> None:
             for i in range(i0, min(i0 + block, k)):
                 for j in range(j0, min(j0 + block, i + 1)):
                     out[i, j] = out[j, i] = lower[i, j]
-
-
-def _model_minimiser(
-    hessian: np.ndarray,
-    g: np.ndarray,
-    w: np.ndarray,
-    lam: np.ndarray,
-    target: float,
-    anderson: int = ANDERSON,
-    exact_every: int | None = None,
-) -> tuple[np.ndarray, int]:
-    """The step d minimising g·d + ½ dᵀ hessian d + Σ lam|w + d|, to a residual ≤ ``target``, and the
-    sweeps it took.
-
-    Cyclic coordinate descent; sweeps go over the non-zero coordinates until they settle, then over all.
-    Every ``anderson`` sweeps of one kind, the last iterates are extrapolated (Anderson acceleration of
-    coordinate descent, Bertrand & Massias 2021) and the extrapolation is kept only if it lowers the
-    model: on correlated columns the sweeps creep along the model's long, flat valley, and the
-    extrapolation jumps along it. ``anderson`` 0 turns it off.
-
-    Every ``exact_every`` sweeps (0: never; by default EXACT_EVERY's for the model's size) the model
-    also takes its exact minimiser on the current signs (``_orthant_step``). Sweeps alone stall on two
-    kinds of model: cell states of a model trained briefly hold nearly constant units, nearly collinear
-    with each other and the intercept, on which sweeps stop at their cap even on 30 coordinates; and
-    the large-C end of a 4,096-wide IMDB-sized sweep (working sets of about 3,800 strongly correlated
-    columns), where every model stopped at the cap of 200 sweeps, each Newton step left half its
-    residual, and the sweep took over twice as long.
-    Past a few hundred coordinates one solve costs about 50 sweeps' time, so they are 20 sweeps apart
-    there: at 10 they were a third of a 4,096-wide SST-sized sweep, at 40 the IMDB-sized one slowed
-    again. On small models a solve costs a few sweeps, and the collinear ones need them 10 apart.
-    """
-    k = g.size
-    if exact_every is None:
-        exact_every = EXACT_EVERY[k > EXACT_CHEAP_BELOW]
-    hd = np.zeros(k)  # hessian @ (u - w)
-    diagonal = np.diag(hessian).astype(np.float64) + 1e-12
-    u = w.copy()
-    order = np.arange(k)
-    # The iterates since the last extrapolation (row 0 its start) and their hessian @ (u - w): the
-    # model is linear in them, so an extrapolation's own product costs nothing.
-    us, hds = np.empty((anderson + 1, k)), np.empty((anderson + 1, k))
-    us[0], hds[0], kept = u, hd, 1
-    sweeps = 0
-    while sweeps < MAX_SWEEPS:
-        _sweep(hessian, g, lam, diagonal, order, u, hd)
-        sweeps += 1
-        if anderson:
-            us[kept], hds[kept], kept = u, hd, kept + 1
-            if kept == anderson + 1:
-                _extrapolate(us, hds, g, w, lam, u, hd)
-                us[0], hds[0], kept = u, hd, 1
-        if exact_every and sweeps % exact_every == 0 and _orthant_step(hessian, g, w, lam, u, hd):
-            us[0], hds[0], kept = u, hd, 1  # a jump: the extrapolation starts again from here
-        residual = _residual(g + hd, u, lam)
-        if residual.max() <= target:
-            break
-        support = np.flatnonzero(u)
-        settled = residual[support].max(initial=0.0) <= target
-        next_order = np.arange(k) if settled else support
-        if next_order.size != order.size:  # another map from here on: its own history
-            us[0], hds[0], kept = u, hd, 1
-        order = next_order
-    return u - w, sweeps
-
-
-def _orthant_step(
-    hessian: np.ndarray, g: np.ndarray, w: np.ndarray, lam: np.ndarray, u: np.ndarray, hd: np.ndarray
-) -> bool:
-    """Moves ``u`` (and ``hd``) in place toward the model's minimiser with the signs of u held; says
-    whether the model fell.
-
-    Within the signs' orthant the model is a smooth quadratic plus a linear term: its minimiser there is
-    a Cholesky solve on the support, float64, and the model falls all along the segment to it. Where
-    the step takes coordinates through zero, two points keep the signs: the segment cut where the first
-    of them reaches zero, and the whole step with those coordinates set to zero (a projection, not
-    always lower); the lower wins. The cut alone moved one coordinate to zero per solve, and on the
-    large working sets of the IMDB-sized sweep took three times as many solves.
-    """
-    S = np.flatnonzero(u)
-    if S.size == 0:
-        return False
-    sign = np.sign(u[S])
-    step = _newton_on_signs(hessian, S, g[S] + hd[S] + lam[S] * sign)
-    if step is None:
-        return False
-    crossing = np.flatnonzero((u[S] + step) * sign < 0)
-    candidates = [u[S] + step]
-    if crossing.size:
-        candidates[0][crossing] = 0.0
-        ratios = u[S][crossing] / -step[crossing]
-        cut = u[S] + ratios.min() * step
-        cut[crossing[np.argmin(ratios)]] = 0.0
-        candidates.append(cut)
-    best, best_value = None, _model_value(u, hd, g, w, lam)
-    for u_S in candidates:
-        hd_new = hd.copy()
-        _add_rows(hessian, S, u_S - u[S], hd_new)
-        u_new = u.copy()
-        u_new[S] = u_S
-        value = _model_value(u_new, hd_new, g, w, lam)
-        if value < best_value:  # neither, where the ridge or rounding left the model no lower
-            best, best_value = (u_new, hd_new), value
-    if best is None:
-        return False
-    u[:], hd[:] = best
-    return True
-
-
-def _newton_on_signs(hessian: np.ndarray, S: np.ndarray, slope_S: np.ndarray) -> np.ndarray | None:
-    """The step on the coordinates ``S`` to the minimiser of the model with their signs held, whose slope
-    there (the model's gradient plus lam times the signs) is ``slope_S``: a Cholesky solve, float64, with
-    a ridge; None where no ridge tried makes the matrix factorise."""
-    H_SS = hessian[np.ix_(S, S)].astype(np.float64)
-    # A ridge at float32's resolution: nearly collinear columns leave H_SS numerically singular. The
-    # float32 matrix can be indefinite by more than that (cell states of a briefly trained 4,096-unit
-    # model at C = 4: eigenvalues down to -0.04 beside 1.8e7), and there every factorisation failed,
-    # the model was left to the sweeps, and the C ran to its outer cap (115 s; 19 s with this). So the
-    # ridge grows tenfold until the factorisation succeeds: a damped step, checked by the caller.
-    ridge = 1e-7 * float(np.trace(H_SS)) / S.size + 1e-300
-    diagonal = np.diag_indices_from(H_SS)
-    H_SS[diagonal] += ridge
-    for _ in range(RIDGE_TRIES):
-        # torch's LAPACK, not scipy's: scipy's OpenBLAS threads spin against torch's OpenMP threads on
-        # few cores, and a 1,000 × 1,000 factorisation took 0.3 to 2 s there against torch's 0.05 s.
-        factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
-        if not info:
-            return -torch.cholesky_solve(torch.from_numpy(slope_S)[:, None], factor)[:, 0].numpy()
-        H_SS[diagonal] += 9 * ridge
-        ridge *= 10
-    return None
-
-
-def _active_set_minimiser(
-    hessian: np.ndarray,
-    g: np.ndarray,
-    w: np.ndarray,
-    lam: np.ndarray,
-    target: float,
-    max_steps: int = MAX_ACTIVE,
-) -> tuple[np.ndarray, int]:
-    """The step d minimising g·d + ½ dᵀ hessian d + Σ lam|w + d| (as ``_model_minimiser``), to a residual
-    ≤ ``target``, and the solves it took: an active-set method, for models too ill-conditioned for
-    coordinate descent.
-
-    Feature-sign search (Lee, Battle, Raina & Ng 2007): while the non-zero coordinates are not yet
-    optimal, step to the model's minimiser with their signs held (a Cholesky solve), or to the lowest
-    point of that segment where a coordinate reaches zero (it leaves the set); once they are, bring in
-    every zero coordinate that violates optimality, each with the sign its gradient asks for (one at a
-    time, as the paper does, the sweep of real 4,096-wide cell states took 1.7 times as long: more
-    solves). Every step lowers the model, whatever the matrix's conditioning: on those cell states at
-    C = 4, coordinate descent with exact steps stopped at its cap of 200 sweeps on 168 of 171 models,
-    10 to 100 times short of the target; this solved every model of the sweep, in 1 to 53 solves.
-    """
-    k = g.size
-    u, hd = w.copy(), np.zeros(k)
-    solves = 0
-    while solves < max_steps:
-        slope = g + hd
-        residual = _residual(slope, u, lam)
-        if residual.max() <= target:
-            break
-        sign = np.sign(u)
-        S = np.flatnonzero(u)
-        if residual[S].max(initial=0.0) <= target:
-            zeros = np.flatnonzero((u == 0) & (residual > target))
-            sign[zeros] = -np.sign(slope[zeros])
-            S = np.sort(np.concatenate([S, zeros]))
-        step = None
-        while S.size:
-            step = _newton_on_signs(hessian, S, slope[S] + lam[S] * sign[S])
-            solves += 1
-            # A coordinate brought in that the step moves against its sign would raise the model: it
-            # stays out, and the rest are solved again.
-            wrong = (u[S] == 0) & (step * sign[S] < 0) if step is not None else np.zeros(S.size, bool)
-            if not wrong.any():
-                break
-            S, step = S[~wrong], None
-        if step is None:
-            break
-        # The model along the segment: t·a + ½t²·b + lam·(|u_S + t·step| - |u_S|), lowest at its end or
-        # where a coordinate reaches zero.
-        u_S, lam_S = u[S], lam[S]
-        a, b = float(slope[S] @ step), float(step @ (hessian[np.ix_(S, S)] @ step))
-        leaving = np.flatnonzero((u_S != 0) & (u_S * step < 0))
-        ts = np.append(-u_S[leaving] / step[leaving], 1.0)
-        ts = ts[(ts > 0) & (ts <= 1)]
-        values = [t * a + 0.5 * t * t * b + lam_S @ (np.abs(u_S + t * step) - np.abs(u_S)) for t in ts]
-        best = int(np.argmin(values))
-        if values[best] >= 0:  # no descent left at float precision
-            break
-        t = ts[best]
-        new_S = u_S + t * step
-        if t < 1:  # the coordinates that reach zero there leave exactly
-            new_S[leaving[np.isclose(-u_S[leaving] / step[leaving], t, rtol=1e-12, atol=0)]] = 0.0
-        _add_rows(hessian, S, new_S - u_S, hd)
-        u[S] = new_S
-    return u - w, solves
-
-
-def _model_value(u: np.ndarray, hd: np.ndarray, g: np.ndarray, w: np.ndarray, lam: np.ndarray) -> float:
-    """g·d + ½ dᵀ hessian d + Σ lam|u| for d = u - w, from hd = hessian @ d (the model up to a constant)."""
-    d = u - w
-    return float(g @ d + 0.5 * (d @ hd) + lam @ np.abs(u))
-
-
-def _extrapolate(
-    us: np.ndarray,
-    hds: np.ndarray,
-    g: np.ndarray,
-    w: np.ndarray,
-    lam: np.ndarray,
-    u: np.ndarray,
-    hd: np.ndarray,
-) -> bool:
-    """Replaces ``u`` (and ``hd``) in place by the Anderson extrapolation of the iterates ``us`` if that
-    lowers the model; says whether it did.
-
-    The weights c (summing to 1) minimise |Σ c_i r_i| over the differences r_i of successive iterates;
-    the extrapolation is Σ c_i us[i + 1]. A guard, not a proof of descent: it is kept only where the
-    model says it is better than the last sweep's point.
-    """
-    R = np.diff(us, axis=0)
-    gram = R @ R.T
-    # A ridge of the gram's own scale: successive differences are nearly parallel near convergence.
-    gram[np.diag_indices_from(gram)] += 1e-10 * np.trace(gram) + 1e-300
-    try:
-        c = np.linalg.solve(gram, np.ones(len(gram)))
-    except np.linalg.LinAlgError:
-        return False
-    if not np.isfinite(c).all() or c.sum() == 0:
-        return False
-    c /= c.sum()
-    u_e, hd_e = c @ us[1:], c @ hds[1:]
-    if _model_value(u_e, hd_e, g, w, lam) >= _model_value(u, hd, g, w, lam):
-        return False
-    u[:], hd[:] = u_e, hd_e
-    return True
-
-
-# Compiled: the sweep is a scalar loop over coordinates, each reading one Hessian row; in Python it was
-# 88% of the solver's time at the large-C end (k ≈ 1,000–2,000, tens of sweeps per Newton step).
-# cache=True keeps the machine code beside the source, so only the first run pays the compile.
-@numba.njit(cache=True)
-def _sweep(
-    hessian: np.ndarray,
-    g: np.ndarray,
-    lam: np.ndarray,
-    diagonal: np.ndarray,
-    order: np.ndarray,
-    u: np.ndarray,
-    hd: np.ndarray,
-) -> None:
-    """One cyclic coordinate-descent sweep over ``order``, updating ``u`` and ``hd`` in place."""
-    k = hd.size
-    for j in order:
-        a, u_old = diagonal[j], u[j]
-        centre = u_old - (g[j] + hd[j]) / a
-        shrink = lam[j] / a
-        u_new = centre - shrink if centre > shrink else centre + shrink if centre < -shrink else 0.0
-        if u_new != u_old:
-            u[j] = u_new
-            delta = u_new - u_old
-            for i in range(k):
-                hd[i] += delta * hessian[j, i]
-
-
-@numba.njit(cache=True)
-def _add_rows(hessian: np.ndarray, rows: np.ndarray, delta: np.ndarray, hd: np.ndarray) -> None:
-    """hd += hessian[rows].T @ delta in place (= hessian[:, rows] @ delta: the matrix is symmetric),
-    reading whole rows as the sweep does, in float64 without a converted copy of the matrix."""
-    k = hd.size
-    for n in range(rows.size):
-        j, step = rows[n], delta[n]
-        for i in range(k):
-            hd[i] += step * hessian[j, i]
