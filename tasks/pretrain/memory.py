@@ -40,7 +40,7 @@ holds (a·V); the weight-normalised matrices in the compute dtype. x W_x + b is 
 cell, through autograd step by step: the three gates, tanh(u), tanh(c), m, h, x W_mx, h W_mh, c and the
 stacked c the caller holds (11H). Under autocast x W_x + b is fp32 (b is), so its gate math runs in
 fp32 (8H; m, x W_mx, h W_mh and h's cast for h W_mh in the compute dtype), and autocast casts W_h and
-W_mh anew at every step (T·a·5H², measured on an H200: 40 of a step's 57 GiB at batch 256). Autocast
+W_mh anew at every step (T·a·5H²: most of such a step's bytes at the paper's size). Autocast
 keeps a cast only of a leaf weight (the read-out's, freed with the read-out's backward before the
 peak); the cell's matrices are computed, and each product keeps its own cast (counted above).
 
@@ -69,11 +69,8 @@ empties the allocator's cache before capturing, and the graph's private pool the
 intermediates for good: the same peak as an eager step's.
 
 `tests/test_memory.py` holds the allocated bytes within 10% of the most tensor bytes alive at once over
-the job's fp32 step (optimizer_step, its state carried) on CPU, for the tiny and small presets and both
-recurrences (about 1% off), and in bf16 under CPU autocast; ``make gpu-check`` sets them beside a GPU's
-``torch.cuda.max_memory_allocated``. Against the H200's (docs/benchmarks.md: paper_4096 in bf16, batch
-256 and 512, a fresh run) they are 0.99 of it for the eager fused step, 1.00 for the reference cell and
-1.01-1.03 captured, where they count a resumed run's snapshot (12·P, against a fresh run's 4·P).
+the job's step on CPU (fp32 and bf16 under autocast, both recurrences); docs/benchmarks.md (Pretraining
+step) sets them beside a GPU's ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
