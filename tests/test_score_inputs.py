@@ -17,6 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.score import inputs
+from tasks.score.readers import base, copies, csv_file, folders, gzip_index, json_lines
+from tasks.score.readers import lines as line_files
 
 ROWS = 3000  # three offsets at OFFSET_ROWS 1,024
 
@@ -63,13 +65,13 @@ def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_sta
     whole = _whole(file)
 
     opened: list[int] = []
-    real = inputs._opened
+    real = line_files.opened
     monkeypatch.setattr(
-        inputs,
-        "_opened",
+        line_files,
+        "opened",
         lambda where: opened.append(where.offset) or real(where),
     )
-    inputs._csv_layout.cache_clear()
+    csv_file._csv_layout.cache_clear()
     for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS), (1500, 2100)]:
         assert _read(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
     # The rows' reads open the file at the offset at or before their first row (a CSV's layout, the
@@ -84,7 +86,7 @@ def test_a_csv_of_many_blocks_whose_texts_hold_line_ends_is_read(
     """pyarrow cut its blocks at any line end, so a block that began inside a quoted multi-line text
     failed the file ("CSV parser got out of sync with chunker"): a 33 MB CSV of reviews in paragraphs
     could not be described. Blocks of 4 KiB here: the file is a dozen of them."""
-    monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", 2**12)
+    monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", 2**12)
     file = inputs.describe(str(_csv(tmp_path / "reviews.csv")), text_column="text", id_columns=["id"])
     assert file.rows == ROWS and len(file.offsets) == 3
     window = _read(file, 1024, 2048)
@@ -96,20 +98,24 @@ def test_a_csv_of_many_blocks_whose_texts_hold_line_ends_is_read(
 def test_a_window_s_file_holds_its_offsets_only_and_reads_the_rows_the_whole_file_does(
     packed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rows = 10 * inputs.OFFSET_ROWS + 300
+    rows = 10 * line_files.OFFSET_ROWS + 300
     body = "id,text\n" + "".join(f'{i},"review\n{i}"\n' for i in range(rows))
     path = tmp_path / ("reviews.csv.gz" if packed else "reviews.csv")
     path.write_bytes(gzip.compress(body.encode()) if packed else body.encode())
     file = inputs.describe(str(path), text_column="text", id_columns=["id"])
     assert len(file.offsets) == 11
     spans: list[tuple[int, int | None]] = []
-    real = inputs._opened
+    real = line_files.opened
     monkeypatch.setattr(
-        inputs, "_opened", lambda where: spans.append((where.offset, where.end)) or real(where)
+        line_files, "opened", lambda where: spans.append((where.offset, where.end)) or real(where)
     )
     for start, stop in [(0, 1500), (1500, 2600), (4096, 5120), (9000, rows), (rows - 1, rows)]:
         window = file.window(start, stop)
-        assert len(window.offsets) <= (stop - start) // inputs.OFFSET_ROWS + 2, (start, stop, window.offsets)
+        assert len(window.offsets) <= (stop - start) // line_files.OFFSET_ROWS + 2, (
+            start,
+            stop,
+            window.offsets,
+        )
         spans.clear()
         assert _read(window, start, stop).equals(_read(file, start, stop)), (start, stop)
         # Both reads span the same bytes: from the offset at or before start to the one at or after stop.
@@ -135,7 +141,7 @@ def test_a_piece_s_task_arguments_do_not_grow_with_the_plan() -> None:
     )  # fmt: skip
 
     def task_bytes(rows: int) -> int:
-        offsets = tuple(i * 1300 * inputs.OFFSET_ROWS for i in range(-(-rows // inputs.OFFSET_ROWS)))
+        offsets = tuple(i * 1300 * line_files.OFFSET_ROWS for i in range(-(-rows // line_files.OFFSET_ROWS)))
         file = inputs.InputFile(
             uri="big.csv", name="big.csv", format="csv", sha256="0" * 64, size=rows * 1300, rows=rows,
             offsets=offsets,
@@ -210,26 +216,33 @@ def _counted_gzip(
 
     noise = random.Random(0)
     lines = [
-        json.dumps({"id": i, "text": noise.randbytes(64).hex()}) for i in range(windows * inputs.OFFSET_ROWS)
+        json.dumps({"id": i, "text": noise.randbytes(64).hex()})
+        for i in range(windows * line_files.OFFSET_ROWS)
     ]
     path = tmp_path / "reviews.jsonl.gz"
     path.write_bytes(gzip.compress("\n".join(lines).encode() + b"\n"))
-    monkeypatch.setattr(inputs, "GZIP_SPACING", 2**16)
-    monkeypatch.setattr(inputs, "GZIP_READ_BYTES", 2**14)
+    monkeypatch.setattr(gzip_index, "GZIP_SPACING", 2**16)
+    monkeypatch.setattr(gzip_index, "GZIP_READ_BYTES", 2**14)
     file = inputs.describe(str(path), text_column="text", id_columns=["id"])
-    assert file.rows == windows * inputs.OFFSET_ROWS and len(file.offsets) == windows and file.gzip_index
+    assert file.rows == windows * line_files.OFFSET_ROWS and len(file.offsets) == windows and file.gzip_index
     counts: list[int] = []
 
     def counted(*args: Any, **kwargs: Any) -> _CountedFile:
         return _CountedFile(open(*args, **kwargs), counts)
 
-    monkeypatch.setattr(inputs, "open", counted, raising=False)
-    inputs._drop_gzip()
+    _count_opens(monkeypatch, counted)
+    gzip_index.drop_index()
     return file, counts
 
 
+def _count_opens(monkeypatch: pytest.MonkeyPatch, counted: Any) -> None:
+    """Every file a read opens, through ``counted``: a window's bytes (``line_files``) and a gzip index's."""
+    for module in (line_files, gzip_index):
+        monkeypatch.setattr(module, "open", counted, raising=False)
+
+
 def _window(file: inputs.InputFile, w: int) -> None:
-    rows = inputs.OFFSET_ROWS
+    rows = line_files.OFFSET_ROWS
     assert _read(file, w * rows, (w + 1) * rows).column("id").to_pylist() == list(
         range(w * rows, (w + 1) * rows)
     )
@@ -244,15 +257,15 @@ def test_a_window_of_a_plain_csv_reads_its_own_bytes_not_the_file_after_it(
 
     noise = random.Random(0)
     windows = 24
-    rows = [f"{i},{noise.randbytes(64).hex()}" for i in range(windows * inputs.OFFSET_ROWS)]
+    rows = [f"{i},{noise.randbytes(64).hex()}" for i in range(windows * line_files.OFFSET_ROWS)]
     path = tmp_path / "reviews.csv"
     path.write_text("id,text\n" + "\n".join(rows) + "\n")
-    monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", 2**14)  # a window is about ten blocks, as in real files
+    monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", 2**14)  # a window is about ten blocks, as in real files
     file = inputs.describe(str(path), text_column="text", id_columns=["id"])
     _window(file, 3)  # the file's layout, read once a process
     counts: list[int] = []
     counted = lambda *a, **k: _CountedFile(open(*a, **k), counts)  # noqa: E731, SIM115 (closed by the reader)
-    monkeypatch.setattr(inputs, "open", counted, raising=False)
+    _count_opens(monkeypatch, counted)
     _window(file, windows // 2)
     window_bytes = file.offsets[windows // 2 + 1] - file.offsets[windows // 2]
     assert sum(counts) <= window_bytes + 2, f"{sum(counts) / window_bytes:.1f} windows' bytes read for one"
@@ -270,12 +283,12 @@ def test_describing_a_csv_holds_a_window_of_it_not_pyarrow_s_read_ahead(
     from tasks.corpus import sources
 
     noise = random.Random(0)
-    rows = 64 * inputs.OFFSET_ROWS
+    rows = 64 * line_files.OFFSET_ROWS
     body = ("id,text\n" + "".join(f"{i},{noise.randbytes(64).hex()}\n" for i in range(rows))).encode()
     path = tmp_path / "reviews.csv"
     path.write_bytes(body)
     block = 2**16  # the file is 135 blocks
-    monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", block)
+    monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", block)
     monkeypatch.setattr(sources, "READ_CHUNK", block)  # the hashing's reads, not the point here
     # (A gzip file's line scan holds indexed_gzip's buffer of 4 seek-point spacings, whatever its size.)
     tracemalloc.start()
@@ -286,9 +299,9 @@ def test_describing_a_csv_holds_a_window_of_it_not_pyarrow_s_read_ahead(
         tracemalloc.stop()
     assert file.rows == rows and len(file.offsets) == 64
     assert peak < 16 * block, f"{peak / block:.1f} blocks held at once"
-    assert _read(file, 40 * inputs.OFFSET_ROWS, 41 * inputs.OFFSET_ROWS).column("id").to_pylist() == list(
-        range(40 * inputs.OFFSET_ROWS, 41 * inputs.OFFSET_ROWS)
-    )
+    assert _read(file, 40 * line_files.OFFSET_ROWS, 41 * line_files.OFFSET_ROWS).column(
+        "id"
+    ).to_pylist() == list(range(40 * line_files.OFFSET_ROWS, 41 * line_files.OFFSET_ROWS))
 
 
 @pytest.mark.parametrize("kind", ["csv", "csv.gz", "jsonl", "jsonl.gz", "parquet"])
@@ -301,10 +314,10 @@ def test_describing_tells_its_progress_as_each_pass_goes(
     from tasks.score.scoring import describe_inputs
 
     block = 2**12
-    monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", block)
-    monkeypatch.setattr(inputs, "SCAN_REPORT_BYTES", block)
-    monkeypatch.setattr(inputs, "GZIP_CHECK_BYTES", block)
-    monkeypatch.setattr(inputs, "BATCH_ROWS", 512)
+    monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", block)
+    monkeypatch.setattr(line_files, "SCAN_REPORT_BYTES", block)
+    monkeypatch.setattr(json_lines, "GZIP_CHECK_BYTES", block)
+    monkeypatch.setattr(base, "BATCH_ROWS", 512)
     monkeypatch.setattr(sources, "READ_CHUNK", block)
     csv = _csv(tmp_path / "reviews.csv")
     if kind == "csv.gz":
@@ -356,8 +369,8 @@ def test_describing_a_json_lines_file_parses_it_up_to_its_first_record_with_the_
     path = tmp_path / ("reviews.jsonl.gz" if packed else "reviews.jsonl")
     path.write_bytes(gzip.compress(body) if packed else body)
     parsed: list[bytes] = []
-    record = inputs._record
-    monkeypatch.setattr(inputs, "_record", lambda line: parsed.append(line) or record(line))
+    record = json_lines._record
+    monkeypatch.setattr(json_lines, "_record", lambda line: parsed.append(line) or record(line))
     file = inputs.describe(str(path), text_column="text", id_columns=["id"])
     assert file.rows == ROWS and len(file.offsets) == 3
     assert len(parsed) == 11, len(parsed)  # up to the first record with "text"
@@ -368,7 +381,7 @@ def test_a_csv_that_parses_otherwise_than_its_lines_scan_is_counted_by_pyarrow(
 ) -> None:
     """A window whose count is not the scan's (here a lone carriage return inside a later window, which
     pyarrow ends a row at and the scan does not) sends the count to a read from the start."""
-    monkeypatch.setattr(inputs, "CSV_BLOCK_BYTES", 2**12)
+    monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", 2**12)
     lines = [b"%d,review %d\n" % (i, i) for i in range(ROWS)]
     lines[2500] = b"2500,review\r99999,one more\n"
     path = tmp_path / "reviews.csv"
@@ -406,7 +419,7 @@ def test_a_worker_with_the_described_index_reads_its_window_only(
     size = Path(file.uri).stat().st_size
     _window(file, windows - 2)
     with_index = sum(counts) / size
-    inputs._drop_gzip()
+    gzip_index.drop_index()
     counts.clear()
     _window(dataclasses.replace(file, gzip_index=""), windows - 2)
     without = sum(counts) / size
@@ -468,7 +481,7 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
 
     downloads: list[Any] = []
     _watch_s3(monkeypatch, downloads, lambda key, start: f"stream {key}")
-    inputs.drop_copies()
+    copies.drop_copies()
     s3 = boto3.client("s3")
     made = {"a.csv.gz": _csv, "b.jsonl.gz": _jsonl, "c.csv.gz": _csv}
     for name, make in made.items():
@@ -478,7 +491,7 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
         name: inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
         for name in made
     }
-    assert downloads == list(made) and not any(inputs._folders[inputs.COPIES].iterdir())
+    assert downloads == list(made) and not any(folders._folders[folders.COPIES].iterdir())
     local = inputs.describe(str(tmp_path / "a.csv.gz"), text_column="text", id_columns=["id"])
     a = files["a.csv.gz"]
     assert (a.rows, a.offsets, a.sha256) == (local.rows, local.offsets, local.sha256)
@@ -489,17 +502,17 @@ def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_read
     assert downloads == [*made, "a.csv.gz"]
     _read(files["b.jsonl.gz"], 2048, 2100)
     _read(files["c.csv.gz"], 2048, 2100)
-    folder = inputs._folders[inputs.COPIES]
-    assert len(list(folder.iterdir())) == inputs.COPIES_KEPT
+    folder = folders._folders[folders.COPIES]
+    assert len(list(folder.iterdir())) == copies.COPIES_KEPT
     _read(a, 0, 10)  # a's copy was the oldest: copied again
     assert downloads == [*made, "a.csv.gz", "b.jsonl.gz", "c.csv.gz", "a.csv.gz"]
-    inputs.drop_copies()
+    copies.drop_copies()
     assert not folder.exists()
     # A file made without describing it (gzip unknown) is read from a copy, never as plain bytes.
     bare = inputs.InputFile(**{k: v for k, v in dataclasses.asdict(a).items() if k != "gzip"})
     assert _read(bare, 1024, 2048).equals(whole.slice(1024, 1024))
     assert downloads[-1] == "a.csv.gz"
-    inputs.drop_copies()
+    copies.drop_copies()
 
 
 @pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
@@ -513,7 +526,7 @@ def test_a_plain_s3_input_s_windows_are_read_by_ranged_gets_not_copied(
 
     name = "a.csv" if make is _csv else "a.jsonl"
     boto3.client("s3").upload_file(str(make(tmp_path / name)), s3_bucket, f"in/{name}")
-    inputs.drop_copies()
+    copies.drop_copies()
     file = inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
     assert not file.gzip and len(file.offsets) == 3
     got: list[Any] = []
@@ -523,7 +536,7 @@ def test_a_plain_s3_input_s_windows_are_read_by_ranged_gets_not_copied(
         assert _read(file, start, stop).equals(whole.slice(start, stop - start))
     layout = [0] if make is _csv else []  # read once a process, with the first window
     assert got == [*layout, file.offsets[1], file.offsets[2], 0], got
-    assert not any(inputs._folders[inputs.COPIES].iterdir())
+    assert not any(folders._folders[folders.COPIES].iterdir())
 
 
 def test_describing_an_s3_input_tells_its_download_as_a_pass(s3_bucket: str, tmp_path: Path) -> None:
@@ -537,7 +550,7 @@ def test_describing_an_s3_input_tells_its_download_as_a_pass(s3_bucket: str, tmp
     done = list(itertools.accumulate(told))
     assert done[-1] == pytest.approx(1.0) and all(step > 0 for step in told)
     assert [round(d, 9) for d in done].count(0.25) == 1, done  # the download's quarter, then the others
-    inputs.drop_copies()
+    copies.drop_copies()
 
 
 def test_an_s3_download_that_fails_leaves_no_partial_copy(
@@ -550,11 +563,11 @@ def test_an_s3_download_that_fails_leaves_no_partial_copy(
         raise OSError("connection reset")
 
     monkeypatch.setattr(S3Store, "download", broken)
-    inputs.drop_copies()
+    copies.drop_copies()
     with pytest.raises(OSError, match="connection reset"):
         inputs.describe(f"s3://{s3_bucket}/in/a.csv", text_column="text", id_columns=[])
-    assert not list(inputs._folders[inputs.COPIES].iterdir()) and not inputs._copies
-    inputs.drop_copies()
+    assert not list(folders._folders[folders.COPIES].iterdir()) and not copies._copies
+    copies.drop_copies()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
@@ -581,14 +594,22 @@ def test_an_s3_gzip_input_is_read_by_windows_from_the_process_s_copy(s3_bucket: 
     path = tmp_path / "reviews.csv.gz"
     path.write_bytes(gzip.compress(plain.read_bytes()))
     boto3.client("s3").upload_file(str(path), s3_bucket, "in/reviews.csv.gz")
-    inputs.drop_copies()
+    copies.drop_copies()
     remote = inputs.describe(f"s3://{s3_bucket}/in/reviews.csv.gz", text_column="text", id_columns=["id"])
     local = inputs.describe(str(path), text_column="text", id_columns=["id"])
     assert (remote.rows, remote.offsets, remote.sha256) == (local.rows, local.offsets, local.sha256)
     whole = _whole(local)
     for start, stop in [(2048, ROWS), (1024, 2048), (0, 1024)]:
         assert _read(remote, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
-    folder = inputs._folders[inputs.COPIES]
-    assert [Path(p).parent for p, _ in inputs._gzip_files] == [folder]
-    inputs.drop_copies()
-    assert not inputs._gzip_files and not folder.exists()
+    folder = folders._folders[folders.COPIES]
+    assert [Path(p).parent for p, _ in gzip_index._gzip_files] == [folder]
+    copies.drop_copies()
+    assert not gzip_index._gzip_files and not folder.exists()
+
+
+def test_every_format_the_command_takes_has_its_reader() -> None:
+    """A suffix in ``formats.FORMATS`` names a format; the format's reader is chosen once from it."""
+    from tasks.score.formats import FORMATS
+    from tasks.score.readers import READERS
+
+    assert set(FORMATS.values()) == set(READERS)

@@ -44,18 +44,11 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.jobs.config import Precision
-from tasks.score.config import PIECE_ROWS
 from tasks.jobs.threads import take_share
-from tasks.score.inputs import (
-    PROBLEM,
-    InputError,
-    InputFile,
-    describe,
-    expand_inputs,
-    read_rows,
-    text_bytes,
-    texts_of,
-)
+from tasks.score.config import PIECE_ROWS
+from tasks.score.inputs import InputError, InputFile, describe, expand_inputs, read_rows
+from tasks.score.readers.base import PROBLEM
+from tasks.score.readers.text import text_bytes, texts_of
 from tasks.store import Store, open_store
 
 PRECISIONS = get_args(Precision)  # models.precision.PRECISION_CHOICES (tests/test_features.py)
