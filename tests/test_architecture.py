@@ -225,3 +225,15 @@ def test_plain_work_imports_without_prefect() -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "flows" / "cli").glob("*.py")), ids=lambda p: p.name)
 def test_cli_modules_stay_small(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= 300, f"{path.name}: split it by stage"
+
+
+MAX_MODULE_LINES = 600  # a module above this holds more than one job: split it
+
+
+def test_no_module_of_the_three_packages_is_over_600_lines() -> None:
+    over = {
+        str(path.relative_to(ROOT)): lines
+        for path in module_files().values()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not over, f"split by job: {over}"
