@@ -71,6 +71,8 @@ BAD_SPECS = {
     "unknown nested key": ("", "asha.rate", 7),
     "a fixed setting the sweep owns": ("max_steps: 5\n", "max_steps", 13),
     "a grid smaller than the budget": ("", "budget.trials", 6),
+    # Every trial would fail minutes in (torch: "value cannot be converted to type float without overflow").
+    "a range beyond float32": ("", "space.lr", 11),
 }
 
 
@@ -82,6 +84,10 @@ def test_a_bad_spec_is_one_error_naming_the_key_and_line(case: str, tmp_path: Pa
         path.write_text(path.read_text().replace("min_steps: 1", "min_steps: 10"))
     if case == "unknown nested key":
         path.write_text(path.read_text().replace("eta: 3", "rate: 3"))
+    if case == "a range beyond float32":
+        path.write_text(
+            path.read_text().replace("log_uniform: [1.0e-4, 3.0e-2]", "log_uniform: [1.0e-4, 1.0e308]")
+        )
     if case == "a grid smaller than the budget":  # 2 × 2 points for 6 trials
         text = path.read_text().replace("sampler: random", "sampler: grid")
         path.write_text(text.replace("log_uniform: [1.0e-4, 3.0e-2]", "choice: [1.0e-3, 1.0e-2]"))

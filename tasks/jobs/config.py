@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tasks.settings import flag_of
 
@@ -83,7 +83,23 @@ def run_identity(settings: BaseModel) -> dict[str, Any]:
     }
 
 
-class OptimizerSettings(BaseModel):
+# The largest float32: a job computes in float32 (the learning rate in Adam's state, the clip in the
+# gradients' norm), so a larger setting would be refused by torch only once a trial or a run is under way.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class JobSettings(BaseModel):
+    """What every job's settings share: each real number fits float32, refused by name when it does not."""
+
+    @field_validator("*")
+    @classmethod
+    def _fits_float32(cls, value: Any) -> Any:
+        if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+            raise ValueError(f"more than float32 holds ({FLOAT32_MAX:.4g}), the precision a job computes in")
+        return value
+
+
+class OptimizerSettings(JobSettings):
     """Adam's settings besides its learning rate, shared by every job that trains (pretraining's and
     fine-tuning's settings derive from it); each field is one of Adam's keywords, by name, and
     ``tasks/jobs/optim.py`` passes it on every path (eager, captured, sharded). The learning rate is each
