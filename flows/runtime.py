@@ -162,6 +162,9 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
+LOCAL_CLUSTER = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:8787"}
+
+
 def task_runner(settings: Settings) -> Any:
     """The Prefect task runner named by the settings; Dask and Ray need their Prefect integrations."""
     workers = settings.max_workers or cpu_count()
@@ -180,8 +183,10 @@ def task_runner(settings: Settings) -> Any:
             raise RuntimeError("MLSTM_TASK_RUNNER=dask needs `pip install prefect-dask`") from error
         if settings.task_runner_address:
             return DaskTaskRunner(address=settings.task_runner_address)
-        # One thread per worker process: MLSTM_MAX_WORKERS means parallel pieces, as for the pool.
-        return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1})
+        # One thread per worker process: MLSTM_MAX_WORKERS means parallel pieces, as for the pool. The
+        # cluster is this machine's: its scheduler and dashboard listen on loopback only (Dask's
+        # dashboard would otherwise take every interface's port 8787).
+        return DaskTaskRunner(cluster_kwargs=LOCAL_CLUSTER | {"n_workers": workers, "threads_per_worker": 1})
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as error:
