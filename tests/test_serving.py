@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from tasks.transfer.serve import _free_port, serve_command
 BIN = Path(sys.executable).parent
 LIMIT = 5_000  # MLSTM_MAX_TEXT_CHARS when the model is logged; the server's environment does not have it
 CLEAN_PATH = "/usr/bin:/bin"  # no virtual environment on it
+USER_HOME = Path(tempfile.mkdtemp(prefix="serving-user-home-"))  # the served command's $HOME
 
 LOG_AND_REGISTER = """
 import mlflow, numpy as np, torch
@@ -86,11 +88,8 @@ def server(registered: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         process = subprocess.Popen(
             ["/bin/sh", "-c", command],
             cwd=tmp_path_factory.mktemp("serve-cwd"),
-            env={
-                "PATH": CLEAN_PATH,
-                "HOME": os.environ.get("HOME", "/tmp"),
-                "MLFLOW_DISABLE_TELEMETRY": "true",
-            },
+            # A user's shell: no MLflow settings of its own, and a home the test can look into.
+            env={"PATH": CLEAN_PATH, "HOME": str(USER_HOME)},
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -159,6 +158,12 @@ def test_a_model_logged_by_a_newer_package_is_refused_by_name(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_the_printed_command_writes_nothing_in_the_users_home(server: str) -> None:
+    # MLflow keeps a telemetry id in ~/.config/mlflow unless told not to: the printed command tells it.
+    assert httpx.get(f"{server}/ping", timeout=10).status_code == 200
+    assert sorted(p.relative_to(USER_HOME) for p in USER_HOME.rglob("*")) == []
+
+
 def test_the_printed_command_serves_and_refuses_bad_texts_by_row(server: str) -> None:
     scored = _post(server, _records("Absolutely love it!", "Broke in a day."))
     assert scored.status_code == 200, scored.text

@@ -70,6 +70,12 @@ def _prefect_home_in_ours() -> None:
     os.environ["PREFECT_HOME"] = str(home)
 
 
+def _caches_in_ours() -> None:
+    """Matplotlib's config and font cache (the plots of transfer, sweeps and the pipeline) in MLSTM_HOME,
+    not the user's ~/.config and ~/.cache; a user's own MPLCONFIGDIR is kept."""
+    os.environ.setdefault("MPLCONFIGDIR", str((get_settings().home / "cache" / "matplotlib").resolve()))
+
+
 def main() -> None:
     # This machine's own tools need no phoning home; users can still turn either back on.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -78,6 +84,7 @@ def main() -> None:
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:
         _prefect_home_in_ours()
+        _caches_in_ours()
         app()
     except user_errors(OSError) as error:
         # A bad input or an unreachable service that a command did not catch itself is still one line

@@ -39,6 +39,8 @@ def serve_command(
     env = [
         f'PATH={shlex.quote(str(BIN))}{os.pathsep}"$PATH"',
         f"MLFLOW_TRACKING_URI={shlex.quote(tracking_uri)}",
+        # Else MLflow writes a telemetry id into the user's ~/.config/mlflow.
+        "MLFLOW_DISABLE_TELEMETRY=true",
     ]
     if registry_uri and registry_uri != tracking_uri:
         env.append(f"MLFLOW_REGISTRY_URI={shlex.quote(registry_uri)}")

@@ -1,0 +1,34 @@
+"""What the CLI writes stays in MLSTM_HOME: matplotlib's config and font cache are not left in the
+user's ~/.config or ~/.cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DRAW = """
+import flows.cli
+flows.cli._caches_in_ours()  # what `mlstm-sentiment` does before any command
+from matplotlib.figure import Figure
+Figure().add_subplot().set_title("font cache")  # builds matplotlib's font list on first use
+Figure().savefig("plot.png")
+"""
+
+
+def test_the_plots_caches_stay_in_mlstm_home(tmp_path: Path) -> None:
+    user_home, home = tmp_path / "user", tmp_path / "mlstm-home"
+    user_home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MPL", "XDG_", "MLSTM_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", DRAW],
+        cwd=tmp_path,
+        env={**env, "HOME": str(user_home), "MLSTM_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(user_home.rglob("*")) == []
+    assert list((home / "cache" / "matplotlib").glob("fontlist-*.json"))
