@@ -142,6 +142,14 @@ class Settings(BaseSettings):
     def _blank_is_unset(cls, value: str | None) -> str | None:
         return value or None
 
+    @field_validator("home")
+    @classmethod
+    def _home_is_a_folder(cls, home: Path) -> Path:
+        # Checked before anything is made in it: else the first folder made there fails, naming neither.
+        if home.exists() and not home.is_dir():
+            raise ValueError(f"MLSTM_HOME {home} is a file: give a folder (it is made if missing)")
+        return home
+
     @cached_property
     def resolved_store_uri(self) -> str:
         return self.store_uri or str(self.home / "store")

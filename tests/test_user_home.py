@@ -1,5 +1,5 @@
 """What the CLI writes stays in MLSTM_HOME: matplotlib's config and font cache are not left in the
-user's ~/.config or ~/.cache."""
+user's ~/.config or ~/.cache; and an MLSTM_HOME that cannot be one is named in one line."""
 
 from __future__ import annotations
 
@@ -32,3 +32,20 @@ def test_the_plots_caches_stay_in_mlstm_home(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert sorted(user_home.rglob("*")) == []
     assert list((home / "cache" / "matplotlib").glob("fontlist-*.json"))
+
+
+def test_a_home_that_is_a_file_is_named_in_one_line(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "mlstm-sentiment"), "status"],
+        env={**os.environ, "MLSTM_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        == f"error: home: MLSTM_HOME {home} is a file: give a folder (it is made if missing)"
+    )
