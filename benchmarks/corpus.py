@@ -486,7 +486,7 @@ def run_flow(inputs: InputSet, store_dir: Path, workers: int, runner: str = "pro
         workers=workers,
         show_progress=False,
     )
-    return {"summary": summary, "called": called}
+    return {"summary": summary.model_dump(), "called": called}
 
 
 def flow_windows(called: float) -> dict[str, tuple[float, float]]:

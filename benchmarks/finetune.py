@@ -80,20 +80,18 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str
     )  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         result = fit(config, World(), get_settings())
-    finished(result, "pretraining")
-    val_bpc = result["val_bpc"]  # None where the val split is shorter than a row (the demo's sample)
+    finished(result.preempted, result.steps, "pretraining")
+    val_bpc = result.val_bpc  # None where the val split is shorter than a row (the demo's sample)
     validation = "no validation" if val_bpc is None else f"validation {val_bpc:.3f} bits per byte"
-    what = f"{preset}, pretrained here for {result['steps']} steps of {batch} × {seq_len} bytes on {source} ({validation})"
-    return str(result["checkpoint_uri"]), what, time.perf_counter() - started
+    what = f"{preset}, pretrained here for {result.steps} steps of {batch} × {seq_len} bytes on {source} ({validation})"
+    return str(result.checkpoint_uri), what, time.perf_counter() - started
 
 
-def finished(result: dict[str, Any], job: str) -> None:
+def finished(preempted: bool, steps: int, job: str) -> None:
     """Stop the benchmark where its in-process job was stopped (SIGTERM, as a scheduler preempts): the
     job checkpoints and returns, and what came next would be measured on an unfinished model."""
-    if result["preempted"]:
-        raise SystemExit(
-            f"finetune benchmark: the {job} job was stopped at step {result['steps']}; nothing recorded"
-        )
+    if preempted:
+        raise SystemExit(f"finetune benchmark: the {job} job was stopped at step {steps}; nothing recorded")
 
 
 def preset_steps(value: str) -> tuple[str, int]:
@@ -209,14 +207,14 @@ def compare(spec: str, checkpoint: str, settings_of_tuning: dict[str, Any]) -> d
     config = job.config.model_copy(update={"tracking": "off"})
     with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is --json's
         tuned = fit(config, World(), settings)
-    finished(tuned, "fine-tuning")
+    finished(tuned["preempted"], tuned["steps"], "fine-tuning")
     tune_seconds = time.perf_counter() - started
     return {
         "dataset": job.dataset_name,
-        "probe_test_accuracy": probe["test_accuracy"],
-        "probe_dev_accuracy": probe["dev_accuracy"],
+        "probe_test_accuracy": probe.test_accuracy,
+        "probe_dev_accuracy": probe.dev_accuracy,
         "probe_seconds": probe_seconds,
-        "baseline_test_accuracy": measured["test_accuracy"],
+        "baseline_test_accuracy": measured.test_accuracy,
         "baseline_seconds": baseline_seconds,
         "finetune_test_accuracy": tuned["test_accuracy"],
         "finetune_dev_accuracy": tuned["dev_accuracy"],

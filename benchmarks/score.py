@@ -172,7 +172,7 @@ def timed_score(
             workers=args.workers,
             precision=args.precision,
             show_progress=False,
-        )
+        ).model_dump()
     return time.perf_counter() - started, summary, peak
 
 

@@ -58,7 +58,7 @@ def _threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
-def _fit(params: Any, settings: Any) -> dict[str, Any]:
+def _fit(params: Any, settings: Any) -> Any:
     """One launch, in a pool process: the job's ``fit`` on one rank, its log kept off the terminal."""
     from tasks.jobs.world import World
     from tasks.pretrain.stage import plan_job
@@ -87,11 +87,12 @@ class Launcher:
         self.trained: dict[str, int] = {}
         self.lock = threading.Lock()
 
-    def __call__(self, params: Any) -> dict[str, Any]:
-        result: dict[str, Any] = self.pool.submit(_fit, params, self.settings).result()
+    def __call__(self, params: Any) -> Any:
+        """The launch's ``PretrainResult`` (the job's ``FitResult``)."""
+        result = self.pool.submit(_fit, params, self.settings).result()
         with self.lock:
-            self.steps += result["steps"] - self.trained.get(params.run, 0)
-            self.trained[params.run] = result["steps"]
+            self.steps += result.steps - self.trained.get(params.run, 0)
+            self.trained[params.run] = result.steps
         return result
 
     def arm(self, settings: Any) -> Launcher:
@@ -131,14 +132,15 @@ def asha(spec: Any, launch: Launcher, workers: int, home: Path) -> dict[str, Any
     started = time.perf_counter()
     result = sweep.run(parallel=workers)
     seconds = time.perf_counter() - started
-    assert result["steps_trained"] == launch.steps == sum(r["steps"] for r in result["trials"])
+    assert result.steps_trained == launch.steps == sum(r.steps for r in result.trials)
+    assert result.best is not None, "no trial of the arm completed"
     drawn = {t.number: t.user_attrs["values"] for t in sweep.study.get_trials(deepcopy=False)}
     return {
-        "steps": result["steps_trained"],
+        "steps": result.steps_trained,
         "seconds": round(seconds, 1),
-        "best": result["best"]["value"],
-        "best_trial": result["best"]["trial"],
-        "final_rungs": [r["steps"] for r in result["trials"]],
+        "best": result.best.value,
+        "best_trial": result.best.trial,
+        "final_rungs": [r.steps for r in result.trials],
         "values": drawn,
     }
 

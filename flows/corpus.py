@@ -23,10 +23,10 @@ from tasks.corpus.build import (
     plan_corpus,
     publish_manifest,
     reduce_bucket,
-    summary_of,
 )
 from tasks.corpus.lock import BuildLock, building
 from tasks.corpus.manifest import read_manifest
+from tasks.corpus.result import CorpusResult
 from tasks.corpus.sources import SourceError
 from tasks.secrets import hide
 from tasks.settings import Settings, get_settings
@@ -63,8 +63,8 @@ def build_corpus(
     config: CorpusConfig | None = None,
     force: bool = False,
     parent_run_id: str | None = None,
-) -> dict[str, Any]:
-    """Build (or find) the corpus of ``sources`` in ``store``; returns the --json summary.
+) -> CorpusResult:
+    """Build (or find) the corpus of ``sources`` in ``store``; its result (what --json prints).
 
     Args:
         sources: Files, folders, globs, s3:// prefixes or http(s):// URLs of raw reviews.
@@ -91,7 +91,7 @@ def build_corpus(
         if target.exists(plan.manifest_key) and not force:
             target.delete_prefix(plan.work_key())  # what a build killed as it published left
             logger.info("corpus %s is already built: %s", plan.corpus_id, target.url(plan.manifest_key))
-            return summary_of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+            return CorpusResult.of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
         return _build(plan, target, settings, lock, started, parent_run_id)
 
 
@@ -102,7 +102,7 @@ def _build(
     lock: BuildLock,
     started: float,
     parent_run_id: str | None,
-) -> dict[str, Any]:
+) -> CorpusResult:
     """Parse every piece, reduce every bucket, publish: the build itself, under its lock."""
     logger = get_run_logger()
     logger.info(
@@ -144,7 +144,7 @@ def _build(
     run_id = log_corpus(settings, manifest, manifest_uri, seconds, tags)
     _publish_artifacts(manifest, manifest_uri, run_link(settings, experiment_id(settings), run_id))
     logger.info("corpus %s published: %s (%.1f s)", plan.corpus_id, manifest_uri, seconds)
-    return summary_of(manifest, manifest_uri)
+    return CorpusResult.of(manifest, manifest_uri)
 
 
 def _publish_artifacts(manifest: dict[str, Any], manifest_uri: str, mlflow_run: str) -> None:

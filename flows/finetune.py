@@ -7,8 +7,6 @@ The work is in tasks/finetune/ (plain functions); the launch and the watching ar
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -17,6 +15,7 @@ from prefect.context import get_run_context
 from flows import names, progress
 from flows.jobs import launch_and_watch, worth_relaunching
 from tasks.finetune.config import FinetuneParams
+from tasks.finetune.result import FinetuneJobResult, FinetuneResult
 from tasks.finetune.stage import Job, job_result, model_card, open_mlflow_run, plan_job, register_result
 from tasks.jobs.launchers import launcher_for
 from tasks.jobs.launchers.base import Launcher
@@ -24,7 +23,7 @@ from tasks.settings import get_settings
 
 
 @task(name="finetune-train", cache_policy=NO_CACHE, retry_condition_fn=worth_relaunching)
-def train(job: Job, launcher: Launcher) -> dict[str, Any]:
+def train(job: Job, launcher: Launcher) -> FinetuneJobResult:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
     sink = progress.current()
     done = 0.0
@@ -39,13 +38,13 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
 
 
 @task(name="finetune-register", cache_policy=NO_CACHE)
-def register(job: Job, result: dict[str, Any], compare: bool) -> dict[str, Any]:
+def register(job: Job, result: FinetuneJobResult, compare: bool) -> FinetuneResult:
     """The frozen probe and the baseline beside it; the pyfunc logged and registered."""
     return register_result(job, result, get_settings(), compare=compare)
 
 
 @flow(name="finetune", flow_run_name=names.finetune_name)
-def finetune(params: FinetuneParams, parent_run_id: str | None = None) -> dict[str, Any]:
+def finetune(params: FinetuneParams, parent_run_id: str | None = None) -> FinetuneResult:
     """Fine-tune the mLSTM and a head on a labelled dataset; register the result as a challenger.
 
     Args:
@@ -71,8 +70,8 @@ def finetune(params: FinetuneParams, parent_run_id: str | None = None) -> dict[s
     registered = register(job, result, params.baseline)
     create_markdown_artifact(
         key="finetune-result",
-        markdown=f"# Fine-tuning run `{job.config.run_name}`\n\n{model_card(registered['report'])}\n"
-        f"Registered v{registered['registered']['version']}: {registered['registered']['reason']}.\n",
+        markdown=f"# Fine-tuning run `{job.config.run_name}`\n\n{model_card(registered.report)}\n"
+        f"Registered v{registered.registered.version}: {registered.registered.reason}.\n",
         description="The fine-tuned classifier beside the probe and the baseline",
     )
     return registered

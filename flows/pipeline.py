@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -24,10 +24,13 @@ from flows.finetune import finetune
 from flows.pretrain import pretrain
 from flows.runtime import task_runner
 from flows.transfer import transfer
-from tasks.corpus.build import plan_corpus, summary_of
+from tasks.corpus.build import plan_corpus
 from tasks.corpus.manifest import read_manifest
+from tasks.corpus.result import CorpusResult
+from tasks.finetune.result import FinetuneResult
 from tasks.pipeline import (
     PipelineParams,
+    PipelineResult,
     Stage,
     StageRecord,
     close_pipeline_run,
@@ -37,19 +40,27 @@ from tasks.pipeline import (
     finetune_record_key,
     finished_run,
     open_pipeline_run,
+    pipeline_metrics,
     pretrain_params,
     pretrain_run_name,
+    registered_lineage,
+    stage_lineage,
     transfer_key,
-    transfer_metrics,
     transfer_params,
     transfer_record_key,
 )
-from tasks.pretrain.stage import read_corpus_manifest, resolve_corpus, result_of
+from tasks.pretrain.result import PretrainResult
+from tasks.pretrain.stage import read_corpus_manifest, resolve_corpus
 from tasks.settings import Settings, get_settings
 from tasks.store import store_of
 from tasks.sweep.engine import best_trial
+from tasks.sweep.result import BestTrial
 from tasks.tracking import find_run, model_link, run_link
+from tasks.transfer.result import TransferResult
 from tasks.transfer.stage import accuracy_beside_baseline, checkpoints_loaded_once, resolve_checkpoint
+
+# The results of the stages found by a content key (their records in the store).
+Keyed = TypeVar("Keyed", TransferResult, FinetuneResult)
 
 
 @task(name="fingerprint sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
@@ -83,15 +94,19 @@ def _skipped(stage: str) -> None:
 
 
 @flow(name="pipeline", flow_run_name=names.pipeline_name, log_prints=True)
-def pipeline(params: PipelineParams) -> dict[str, Any]:
+def pipeline(params: PipelineParams) -> PipelineResult:
     """Raw reviews to a registered, promoted sentiment classifier; stages with unchanged inputs skip."""
     settings = get_settings()
     flow_run = get_run_context().flow_run  # type: ignore[union-attr]
     flow_run_id = str(flow_run.id) if flow_run else ""
     run_id = open_pipeline_run(settings, params, {"prefect_flow_run_id": flow_run_id})
-    records: dict[str, StageRecord] = {}  # each stage's, as it ends
+    records: dict[str, StageRecord[Any]] = {}  # each stage's, as it ends
+    corpus: StageRecord[CorpusResult] | None = None
+    trained: StageRecord[PretrainResult] | None = None
+    transferred: StageRecord[TransferResult] | None = None
+    finetuned: StageRecord[FinetuneResult] | None = None
+    # The lineage known so far, a new value at each stage: what a failed run's record can say too.
     lineage = {"pipeline_run_id": run_id, "pipeline_prefect_flow_run_id": flow_run_id}
-    metrics: dict[str, float] = {}
     get_run_logger().info(
         "stages %s (forced: %s); MLflow parent run %s at %s",
         ", ".join(params.stages), ", ".join(params.force) or "none", run_id, settings.shown_mlflow_tracking_uri,
@@ -101,47 +116,46 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
         with checkpoints_loaded_once():
             manifest_uri = resolve_corpus(params.manifest_uri, settings) if params.manifest_uri else None
             if "corpus" in params.stages:
-                records["corpus"] = _corpus(params, settings, run_id)
-                manifest_uri = records["corpus"].result["manifest_uri"]
-                metrics["corpus_rows"] = float(records["corpus"].result["rows"])
+                records["corpus"] = corpus = _corpus(params, settings, run_id)
+                manifest_uri = corpus.result.manifest_uri
             checkpoint_uri = (
                 resolve_checkpoint(params.checkpoint_uri, settings) if params.checkpoint_uri else None
             )
             if params.from_sweep:
-                checkpoint_uri, manifest_uri = _from_sweep(params.from_sweep, settings, manifest_uri, lineage)
+                best = _from_sweep(params.from_sweep, settings)
+                lineage = lineage | best.lineage()
+                checkpoint_uri, manifest_uri = best.checkpoint_uri, manifest_uri or best.manifest_uri
             if "pretrain" in params.stages:
                 assert manifest_uri is not None  # PipelineParams checks it
-                records["pretrain"] = _pretrain(params, settings, manifest_uri, run_id)
-                done = records["pretrain"].result
-                checkpoint_uri = done["checkpoint_uri"]
-                metrics.update({k: float(done[k]) for k in ("final_loss", "val_bpc") if done[k]})
-            for stage, record in records.items():
-                lineage.update(record.lineage(stage))
-            if manifest_uri:
-                lineage["manifest_uri"] = manifest_uri
+                records["pretrain"] = trained = _pretrain(params, settings, manifest_uri, run_id)
+                checkpoint_uri = trained.result.checkpoint_uri
+            lineage = (
+                lineage | stage_lineage(records) | ({"manifest_uri": manifest_uri} if manifest_uri else {})
+            )
             if "transfer" in params.stages:
                 assert checkpoint_uri is not None
-                lineage["checkpoint_uri"] = checkpoint_uri
-                records["transfer"] = _transfer(params, settings, checkpoint_uri, run_id, lineage)
-                done = records["transfer"].result
-                metrics.update(transfer_metrics(done))
-                if done.get("registered"):
-                    lineage["model_version"] = str(done["registered"]["version"])
-                    lineage["model_name"] = done["registered"]["name"]
-                    lineage["transfer_run_id"] = done["run_id"]
+                lineage = lineage | {"checkpoint_uri": checkpoint_uri}
+                records["transfer"] = transferred = _transfer(
+                    params, settings, checkpoint_uri, run_id, lineage
+                )
+                lineage = lineage | registered_lineage(transferred.result)
             if "finetune" in params.stages:
                 assert checkpoint_uri is not None
-                records["finetune"] = _finetune(params, settings, checkpoint_uri, run_id)
-                done = records["finetune"].result
-                metrics[f"{done['dataset']}_finetune_test_accuracy"] = float(done["test_accuracy"])
+                records["finetune"] = finetuned = _finetune(params, settings, checkpoint_uri, run_id)
     except BaseException:
+        ended = (corpus.result if corpus else None, trained.result if trained else None)
+        metrics = pipeline_metrics(*ended, transferred.result if transferred else None, None)
         close_pipeline_run(run_id, ended_states(params.stages, records), lineage, metrics, failed=True)
         raise
-    result: dict[str, Any] = {
-        "run_id": run_id,
-        "stages": {stage: record.summary() for stage, record in records.items()},
-        **{stage: record.result for stage, record in records.items()},
-    }
+    result = PipelineResult(
+        run_id=run_id,
+        stages={stage: record.summary() for stage, record in records.items()},
+        corpus=corpus.result if corpus else None,
+        pretrain=trained.result if trained else None,
+        transfer=transferred.result if transferred else None,
+        finetune=finetuned.result if finetuned else None,
+    )
+    metrics = pipeline_metrics(result.corpus, result.pretrain, result.transfer, result.finetune)
     summary = _summary(settings, result, lineage)
     close_pipeline_run(
         run_id, ended_states(params.stages, records), lineage, metrics, failed=False, note=summary
@@ -150,31 +164,22 @@ def pipeline(params: PipelineParams) -> dict[str, Any]:
     return result
 
 
-def _from_sweep(
-    sweep_id: str, settings: Settings, manifest_uri: str | None, lineage: dict[str, str]
-) -> tuple[str, str | None]:
-    """The sweep's best trial: its checkpoint, and its corpus unless one is given; its ids into lineage."""
+def _from_sweep(sweep_id: str, settings: Settings) -> BestTrial:
+    """The sweep's best trial: its checkpoint, its corpus and the ids the lineage carries."""
     best = best_trial(sweep_id, settings)
-    lineage.update(
-        sweep_id=sweep_id,
-        sweep_trial=str(best["trial"]),
-        pretrain_run=str(best["run"]),
-        **({"pretrain_run_id": best["run_id"]} if best.get("run_id") else {}),
-        **({"sweep_run_id": best["sweep_run_id"]} if best.get("sweep_run_id") else {}),
-    )
     get_run_logger().info(
-        "from sweep %s: trial %s (%s), val bpc %.4f", sweep_id, best["trial"], best["run"], best["value"]
+        "from sweep %s: trial %s (%s), val bpc %.4f", sweep_id, best.trial, best.run, best.value
     )
-    return best["checkpoint_uri"], manifest_uri or best["manifest_uri"]
+    return best
 
 
-def _corpus(params: PipelineParams, settings: Settings, run_id: str) -> StageRecord:
+def _corpus(params: PipelineParams, settings: Settings, run_id: str) -> StageRecord[CorpusResult]:
     key = corpus_key(params)
     store = store_of(settings)
     done = store.exists(key["manifest_key"]) and "corpus" not in params.force
     if done:
         _skipped("corpus")
-        summary = summary_of(read_manifest(store, key["manifest_key"]), store.url(key["manifest_key"]))
+        summary = CorpusResult.of(read_manifest(store, key["manifest_key"]), store.url(key["manifest_key"]))
         flow_run_id = None
     else:
         ran = build_corpus.with_options(task_runner=task_runner(settings))(
@@ -186,7 +191,7 @@ def _corpus(params: PipelineParams, settings: Settings, run_id: str) -> StageRec
             return_state=True,
         )
         summary, flow_run_id = ran.result(), _flow_run_id_of(ran)
-    found = find_run(settings, {"stage": "corpus", "corpus_id": summary["corpus_id"]})
+    found = find_run(settings, {"stage": "corpus", "corpus_id": summary.corpus_id})
     return StageRecord(
         state="skipped" if done else "ran",
         key=key["corpus_id"],
@@ -196,7 +201,9 @@ def _corpus(params: PipelineParams, settings: Settings, run_id: str) -> StageRec
     )
 
 
-def _pretrain(params: PipelineParams, settings: Settings, manifest_uri: str, run_id: str) -> StageRecord:
+def _pretrain(
+    params: PipelineParams, settings: Settings, manifest_uri: str, run_id: str
+) -> StageRecord[PretrainResult]:
     stage = pretrain_params(params.pretrain, manifest_uri)
     corpus_id = read_corpus_manifest(manifest_uri, endpoint_url=settings.s3_endpoint_url)["corpus_id"]
     forced = "pretrain" in params.force
@@ -207,7 +214,7 @@ def _pretrain(params: PipelineParams, settings: Settings, manifest_uri: str, run
     skip = finished is not None
     if finished is not None:
         _skipped("pretrain")
-        done, flow_run_id = result_of(stage.run, finished), None
+        done, flow_run_id = PretrainResult.from_latest(stage.run, finished), None
     else:
         ran = pretrain(stage, parent_run_id=run_id, return_state=True)
         done, flow_run_id = ran.result(), _flow_run_id_of(ran)
@@ -215,16 +222,17 @@ def _pretrain(params: PipelineParams, settings: Settings, manifest_uri: str, run
         state="skipped" if skip else "ran",
         key=stage.run,
         result=done,
-        run_id=done["run_id"],
+        run_id=done.run_id,
         flow_run_id=flow_run_id,
     )
 
 
 def _transfer(
     params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str, lineage: dict[str, str]
-) -> StageRecord:
+) -> StageRecord[TransferResult]:
     key = transfer_key_task(checkpoint_uri, params)
     return _keyed(
+        TransferResult,
         "transfer",
         key,
         transfer_record_key(key),
@@ -239,11 +247,14 @@ def _transfer(
     )
 
 
-def _finetune(params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str) -> StageRecord:
+def _finetune(
+    params: PipelineParams, settings: Settings, checkpoint_uri: str, run_id: str
+) -> StageRecord[FinetuneResult]:
     """The fine-tuning subflow, skipped when the same weights, data and settings were fine-tuned before."""
     stage_params = finetune_params(params, checkpoint_uri)
     key = finetune_key(stage_params, settings)
     return _keyed(
+        FinetuneResult,
         "finetune",
         key,
         finetune_record_key(key),
@@ -254,58 +265,63 @@ def _finetune(params: PipelineParams, settings: Settings, checkpoint_uri: str, r
 
 
 def _keyed(
-    stage: Stage, key: str, record: str, params: PipelineParams, settings: Settings, run: Callable[[], Any]
-) -> StageRecord:
-    """A stage found by its content key: its record read when it ran before (unless forced), else run
-    (``run`` returns the subflow's state) and recorded."""
+    model: type[Keyed],
+    stage: Stage,
+    key: str,
+    record: str,
+    params: PipelineParams,
+    settings: Settings,
+    run: Callable[[], State],
+) -> StageRecord[Keyed]:
+    """A stage found by its content key: its result read back from its record when it ran before (unless
+    forced), else run (``run`` returns the subflow's state) and recorded."""
     store = store_of(settings)
     skip = store.exists(record) and stage not in params.force
     if skip:
         _skipped(stage)
-        done, flow_run_id = json.loads(store.read_bytes(record)), None
+        # json, not pydantic's parser: a probe's sweep may hold NaN (an objective not measured).
+        done, flow_run_id = model.model_validate(json.loads(store.read_bytes(record))), None
     else:
         ran = run()
-        done, flow_run_id = ran.result(), _flow_run_id_of(ran)
+        done, flow_run_id = model.model_validate(ran.result()), _flow_run_id_of(ran)
         # Written last: a stage that failed half-way is not found by the next run.
-        store.write_bytes(record, json.dumps(done, default=str).encode())
+        store.write_bytes(record, json.dumps(done.model_dump(), default=str).encode())
     return StageRecord(
         state="skipped" if skip else "ran",
         key=key[:16],
         result=done,
-        run_id=done["run_id"],
+        run_id=done.run_id,
         flow_run_id=flow_run_id,
     )
 
 
-def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]) -> str:
+def _summary(settings: Settings, result: PipelineResult, lineage: dict[str, str]) -> str:
     """What the run produced, as markdown with links into MLflow: the Prefect artifact ``pipeline-summary``
     and the MLflow parent run's description. Each line is logged too."""
     from mlflow.tracking import MlflowClient
 
     logger = get_run_logger()
-    experiment = MlflowClient().get_run(result["run_id"]).info.experiment_id
-    lines = [f"# Pipeline run {run_link(settings, experiment, result['run_id'])}", ""]
-    for stage, info in result["stages"].items():
-        link = run_link(settings, experiment, info["run_id"]) if info.get("run_id") else "-"
-        lines.append(f"- **{stage}**: {info.get('state')} · MLflow run {link}")
-    if "corpus" in result:
-        lines.append(f"- corpus: `{result['corpus']['manifest_uri']}` ({result['corpus']['rows']:,} rows)")
-    if "pretrain" in result:
-        p = result["pretrain"]
-        lines.append(f"- checkpoint: `{p['checkpoint_uri']}` (step {p['steps']}, val bpc {p['val_bpc']})")
-    for name, values in result.get("transfer", {}).get("datasets", {}).items():
-        versus = accuracy_beside_baseline(values["test_accuracy"], values.get("baseline_test_accuracy"))
+    experiment = MlflowClient().get_run(result.run_id).info.experiment_id
+    lines = [f"# Pipeline run {run_link(settings, experiment, result.run_id)}", ""]
+    for stage, info in result.stages.items():
+        link = run_link(settings, experiment, info.run_id) if info.run_id else "-"
+        lines.append(f"- **{stage}**: {info.state} · MLflow run {link}")
+    if result.corpus is not None:
+        lines.append(f"- corpus: `{result.corpus.manifest_uri}` ({result.corpus.rows:,} rows)")
+    if (p := result.pretrain) is not None:
+        lines.append(f"- checkpoint: `{p.checkpoint_uri}` (step {p.steps}, val bpc {p.val_bpc})")
+    for name, values in (result.transfer.datasets if result.transfer else {}).items():
+        versus = accuracy_beside_baseline(values.test_accuracy, values.baseline_test_accuracy)
         lines.append(f"- {name}: test accuracy {versus}")
-    if "finetune" in result:
-        f = result["finetune"]
+    if (f := result.finetune) is not None:
         lines.append(
-            f"- fine-tuned on {f['dataset']}: test accuracy {f['test_accuracy']:.2%}, registered "
-            f"v{f['registered']['version']} ({f['registered']['reason']})"
+            f"- fine-tuned on {f.dataset}: test accuracy {f.test_accuracy:.2%}, registered "
+            f"v{f.registered.version} ({f.registered.reason})"
         )
-    if lineage.get("model_version"):
+    if result.transfer is not None and (registered := result.transfer.registered) is not None:
         lines.append(
             f"- model: {model_link(settings, lineage['model_name'], lineage['model_version'])} "
-            f"({result['transfer']['registered']['reason']})"
+            f"({registered.reason})"
         )
     for line in lines[2:]:  # a log line shows no markdown: links become their URLs
         plain = re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"\2", line.removeprefix("- "))
@@ -313,19 +329,19 @@ def _summary(settings: Settings, result: dict[str, Any], lineage: dict[str, str]
     return "\n".join(lines) + "\n"
 
 
-def _publish_artifacts(result: dict[str, Any], summary: str) -> None:
+def _publish_artifacts(result: PipelineResult, summary: str) -> None:
     """The pipeline's page in the Prefect UI: each stage's state, and links into MLflow."""
     create_table_artifact(
         key="pipeline-stages",
         table=[
             {
                 "stage": stage,
-                "state": info.get("state"),
-                "key": info.get("key"),
-                "mlflow_run_id": info.get("run_id"),
-                "prefect_flow_run_id": info.get("flow_run_id", "-"),
+                "state": info.state,
+                "key": info.key,
+                "mlflow_run_id": info.run_id,
+                "prefect_flow_run_id": info.flow_run_id or "-",
             }
-            for stage, info in result["stages"].items()
+            for stage, info in result.stages.items()
         ],
         description="Stages of this pipeline run: ran, or skipped because their inputs had not changed",
     )

@@ -7,8 +7,6 @@ process group, the Slurm job or the Kubernetes training job): no process outlive
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow, task
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -24,13 +22,14 @@ from flows.jobs import gpu_slot, launch_and_watch, worth_relaunching
 from tasks.jobs.launchers import launcher_for
 from tasks.jobs.launchers.base import Launcher
 from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.result import PretrainResult
 from tasks.pretrain.stage import Job, job_result, open_mlflow_run, plan_job
 from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
 
 
 @task(name="train", cache_policy=NO_CACHE, retry_condition_fn=worth_relaunching)
-def train(job: Job, launcher: Launcher) -> dict[str, Any]:
+def train(job: Job, launcher: Launcher) -> PretrainResult:
     """One launch of the job, followed to its end; a retry of this task resumes from ``latest``."""
     sink = progress.current()
     artifact_id = create_progress_artifact(
@@ -58,7 +57,7 @@ def train(job: Job, launcher: Launcher) -> dict[str, Any]:
 
 
 @flow(name="pretrain", flow_run_name=names.pretrain_name)
-def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> dict[str, Any]:
+def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> PretrainResult:
     """Train the mLSTM on a corpus: local torchrun, Slurm or Kubernetes; resumable by run name.
 
     Args:
@@ -84,10 +83,10 @@ def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> dict[s
     create_markdown_artifact(
         key="pretrain-result",
         markdown=(
-            f"# Pretraining run `{result['run']}`\n\n"
-            f"- step {result['steps']} of {result['total_steps']}, loss {result['final_loss']:.4f}, "
-            f"val bpc {result['val_bpc']}\n- checkpoint: `{result['checkpoint_uri']}`\n"
-            f"- MLflow run: {run_link(settings, experiment_id(settings), result['run_id'])}\n"
+            f"# Pretraining run `{result.run}`\n\n"
+            f"- step {result.steps} of {result.total_steps}, loss {result.final_loss:.4f}, "
+            f"val bpc {result.val_bpc}\n- checkpoint: `{result.checkpoint_uri}`\n"
+            f"- MLflow run: {run_link(settings, experiment_id(settings), str(result.run_id))}\n"
         ),
         description="Where the checkpoint and the MLflow run are",
     )

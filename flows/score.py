@@ -17,6 +17,7 @@ from flows.runtime import retry_unless
 from tasks.corpus.build import cpu_count
 from tasks.score.config import PIECE_ROWS
 from tasks.score.inputs import InputError, InputFile
+from tasks.score.result import ScoreResult
 from tasks.score.scoring import (
     Piece,
     Plan,
@@ -27,7 +28,6 @@ from tasks.score.scoring import (
     publish_manifest,
     read_manifest,
     score_piece,
-    summary_of,
 )
 from tasks.score.tracking import log_scoring, resolve_model
 from tasks.settings import get_settings
@@ -133,8 +133,8 @@ def score(
     described: str | None = None,
     workers: int | None = None,
     precision: str = "auto",
-) -> dict[str, Any]:
-    """Score every row of ``inputs`` with a registered classifier; returns the --json summary.
+) -> ScoreResult:
+    """Score every row of ``inputs`` with a registered classifier; its result (what --json prints).
 
     Args:
         inputs: CSV, JSON-lines (gzip too), Parquet or Arrow IPC files, folders, globs or s3:// prefixes.
@@ -184,7 +184,7 @@ def score(
     plan.store().check_writable(create_bucket=False)
     if (manifest := read_manifest(plan)) is not None:
         logger.info("already scored by %s v%d: %s", model_ref.name, model_ref.version, plan.output)
-        return summary_of(manifest, plan.store().url("manifest.json"), scored=0, skipped=len(plan.pieces))
+        return ScoreResult.of(manifest, plan.store().url("manifest.json"), scored=0, skipped=len(plan.pieces))
     logger.info(
         "%d rows of %d files in %d pieces, %s v%d → %s",
         sum(f.rows for f in plan.files),
@@ -229,4 +229,4 @@ def score(
         description="The published scores",
     )
     logger.info("scored %s: %s", plan.scoring_id, manifest_uri)
-    return summary_of(manifest, manifest_uri, scored=scored, skipped=len(records) - scored)
+    return ScoreResult.of(manifest, manifest_uri, scored=scored, skipped=len(records) - scored)

@@ -8,8 +8,6 @@ MLflow run, a child of the sweep's parent run. Run the same spec again and the s
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import get_run_context
@@ -17,15 +15,17 @@ from prefect.context import get_run_context
 from flows import names
 from flows.pretrain import pretrain
 from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.result import PretrainResult
 from tasks.settings import get_settings
 from tasks.sweep.engine import Sweep, prepare
+from tasks.sweep.result import SweepResult
 from tasks.sweep.spec import SweepSpec
 from tasks.sweep.tracking import close_parent, open_parent, record_rung, record_state
 from tasks.tracking import experiment_id, run_link
 
 
 @flow(name="sweep", flow_run_name=names.sweep_name)
-def sweep(spec: SweepSpec, parallel: int = 1) -> dict[str, Any]:
+def sweep(spec: SweepSpec, parallel: int = 1) -> SweepResult:
     """Search pretraining settings with ASHA; trials suspend at each rung, promoted ones resume.
 
     Args:
@@ -40,11 +40,10 @@ def sweep(spec: SweepSpec, parallel: int = 1) -> dict[str, Any]:
     sweep_id = spec.sweep_id()
     parent_run_id = ""
 
-    def launch(params: PretrainParams) -> dict[str, Any]:
+    def launch(params: PretrainParams) -> PretrainResult:
         logger.info("trial run %s: training to step %s", params.run, params.max_steps)
         named = pretrain.with_options(flow_run_name=f"pretrain-{params.run}-to-{params.max_steps}")
-        result: dict[str, Any] = named(params, parent_run_id=parent_run_id)
-        return result
+        return named(params, parent_run_id=parent_run_id)
 
     rungs = spec.rungs()
 
@@ -60,23 +59,22 @@ def sweep(spec: SweepSpec, parallel: int = 1) -> dict[str, Any]:
     flow_run_id = str(get_run_context().flow_run.id)  # type: ignore[union-attr]
     parent_run_id = open_parent(spec, settings, engine.study, {"prefect_flow_run_id": flow_run_id})
     logger.info("sweep %s: rungs at %s steps, %d trials", sweep_id, spec.rungs(), spec.budget.trials)
-    result = engine.run(parallel)
+    result = engine.run(parallel).model_copy(update={"mlflow_run_id": parent_run_id})
     close_parent(parent_run_id, engine.study, result, rungs)
-    result["mlflow_run_id"] = parent_run_id
     create_table_artifact(
         key="sweep-trials",
-        table=result["trials"],
+        table=[row.model_dump() for row in result.trials],
         description=f"sweep {sweep_id}: every trial, its state, steps and objective (val_bpc)",
     )
-    best = result["best"]
+    best = result.best
     create_markdown_artifact(
         key="sweep-result",
         markdown=(
-            f"# Sweep `{sweep_id}`\n\n- {len(result['trials'])} trials, {result['steps_trained']} steps "
+            f"# Sweep `{sweep_id}`\n\n- {len(result.trials)} trials, {result.steps_trained} steps "
             "trained\n"
             + (
-                f"- best: trial {best['trial']} `{best['params']}`, val bpc {best['value']:.4f}, run "
-                f"`{best['run']}`\n- checkpoint: `{best['checkpoint_uri']}`\n"
+                f"- best: trial {best.trial} `{best.params}`, val bpc {best.value:.4f}, run "
+                f"`{best.run}`\n- checkpoint: `{best.checkpoint_uri}`\n"
                 if best
                 else "- no trial completed\n"
             )

@@ -19,6 +19,7 @@ from tasks.settings import get_settings
 from tasks.tracking import artifact_link, model_link, run_link
 from tasks.transfer import registry
 from tasks.transfer.datasets import dataset_name
+from tasks.transfer.result import Extracted, ProbeReport, Registration, TransferResult
 from tasks.transfer.stage import (
     TransferParams,
     accuracy_on_test,
@@ -26,12 +27,11 @@ from tasks.transfer.stage import (
     classifier_of,
     extract,
     probe,
-    summary_table,
 )
 
 
 @task(name="features", cache_policy=NO_CACHE)
-def features_task(params: TransferParams, spec: str) -> dict[str, Any]:
+def features_task(params: TransferParams, spec: str) -> Extracted:
     """One dataset's features (train, dev, test), from the cache or the model."""
     logger = get_run_logger()
     sink = progress.current()
@@ -42,23 +42,23 @@ def features_task(params: TransferParams, spec: str) -> dict[str, Any]:
         on_start=lambda rows: sink.stage(f"features {dataset_name(spec)}", total=rows),
         on_batch=lambda rows, _bytes: sink.advance(rows),
     )
-    for split, info in extracted["splits"].items():
-        state = "cached" if info["cached"] else "computed"
-        logger.info("%s %s: %d rows, %s: %s", extracted["name"], split, info["rows"], state, info["uri"])
+    for split, info in extracted.splits.items():
+        state = "cached" if info.cached else "computed"
+        logger.info("%s %s: %d rows, %s: %s", extracted.name, split, info.rows, state, info.uri)
     return extracted
 
 
 @task(name="probe", cache_policy=NO_CACHE)
-def probe_task(extracted: dict[str, Any], params: TransferParams, run_id: str) -> dict[str, Any]:
+def probe_task(extracted: Extracted, params: TransferParams, run_id: str) -> ProbeReport:
     """The C sweep, the refit, the sentiment neuron and the plots, recorded under the MLflow run."""
     logger = get_run_logger()
     settings = get_settings()
     sink = progress.current()
-    sink.stage(f"probe {extracted['name']}", total=len(params.Cs))
+    sink.stage(f"probe {extracted.name}", total=len(params.Cs))
 
     def on_fit(point: Any) -> None:
         sink.advance(1)
-        logger.info("%s %s", extracted["name"], point)
+        logger.info("%s %s", extracted.name, point)
 
     report = probe(extracted, params, settings, on_fit=on_fit)
     registry.log_report(run_id, report, settings)
@@ -67,30 +67,29 @@ def probe_task(extracted: dict[str, Any], params: TransferParams, run_id: str) -
 
 @flow(name="register", flow_run_name=names.register_name)
 def register(
-    report: dict[str, Any], params: TransferParams, run_id: str, lineage: dict[str, str] | None = None
-) -> dict[str, Any]:
+    report: ProbeReport, params: TransferParams, run_id: str, lineage: dict[str, str] | None = None
+) -> Registration:
     """Log the classifier as a pyfunc, register it with its lineage, and promote it if it beats the
     champion on the same test set."""
     settings = get_settings()
-    model_uri = registry.log_classifier(
-        run_id, classifier_of(report, settings), f"classifier-{report['name']}"
-    )
+    model_uri = registry.log_classifier(run_id, classifier_of(report, settings), f"classifier-{report.name}")
     outcome = registry.register(
         model_uri,
         report,
         settings,
-        score_on_test=lambda uri: accuracy_on_test(uri, report["spec"], params),
+        score_on_test=lambda uri: accuracy_on_test(uri, report.spec, params),
         lineage={
             **(lineage or {}),
             "transfer_run_id": run_id,
             "register_prefect_flow_run_id": _flow_run_id(),
         },
+        description=registry.model_card(report),
     )
-    get_run_logger().info("registered %s v%s: %s", outcome["name"], outcome["version"], outcome["reason"])
+    get_run_logger().info("registered %s v%s: %s", outcome.name, outcome.version, outcome.reason)
     create_markdown_artifact(
         key="registered-model",
-        markdown=f"# Registered {model_link(settings, outcome['name'], outcome['version'])}\n\n{outcome['reason']}.\n\n"
-        f"Champion: `{outcome['champion_uri']}`\n",
+        markdown=f"# Registered {model_link(settings, outcome.name, outcome.version)}\n\n{outcome.reason}.\n\n"
+        f"Champion: `{outcome.champion_uri}`\n",
         description="The model version this run registered",
     )
     return outcome
@@ -104,7 +103,7 @@ def _flow_run_id() -> str:
 @flow(name="transfer", flow_run_name=names.transfer_name)
 def transfer(
     params: TransferParams, parent_run_id: str | None = None, lineage: dict[str, str] | None = None
-) -> dict[str, Any]:
+) -> TransferResult:
     """Probe a checkpoint's features on labelled datasets; register the classifier in MLflow.
 
     Args:
@@ -120,18 +119,18 @@ def transfer(
 
 def _probe_and_register(
     params: TransferParams, parent_run_id: str | None, lineage: dict[str, str] | None
-) -> dict[str, Any]:
+) -> TransferResult:
     settings = get_settings()
     extracted = [features_task(params, spec) for spec in params.datasets]
-    checkpoint_run_id = extracted[0]["checkpoint_run_id"]
+    checkpoint_run_id = extracted[0].checkpoint_run_id
     lineage = {**registry.lineage_of(checkpoint_run_id, settings), **(lineage or {})}
     run_id = registry.open_transfer_run(
         parent_run_id or checkpoint_run_id,
         settings,
-        run_name=f"transfer-{extracted[0]['weights']}",
+        run_name=f"transfer-{extracted[0].weights}",
         tags={
             "stage": "transfer",
-            "checkpoint_uri": extracted[0]["checkpoint_uri"],
+            "checkpoint_uri": extracted[0].checkpoint_uri,
             "prefect_flow_run_id": _flow_run_id(),
             **{k: v for k, v in lineage.items() if k in ("pretrain_run_id", "corpus_id", "manifest_uri")},
         },
@@ -140,7 +139,7 @@ def _probe_and_register(
         reports = [probe_task(e, params, run_id) for e in extracted]
         wanted = params.registered_dataset
         registered = (
-            register(next(r for r in reports if r["name"] == wanted), params, run_id, lineage)
+            register(next(r for r in reports if r.name == wanted), params, run_id, lineage)
             if wanted
             else None
         )
@@ -148,28 +147,24 @@ def _probe_and_register(
         MlflowClient().set_terminated(run_id, status="FAILED")
         raise
     MlflowClient().set_terminated(run_id)
+    result = TransferResult.of(run_id, reports, registered)
     create_table_artifact(
         key="probe-report",
-        table=[{"dataset": name, **values} for name, values in summary_table(reports).items()],
+        table=[{"dataset": name, **values.model_dump()} for name, values in result.datasets.items()],
         description="L1 logistic-regression probes on the mLSTM's final cell state",
     )
     experiment = MlflowClient().get_run(run_id).info.experiment_id
     create_markdown_artifact(
         key="transfer-result",
-        markdown=f"# Transfer of `{extracted[0]['checkpoint_uri']}`\n\n"
+        markdown=f"# Transfer of `{extracted[0].checkpoint_uri}`\n\n"
         f"{registry.report_markdown(reports, registered)}"
         f"{registry.heatmaps_markdown(reports, lambda path: artifact_link(settings, experiment, run_id, path))}\n"
         f"MLflow run: {run_link(settings, experiment, run_id)}\n"
         + (
-            f"\nModel version: {model_link(settings, registered['name'], registered['version'])}\n"
+            f"\nModel version: {model_link(settings, registered.name, registered.version)}\n"
             if registered
             else ""
         ),
         description="The probes beside the papers' numbers, the sentiment neuron's heatmaps, the classifier",
     )
-    return {
-        "run_id": run_id,
-        "datasets": summary_table(reports),
-        "reports": reports,
-        "registered": registered,
-    }
+    return result

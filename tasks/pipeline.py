@@ -15,18 +15,31 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tasks.corpus.config import CorpusConfig
+from tasks.corpus.result import CorpusResult
 from tasks.finetune.config import FinetuneParams
+from tasks.finetune.result import FinetuneResult
 from tasks.jobs.config import run_identity
 from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.result import PretrainResult
 from tasks.secrets import hide
 from tasks.settings import Settings
 from tasks.store import Store
 from tasks.transfer.config import TransferParams
+from tasks.transfer.result import TransferResult
 
 Stage = Literal["corpus", "pretrain", "transfer", "finetune"]
 STAGES: tuple[Stage, ...] = ("corpus", "pretrain", "transfer", "finetune")
@@ -201,21 +214,44 @@ def finished_run(store: Store, run: str, max_steps: int | None) -> dict[str, Any
     return latest if latest["step"] >= stop else None
 
 
+class StageSummary(BaseModel):
+    """One stage of a pipeline run as its result shows it (``--json``, the Prefect table): its state,
+    the key its inputs were found by, its MLflow run and Prefect flow run. A run read back from MLflow
+    (a deployment's) knows no key; a skipped stage has no flow run: such fields are left out."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state: str
+    key: str | None = None
+    run_id: str | None
+    flow_run_id: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _known_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        shown: dict[str, Any] = handler(self)
+        return {k: v for k, v in shown.items() if v is not None or k not in ("key", "flow_run_id")}
+
+
+# A stage's own result model (corpus, pretrain, transfer, finetune).
+StageResult = TypeVar("StageResult")
+
+
 @dataclass(frozen=True, kw_only=True)
-class StageRecord:
+class StageRecord(Generic[StageResult]):
     """What one stage of a pipeline run did: ran or skipped, the key its inputs were found by, its result
-    (the stage's own: corpus summary, training result, transfer report) and where it is recorded."""
+    (the stage's own model) and where it is recorded."""
 
     state: Literal["ran", "skipped"]
     key: str
-    result: dict[str, Any]
+    result: StageResult
     run_id: str | None  # the stage's MLflow run
     flow_run_id: str | None = None  # the stage's Prefect flow run, when it ran
 
-    def summary(self) -> dict[str, Any]:
-        """The stage as the pipeline's result shows it (``--json``, the Prefect table)."""
-        own = {"state": self.state, "key": self.key, "run_id": self.run_id}
-        return own | ({"flow_run_id": self.flow_run_id} if self.flow_run_id else {})
+    def summary(self) -> StageSummary:
+        """The stage as the pipeline's result shows it."""
+        return StageSummary(
+            state=self.state, key=self.key, run_id=self.run_id, flow_run_id=self.flow_run_id or None
+        )
 
     def lineage(self, stage: str) -> dict[str, str]:
         """The ids a registered model version carries back to this stage."""
@@ -223,7 +259,36 @@ class StageRecord:
         return {key: value for key, value in ids.items() if value}
 
 
-def ended_states(stages: list[Stage], records: dict[str, StageRecord]) -> dict[str, str]:
+class PipelineResult(BaseModel):
+    """A pipeline run: its MLflow parent run, each stage's summary and each result of a stage that ran
+    or was found done. A run read back from MLflow (a deployment's) has the summaries only."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    stages: dict[str, StageSummary]
+    corpus: CorpusResult | None = None
+    pretrain: PretrainResult | None = None
+    transfer: TransferResult | None = None
+    finetune: FinetuneResult | None = None
+
+    def shown(self) -> dict[str, Any]:
+        """What ``pipeline --json`` prints: the stages, the corpus and training results, and the transfer's
+        datasets and registered version (its reports stay in the store and MLflow)."""
+        shown: dict[str, Any] = {
+            "run_id": self.run_id,
+            "stages": {s: i.model_dump() for s, i in self.stages.items()},
+        }
+        if self.corpus is not None:
+            shown["corpus"] = self.corpus.model_dump()
+        if self.pretrain is not None:
+            shown["pretrain"] = self.pretrain.model_dump()
+        if self.transfer is not None:
+            shown["transfer"] = self.transfer.model_dump(include={"run_id", "datasets", "registered"})
+        return shown
+
+
+def ended_states(stages: list[Stage], records: dict[str, StageRecord[Any]]) -> dict[str, str]:
     """Each stage's state at the end of a run: its record's; for a run that failed, the first stage
     without one is the one that failed, and the later ones never started."""
     states = {stage: record.state for stage, record in records.items()}
@@ -231,15 +296,53 @@ def ended_states(stages: list[Stage], records: dict[str, StageRecord]) -> dict[s
     return states | {stage: "failed" if i == 0 else "not started" for i, stage in enumerate(missing)}
 
 
-def transfer_metrics(report: dict[str, Any]) -> dict[str, float]:
-    """The pipeline run's metrics from a transfer's report: each dataset's test accuracy, and its
+def transfer_metrics(result: TransferResult) -> dict[str, float]:
+    """The pipeline run's metrics from a transfer's result: each dataset's test accuracy, and its
     baseline's where it was measured."""
     metrics = {}
-    for name, values in report["datasets"].items():
-        metrics[f"{name}_test_accuracy"] = float(values["test_accuracy"])
-        if values.get("baseline_test_accuracy") is not None:
-            metrics[f"{name}_baseline_test_accuracy"] = float(values["baseline_test_accuracy"])
+    for name, values in result.datasets.items():
+        metrics[f"{name}_test_accuracy"] = values.test_accuracy
+        if values.baseline_test_accuracy is not None:
+            metrics[f"{name}_baseline_test_accuracy"] = values.baseline_test_accuracy
     return metrics
+
+
+def pipeline_metrics(
+    corpus: CorpusResult | None,
+    pretrain: PretrainResult | None,
+    transfer: TransferResult | None,
+    finetune: FinetuneResult | None,
+) -> dict[str, float]:
+    """The pipeline run's metrics from the results its stages handed on (those that ended)."""
+    metrics: dict[str, float] = {}
+    if corpus is not None:
+        metrics["corpus_rows"] = float(corpus.rows)
+    if pretrain is not None:
+        # A loss or bpc of 0 or None (nothing trained or validated) is no metric.
+        metrics |= {
+            k: float(v) for k, v in (("final_loss", pretrain.final_loss), ("val_bpc", pretrain.val_bpc)) if v
+        }
+    if transfer is not None:
+        metrics |= transfer_metrics(transfer)
+    if finetune is not None:
+        metrics[f"{finetune.dataset}_finetune_test_accuracy"] = finetune.test_accuracy
+    return metrics
+
+
+def stage_lineage(records: dict[str, StageRecord[Any]]) -> dict[str, str]:
+    """The ids a registered version carries back to each stage's MLflow run and Prefect flow run."""
+    return {key: value for stage, record in records.items() for key, value in record.lineage(stage).items()}
+
+
+def registered_lineage(transfer: TransferResult) -> dict[str, str]:
+    """The registered version a transfer made, and the transfer's run, for the pipeline run's tags."""
+    if transfer.registered is None:
+        return {}
+    return {
+        "model_version": str(transfer.registered.version),
+        "model_name": transfer.registered.name,
+        "transfer_run_id": transfer.run_id,
+    }
 
 
 def transfer_key(params: TransferParams, settings: Settings) -> str:
@@ -457,7 +560,7 @@ def probe_vs_baseline(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
     return dict(sorted(found.items()))
 
 
-def pipeline_result_of(flow_run_id: str, settings: Settings) -> dict[str, Any]:
+def pipeline_result_of(flow_run_id: str, settings: Settings) -> PipelineResult:
     """What a pipeline flow run (a deployment's, on a worker) recorded in MLflow, as the CLI prints it."""
     from tasks.tracking import find_run
 
@@ -466,8 +569,8 @@ def pipeline_result_of(flow_run_id: str, settings: Settings) -> dict[str, Any]:
         raise ValueError(f"flow run {flow_run_id} left no finished pipeline run in MLflow")
     tags = run.data.tags
     stages = {
-        stage: {"state": tags[f"stage.{stage}"], "run_id": tags.get(f"{stage}_run_id")}
+        stage: StageSummary(state=tags[f"stage.{stage}"], run_id=tags.get(f"{stage}_run_id"))
         for stage in STAGES
         if f"stage.{stage}" in tags
     }
-    return {"run_id": run.info.run_id, "stages": stages}
+    return PipelineResult(run_id=run.info.run_id, stages=stages)

@@ -194,13 +194,33 @@ def test_a_pipeline_that_trained_without_validation_prints_its_result(
     """A val split shorter than one batch row leaves val_bpc None; the run's result still prints, and a
     path's brackets print as typed."""
     from flows.cli.pipeline import print_pipeline
+    from tasks.corpus.result import CorpusResult
+    from tasks.pipeline import PipelineResult, StageSummary
+    from tasks.pretrain.result import PretrainResult
 
-    result = {
-        "run_id": "r1",
-        "stages": {"corpus": {"state": "ran", "run_id": "c"}, "pretrain": {"state": "ran", "run_id": "p"}},
-        "corpus": {"rows": 10, "manifest_uri": "/data/[bold]x[/bold]/manifest.json"},
-        "pretrain": {"steps": 20, "val_bpc": None, "checkpoint_uri": "/store/ckpt"},
-    }
+    result = PipelineResult(
+        run_id="r1",
+        stages={
+            "corpus": StageSummary(state="ran", run_id="c"),
+            "pretrain": StageSummary(state="ran", run_id="p"),
+        },
+        corpus=CorpusResult(
+            corpus_id="c1",
+            manifest_uri="/data/[bold]x[/bold]/manifest.json",
+            rows=10,
+            duplicates=0,
+            rejected=0,
+        ),
+        pretrain=PretrainResult(
+            run="p1",
+            run_id="p",
+            checkpoint_uri="/store/ckpt",
+            steps=20,
+            total_steps=20,
+            final_loss=1.0,
+            val_bpc=None,
+        ),
+    )
     print_pipeline(result, as_json=False)
     shown = capsys.readouterr().out
     assert "step 20, no val bpc (val split too short)" in shown

@@ -129,18 +129,23 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path: Path, content: bytes, p
 def test_the_report_the_model_card_and_status_show_the_probe_beside_the_baseline() -> None:
     from tasks.pipeline import probe_vs_baseline
     from tasks.transfer.registry import model_card, report_markdown
+    from tasks.transfer.result import BaselineReport, ProbeReport
 
-    report = {
-        "name": "sst2", "source": "/data/sst2", "checksum": "c" * 64, "checkpoint_uri": "file:///ckpt",
-        "test_accuracy": 0.8, "dev_accuracy": 0.79, "C": 0.25, "nonzero": 40, "top_unit": 7,
-        "top_unit_accuracy": 0.7, "reference": {"radford_2017_mlstm_4096": 0.918},
-        "baseline": {"test_accuracy": 0.8287, "dev_accuracy": 0.8211, "C": 1.0, "method": "TF-IDF …"},
-    }  # fmt: skip
+    report = ProbeReport(
+        name="sst2", spec="sst2=/data/sst2", source="/data/sst2", kind="sst", checksum="c" * 64,
+        checkpoint_uri="file:///ckpt", dev_from_train=None, features_precision="fp32", rows={},
+        test_accuracy=0.8, dev_accuracy=0.79, C=0.25, nonzero=40, top_unit=7, top_unit_accuracy=0.7,
+        top_unit_sign=1, sweep=[], reference={"radford_2017_mlstm_4096": 0.918},
+        baseline=BaselineReport(
+            test_accuracy=0.8287, dev_accuracy=0.8211, C=1.0, seconds=1.0, method="TF-IDF …", cached=False
+        ),
+        probe_uri="file:///probe.npz", plots={}, heatmaps=[],
+    )  # fmt: skip
     assert "80.00% vs baseline 82.87% (-2.87 points)" in model_card(report)
     assert "91.80% for the 4096-unit mLSTM (Radford et al. 2017" in model_card(report)
     row = next(line for line in report_markdown([report], None).splitlines() if line.startswith("| sst2"))
     assert row.startswith("| sst2 | 80.00% | 82.87% | -2.87 points |")
-    no_baseline = {**report, "baseline": None}
+    no_baseline = report.model_copy(update={"baseline": None})
     assert "80.00% (no baseline measured)" in model_card(no_baseline)
     metrics = {"sst2_test_accuracy": 0.8, "sst2_baseline_test_accuracy": 0.8287, "imdb_test_accuracy": 0.9}
     assert probe_vs_baseline(metrics) == {

@@ -101,7 +101,7 @@ def _build(raw: list[str], store: Path, runner: str, address: str | None = None)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        return run_corpus_build(raw, store=str(store), config=CONFIG, show_progress=False)
+        return run_corpus_build(raw, store=str(store), config=CONFIG, show_progress=False).model_dump()
     finally:
         for name, value in saved.items():
             if value is None:

@@ -89,10 +89,12 @@ def last_epoch_key(run: str) -> str:
 
 def test_finetuning_beats_the_frozen_probe_where_the_final_state_forgets(world: dict[str, Any]) -> None:
     result = world["result"]
-    probe = result["report"]["probe"]
-    assert probe["dev_accuracy"] < 0.7, probe  # the final cell state has forgotten the first byte
-    assert result["dev_accuracy"] >= probe["dev_accuracy"] + MARGIN, (result["dev_accuracy"], probe)
-    assert result["test_accuracy"] >= probe["test_accuracy"] + MARGIN
+    probe = result.report.probe
+    assert probe is not None and probe.dev_accuracy < 0.7, (
+        probe
+    )  # the final cell state has forgotten the first byte
+    assert result.dev_accuracy >= probe.dev_accuracy + MARGIN, (result.dev_accuracy, probe)
+    assert result.test_accuracy >= probe.test_accuracy + MARGIN
 
 
 def test_each_epoch_is_in_mlflow_and_the_version_carries_its_lineage_and_card(world: dict[str, Any]) -> None:
@@ -107,12 +109,12 @@ def test_each_epoch_is_in_mlflow_and_the_version_carries_its_lineage_and_card(wo
         client = MlflowClient()
         result = world["result"]
         for metric in ("train_loss", "dev_accuracy", "aux_lm_loss", "lr"):
-            history = client.get_metric_history(result["run_id"], metric)
+            history = client.get_metric_history(result.run_id, metric)
             assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1)), metric
-        version = client.get_model_version("finetune-test", str(result["registered"]["version"]))
+        version = client.get_model_version("finetune-test", str(result.registered.version))
     tags = version.tags
     assert tags["method"] == "finetune" and tags["checkpoint_uri"] == world["checkpoint"]
-    assert tags["dataset_checksum"] == result["checksum"]
+    assert tags["dataset_checksum"] == result.checksum
     assert json.loads(tags["finetune_settings"])["pool"] == "max"
     assert "frozen L1 probe" in version.description and "TF-IDF" in version.description
     assert "cut at the front" in version.description
@@ -128,11 +130,13 @@ def test_the_frozen_probe_reads_its_features_in_the_job_s_precision(world: dict[
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
         probe = frozen_probe(in_bf16, get_settings())
-    report = world["result"]["report"]
-    assert report["probe"]["features_precision"] == "fp32"  # auto on a CPU
-    assert probe["features_precision"] == "bf16"
-    assert abs(probe["dev_accuracy"] - report["probe"]["dev_accuracy"]) <= 0.05
-    assert "| frozen L1 probe, same checkpoint, features in bf16 |" in model_card(report | {"probe": probe})
+    report = world["result"].report
+    assert report.probe is not None and report.probe.features_precision == "fp32"  # auto on a CPU
+    assert probe.features_precision == "bf16"
+    assert abs(probe.dev_accuracy - report.probe.dev_accuracy) <= 0.05
+    assert "| frozen L1 probe, same checkpoint, features in bf16 |" in model_card(
+        report.model_copy(update={"probe": probe})
+    )
     assert "| frozen L1 probe, same checkpoint |" in model_card(report)
 
 
@@ -153,19 +157,19 @@ def test_the_registered_model_predicts_as_the_trainer_scored(world: dict[str, An
         patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
         settings = get_settings()
         connect(settings)
-        model = mlflow.pyfunc.load_model(result["model_uri"])
+        model = mlflow.pyfunc.load_model(result.model_uri)
         served = model.predict(pd.DataFrame({"text": test.texts}))
         served_dev = model.predict(pd.DataFrame({"text": data.dev.texts}))
         trained = load_classifier(
-            finetune_store(settings.resolved_store_uri, settings), result["classifier_key"]
+            finetune_store(settings.resolved_store_uri, settings), result.classifier_key
         )
-        said = cli_in_process(["predict", "--model", result["model_uri"], "--json", test.texts[0]])
+        said = cli_in_process(["predict", "--model", result.model_uri, "--json", test.texts[0]])
         in_bf16 = model.predict(pd.DataFrame({"text": test.texts}), params={"precision": "bf16"})
     accuracy = float(((served["probability"].to_numpy() >= 0.5) == test.labels).mean())
-    assert accuracy == result["test_accuracy"]
+    assert accuracy == result.test_accuracy
     # Dev as the job scored it in memory, at the threshold it chose: the saved model folds it in.
     dev_accuracy = float(((served_dev["label"] == "positive").to_numpy() == data.dev.labels).mean())
-    assert dev_accuracy == result["dev_accuracy"]
+    assert dev_accuracy == result.dev_accuracy
     np.testing.assert_allclose(served["probability"].to_numpy(), trained.predict_proba(test.texts), rtol=1e-6)
     assert said.returncode == 0, said.stderr
     line = json.loads(said.stdout.splitlines()[0])
@@ -366,7 +370,7 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
     test = load_dataset(f"early={world['data']}").test
     reviews = tmp_path / "reviews.csv"
     write_split(reviews, [(text, 0) for text in test.texts[:20]])
-    version = world["result"]["registered"]["version"]
+    version = world["result"].registered.version
     uri = f"models:/finetune-test/{version}"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
@@ -388,7 +392,7 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
         explained = cli_in_process(["predict", "--explain", "--model", uri, "long " * 200_000])
         settings = get_settings()
         expected = load_classifier(
-            finetune_store(settings.resolved_store_uri, settings), world["result"]["classifier_key"]
+            finetune_store(settings.resolved_store_uri, settings), world["result"].classifier_key
         ).predict_proba(test.texts[:20])
     assert said.returncode == 2 and len(said.stderr.strip().splitlines()) == 1, said.stderr
     assert "fine-tuned" in said.stderr
@@ -421,7 +425,7 @@ def test_mlflow_serves_the_registered_fine_tuned_version_as_the_job_scored_it(
         patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
         settings = get_settings()
         expected = load_classifier(
-            finetune_store(settings.resolved_store_uri, settings), world["result"]["classifier_key"]
+            finetune_store(settings.resolved_store_uri, settings), world["result"].classifier_key
         ).predict_proba(texts)
         with served(uri, settings.resolved_mlflow_tracking_uri, log=tmp_path / "serve.log") as url:
             predictions = invoke(url, texts)
@@ -483,11 +487,12 @@ def test_the_pipelines_finetune_stage_runs_after_transfer_and_skips_when_unchang
         finetune=FinetuneStage(pool="max", epochs=EPOCHS, batch_size=BATCH, lr=3e-3, run="in-pipeline"),
     )
     first = run_pipeline(params, show_progress=False)
-    assert first["stages"]["finetune"]["state"] == "ran"
-    tuned = first["finetune"]
-    assert tuned["test_accuracy"] >= tuned["report"]["probe"]["test_accuracy"] + MARGIN
+    assert first.stages["finetune"].state == "ran"
+    tuned = first.finetune
+    assert tuned is not None and tuned.report.probe is not None
+    assert tuned.test_accuracy >= tuned.report.probe.test_accuracy + MARGIN
     # The fine-tuned version beats the probe the transfer stage registered first: it is the champion.
-    assert tuned["registered"]["promoted"], tuned["registered"]
+    assert tuned.registered.promoted, tuned.registered
     again = run_pipeline(params, show_progress=False)
-    assert again["stages"]["finetune"]["state"] == "skipped"
-    assert again["finetune"]["registered"]["version"] == tuned["registered"]["version"]
+    assert again.stages["finetune"].state == "skipped"
+    assert again.finetune is not None and again.finetune.registered.version == tuned.registered.version

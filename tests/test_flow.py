@@ -68,7 +68,7 @@ def test_flow_builds_publishes_artifacts_and_logs_to_mlflow(
     monkeypatch.setattr(parse_piece_task, "map", spy("parse", parse_piece_task.map))
     monkeypatch.setattr(reduce_bucket_task, "map", spy("reduce", reduce_bucket_task.map))
     sources = [str(amazon_dir / "Gift_Cards_5.json.gz"), str(amazon_dir / "Appliances_5.json.gz")]
-    summary = run_corpus_build(sources, store=None, config=SMALL_SPLIT, show_progress=False)
+    summary = run_corpus_build(sources, store=None, config=SMALL_SPLIT, show_progress=False).model_dump()
     assert sent["parse"][0].pieces == sent["reduce"][0].pieces == ()
     inputs = sent["reduce"][3]  # per bucket, the ids of the pieces that wrote it
     assert all(isinstance(ids, tuple) for ids in inputs) and "s00000-p0000" in inputs[0]
@@ -95,7 +95,9 @@ def test_flow_builds_publishes_artifacts_and_logs_to_mlflow(
 
     # Built already: the answer comes without a new flow run.
     started = time.perf_counter()
-    assert run_corpus_build(sources, store=None, config=SMALL_SPLIT, show_progress=False) == summary
+    assert (
+        run_corpus_build(sources, store=None, config=SMALL_SPLIT, show_progress=False).model_dump() == summary
+    )
     assert time.perf_counter() - started < 5
     runs_after, _ = asyncio.run(_flow_runs_and_artifacts())
     assert len([r for r in runs_after if r.parameters.get("sources") == sources]) == 1

@@ -404,14 +404,14 @@ def test_a_pipeline_run_plans_the_job_once_and_reads_the_checkpoint_once(
         transfer=TransferStage(datasets=[f"reviews={labelled}"], baseline=False, c_min_log2=-2, c_max_log2=0),
     )
     first = run_pipeline(params, show_progress=False)
-    assert {stage: info["state"] for stage, info in first["stages"].items()} == {
+    assert {stage: info.state for stage, info in first.stages.items()} == {
         "pretrain": "ran",
         "transfer": "ran",
     }
     assert calls == {"plan_job": 1, "load_checkpoint": 1}
     calls.update(plan_job=0, load_checkpoint=0)
     again = run_pipeline(params, show_progress=False)  # nothing changed: both skip
-    assert {stage: info["state"] for stage, info in again["stages"].items()} == {
+    assert {stage: info.state for stage, info in again.stages.items()} == {
         "pretrain": "skipped",
         "transfer": "skipped",
     }

@@ -121,17 +121,17 @@ def test_val_bpc_is_what_the_saved_weights_score_on_the_val_rows(sample_manifest
         result = fit(config, World(), get_settings(home=home))
     finally:
         signal.signal(signal.SIGTERM, handler)  # fit's preemption handler is the job's, not pytest's
-    saved = load_checkpoint(result["checkpoint_uri"])
+    saved = load_checkpoint(result.checkpoint_uri)
     model = MLSTM(preset(saved.meta["preset"]))
     model.load_state_dict(saved.state["model"])
     val = open_split(sample_manifest, "val", home / "cache")
     plan = BatchPlan(len(val), min(config.batch_size, len(val) // (config.seq_len + 1)), config.seq_len)
     bits = _bits_per_byte(model, val, plan, min(config.val_steps, plan.steps_per_epoch))
-    assert result["val_bpc"] == pytest.approx(bits, rel=1e-5)
+    assert result.val_bpc == pytest.approx(bits, rel=1e-5)
 
     import mlflow
 
-    logged = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(result["run_id"]).data.metrics
+    logged = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(result.run_id).data.metrics
     assert logged["val_bpc"] == pytest.approx(bits, rel=1e-5)
 
 
@@ -539,7 +539,7 @@ def test_one_rank_reads_sigterm_from_its_own_flag_and_tracking_off_keeps_mlflow_
         result = fit(config, World(), get_settings(home=home))
     finally:
         signal.signal(signal.SIGTERM, handler)
-    assert result["steps"] == 12 and result["run_id"] is None
+    assert result.steps == 12 and result.run_id is None
     assert len(reductions) == 3  # the loss at steps 6 and 12, the validation at the end: not one a step
     assert not (home / "mlflow.db").exists()
 

@@ -366,7 +366,7 @@ def test_flow_builds_from_s3_and_http_into_s3(
         store=f"s3://{raw_bucket}/store",
         config=SMALL_SPLIT,
         show_progress=False,
-    )
+    ).model_dump()
     manifest = _check_published(raw_bucket, summary)
     by_name = {s["name"]: s for s in manifest["sources"]}
     assert set(by_name) == {*S3_FILES, HTTP_FILE[0]}
@@ -387,7 +387,7 @@ def test_flow_builds_from_s3_and_http_into_s3(
         store=str(tmp_path / "local-store"),
         config=SMALL_SPLIT,
         show_progress=False,
-    )
+    ).model_dump()
     assert local["corpus_id"] == summary["corpus_id"]
     assert {k: v for k, v in local.items() if k != "manifest_uri"} == {
         k: v for k, v in summary.items() if k != "manifest_uri"

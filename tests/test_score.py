@@ -97,7 +97,9 @@ def imdb_slice(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def _score(inputs: list[str], output: str, **options: Any) -> dict[str, Any]:
     from flows.cli.score import run_score
 
-    return run_score(inputs, output=output, piece_rows=PIECE_ROWS, show_progress=False, **options)
+    return run_score(
+        inputs, output=output, piece_rows=PIECE_ROWS, show_progress=False, **options
+    ).model_dump()
 
 
 def _parts(output: str, prefix: str = "part-") -> pa.Table:
@@ -180,7 +182,7 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
             described = prefect.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["score-describe"]))
             )
-    assert alone["output"] == summary["output"] and alone["pieces_skipped"] == 4, alone
+    assert alone.output == summary["output"] and alone.pieces_skipped == 4, alone
     assert described and {a.data for a in described} == {100.0}, described
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from tasks.jobs.config import LaunchSettings
 from tasks.pipeline import pretrain_key
 from tasks.pretrain.config import PretrainParams, TrainConfig, weight_settings
+from tasks.pretrain.result import PretrainResult
 from tasks.pretrain.stage import Job, plan_job
 from tasks.settings import get_settings
 
@@ -85,10 +86,12 @@ def test_every_pretrain_flag_reaches_the_trainers_config(
 
     planned: list[Job] = []
 
-    def plan_only(params: PretrainParams, **_: Any) -> dict[str, Any]:
+    def plan_only(params: PretrainParams, **_: Any) -> PretrainResult:
         assert params.retries == CHANGED["retries"]  # read by the flow, not the trainer
         planned.append(plan_job(params, get_settings()))
-        return {"run_id": "-", "checkpoint_uri": "-", "steps": 0, "final_loss": 0.0, "val_bpc": None}
+        return PretrainResult(
+            run="-", run_id="-", checkpoint_uri="-", steps=0, total_steps=0, final_loss=0.0, val_bpc=None
+        )
 
     monkeypatch.setattr(flows.cli.pretrain, "run_pretrain", plan_only)
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in CHANGED.items()]

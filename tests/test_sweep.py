@@ -22,6 +22,7 @@ import pytest
 
 from tasks.corpus.sample import write_labelled_sample
 from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.result import PretrainResult
 from tasks.settings import Settings
 from tasks.sweep.engine import Claim, Sweep, lease_expired, summary, sweep_trials
 from tasks.sweep.spec import SpecError, load_spec, parse_spec
@@ -191,7 +192,7 @@ class Replay:
         self.launches: list[tuple[str, int, int]] = []  # (run, from step, to step)
         self.fail_at = fail_at
 
-    def __call__(self, params: PretrainParams) -> dict[str, Any]:
+    def __call__(self, params: PretrainParams) -> PretrainResult:
         if self.fail_at is not None and len(self.launches) == self.fail_at:
             raise KeyboardInterrupt  # the worker dies mid-sweep, telling Optuna nothing
         assert params.run and params.max_steps
@@ -199,7 +200,10 @@ class Replay:
         self.launches.append((params.run, start, params.max_steps))
         self.steps[params.run] = max(start, params.max_steps)
         value = self.objective(params)
-        return {"steps": self.steps[params.run], "val_bpc": value, "run_id": None, "checkpoint_uri": "x"}
+        return PretrainResult(
+            run=params.run, run_id=None, checkpoint_uri="x", steps=self.steps[params.run],
+            total_steps=params.total_steps or params.max_steps, final_loss=value, val_bpc=value,
+        )  # fmt: skip
 
     def objective(self, params: PretrainParams) -> float:
         return 8 - math.log10(params.lr) * 0.1 * math.log1p(params.max_steps)  # higher lr, lower bpc
@@ -226,7 +230,7 @@ def test_asha_prunes_and_promotes_by_resuming(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path / "home")
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json"))
     job = Replay()
-    result = Sweep(spec, settings, job).run()
+    result = Sweep(spec, settings, job).run().model_dump()
     assert len(result["trials"]) == 6
     # A promoted trial goes on from where it stopped: every launch starts at the run's last step.
     for run in job.steps:
@@ -295,7 +299,7 @@ TWO_WORKERS = [
 def test_asha_promotes_in_the_order_its_rule_prescribes_with_one_worker(tmp_path: Path) -> None:
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json"))
     job = Scripted(TABLE)
-    result = Sweep(spec, Settings(home=tmp_path / "home"), job).run()
+    result = Sweep(spec, Settings(home=tmp_path / "home"), job).run().model_dump()
     assert job.order() == ONE_WORKER
     rows = {r["trial"]: (r["state"], r["rung"], r["steps"]) for r in result["trials"]}
     assert rows == {
@@ -312,7 +316,7 @@ def test_with_the_budget_spent_the_best_of_the_highest_rung_goes_to_the_end(tmp_
     (the better of the two there) is taken to the last rung once every trial has its first."""
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json"))
     job = Scripted({**TABLE, 1: {**TABLE[1], 4: 4.5}})
-    result = Sweep(spec, Settings(home=tmp_path / "home"), job).run()
+    result = Sweep(spec, Settings(home=tmp_path / "home"), job).run().model_dump()
     assert job.order() == [*ONE_WORKER[:7], (5, 0, 1), (3, 3, 9)]
     assert [r["state"] for r in result["trials"]].count("complete") == 1
     assert result["steps_trained"] == sum(r["steps"] for r in result["trials"]) == 16
@@ -336,7 +340,7 @@ def simulate(
             start = int(storage.get_trial(claim.trial_id).user_attrs["steps"])
             claims.append((claim.number, start, claim.target))
             heapq.heappush(running, (clock + claim.target - start, free.pop(0), claim))
-        tables.append({r["trial"]: (r["state"], r["rung"]) for r in summary(sweep.study)["trials"]})
+        tables.append({r.trial: (r.state, r.rung) for r in summary(sweep.study).trials})
         if not running:
             return claims, tables
         clock, worker, claim = heapq.heappop(running)
@@ -356,7 +360,7 @@ def test_asha_promotes_in_the_order_its_rule_prescribes_with_two_workers(tmp_pat
         3: ("suspended", 2), 4: ("promoted", 1), 5: ("suspended", 1),
     }  # fmt: skip
     assert tables[6][5] == ("running", 0)
-    result = summary(sweep.study)
+    result = summary(sweep.study).model_dump()
     assert {r["trial"]: r["state"] for r in result["trials"]} == {
         0: "pruned",
         1: "pruned",
@@ -418,12 +422,12 @@ def test_a_sweep_killed_between_a_rung_and_its_promotion_resumes_without_retrain
     with pytest.raises((Killed, KeyboardInterrupt)):
         Sweep(spec, settings, job, on_rung=die_after_third_rung if when == "after a rung" else None).run()
     assert job.order() == ONE_WORKER[:3]
-    states = {r["trial"]: r["state"] for r in summary(Sweep(spec, settings, job).study)["trials"]}
+    states = {r.trial: r.state for r in summary(Sweep(spec, settings, job).study).trials}
     assert states == ({0: "suspended", 1: "suspended", 2: "suspended"} if when == "after a rung" else
                       {0: "suspended", 1: "promoted", 2: "suspended"})  # fmt: skip
     time.sleep(0.3)  # a dead worker's lease lapses
     job.fail_at = None
-    result = Sweep(spec, settings, job).run()
+    result = Sweep(spec, settings, job).run().model_dump()
     assert job.order() == ONE_WORKER  # (1, 1, 3): trial 1 resumed at step 1, nothing launched twice
     assert result["steps_trained"] == sum(r["steps"] for r in result["trials"]) == 18
 
@@ -441,7 +445,7 @@ def test_the_plots_show_the_rungs(tmp_path: Path) -> None:
     (axes,) = by_step.axes
     assert list(axes.get_xticks()) == [1, 3, 9]
     assert sorted(line.get_xdata()[0] for line in axes.lines if line.get_linestyle() == ":") == [1, 3, 9]
-    by_trial = objective_by_trial(result["trials"], spec.rungs())
+    by_trial = objective_by_trial([row.model_dump() for row in result.trials], spec.rungs())
     labels = [text.get_text() for text in by_trial.axes[0].get_legend().get_texts()]
     assert labels == ["rung 1 (1 steps)", "rung 2 (3 steps)", "rung 3 (9 steps)"]
 
@@ -449,7 +453,7 @@ def test_the_plots_show_the_rungs(tmp_path: Path) -> None:
 def test_a_killed_sweep_continues_where_it_stopped(tmp_path: Path) -> None:
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json"))
     uninterrupted = Replay()
-    straight = Sweep(spec, Settings(home=tmp_path / "a"), uninterrupted).run()
+    straight = Sweep(spec, Settings(home=tmp_path / "a"), uninterrupted).run().model_dump()
 
     settings = Settings(home=tmp_path / "b", sweep_lease_seconds=0.2)
     job = Replay(fail_at=2)  # trial 0 dies going to its last rung, two rungs promoted
@@ -457,7 +461,7 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path: Path) -> None:
         Sweep(spec, settings, job).run()
     time.sleep(0.3)  # the dead worker's lease lapses
     job.fail_at = None
-    again = Sweep(spec, settings, job).run()
+    again = Sweep(spec, settings, job).run().model_dump()
     assert [(r["trial"], r["state"], r["steps"]) for r in again["trials"]] == [
         (r["trial"], r["state"], r["steps"]) for r in straight["trials"]
     ]
@@ -473,13 +477,13 @@ def test_several_workers_share_one_sweep(tmp_path: Path) -> None:
     run one sweep at once: the budget's trials exactly, each drawn once with the settings a lone worker
     draws for its number, no rung launched twice, and trials really trained side by side."""
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json"))
-    alone = Sweep(spec, Settings(home=tmp_path / "alone"), Replay()).run()
+    alone = Sweep(spec, Settings(home=tmp_path / "alone"), Replay()).run().model_dump()
 
     settings = Settings(home=tmp_path / "shared")
     job, running, most = Replay(), [0], [0]
     lock = threading.Lock()
 
-    def slow(params: PretrainParams) -> dict[str, Any]:
+    def slow(params: PretrainParams) -> PretrainResult:
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
@@ -495,7 +499,7 @@ def test_several_workers_share_one_sweep(tmp_path: Path) -> None:
 
     def work(sweep: Sweep) -> dict[str, Any]:
         start.wait()
-        return sweep.run(parallel=2)
+        return sweep.run(parallel=2).model_dump()
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(work, workers))
@@ -530,7 +534,7 @@ def test_workers_that_ask_at_once_keep_to_the_budget(tmp_path: Path) -> None:
 
     def work(sweep: Sweep) -> dict[str, Any]:
         start.wait()
-        return sweep.run()
+        return sweep.run().model_dump()
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(work, workers))
@@ -544,7 +548,7 @@ def test_workers_that_ask_at_once_keep_to_the_budget(tmp_path: Path) -> None:
 def test_sweep_status_reads_the_storage(tmp_path: Path, home: Path) -> None:
     """`sweep status` lists the sweeps in Optuna's storage and prints one sweep's JSON, as `sweep --json` does."""
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json", trials=3))
-    result = Sweep(spec, Settings(home=home), Replay()).run()
+    result = Sweep(spec, Settings(home=home), Replay()).run().shown()
     listed = subprocess.run([CLI, "sweep", "status", "--json"], capture_output=True, text=True, timeout=300)
     assert listed.returncode == 0, listed.stderr[-3000:]
     (row,) = json.loads(listed.stdout)
@@ -757,7 +761,7 @@ def test_from_sweep_names_a_sweep_that_exists(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path / "home")
     spec = load_spec(write_spec(tmp_path / "spec.yaml", "/c/manifest.json", trials=1))
     Sweep(spec, settings, Replay()).run()
-    assert best_trial(spec.sweep_id(), settings)["manifest_uri"] == "/c/manifest.json"
+    assert best_trial(spec.sweep_id(), settings).manifest_uri == "/c/manifest.json"
     with pytest.raises(ValueError, match=f"no sweep 'sweep-nope' in .*sweeps there: {spec.sweep_id()}"):
         best_trial("sweep-nope", settings)
 

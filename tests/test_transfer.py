@@ -22,9 +22,11 @@ from models.classifier import SentimentClassifier
 from models.features import featurize
 from tasks.corpus.sample import write_labelled_sample
 from tasks.jobs.checkpoint import load_checkpoint
-from tasks.settings import get_settings
+from tasks.settings import Settings, get_settings
+from tasks.transfer import registry
 from tasks.transfer.features import features_of
-from tasks.transfer.registry import CHAMPION, log_classifier, register
+from tasks.transfer.registry import CHAMPION, log_classifier, model_card
+from tasks.transfer.result import BaselineReport, ProbeReport, Registration
 from tasks.transfer.serve import invoke, served
 
 BIN = Path(sys.executable).parent
@@ -51,6 +53,18 @@ def trained(
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_labelled_sample(tmp_path_factory.mktemp("labelled") / "reviews")
+
+
+def probe_report(**values: Any) -> ProbeReport:
+    """A probe's report with made-up numbers: what registering a version reads of one."""
+    made_up = {
+        "name": "reviews", "spec": "reviews=/data", "source": "/data", "kind": "table", "checksum": "a" * 64,
+        "checkpoint_uri": "x", "dev_from_train": None, "features_precision": "fp32", "rows": {},
+        "test_accuracy": 0.5, "dev_accuracy": 0.5, "C": 1.0, "nonzero": 1, "top_unit": 0,
+        "top_unit_accuracy": 0.5, "top_unit_sign": 1, "sweep": [], "reference": {}, "baseline": None,
+        "probe_uri": "x", "plots": {}, "heatmaps": [],
+    }  # fmt: skip
+    return ProbeReport.model_validate(made_up | values)
 
 
 def cli(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -232,19 +246,19 @@ def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a CPU that emulates bf16: slower, same values
         bf16 = extract(params.model_copy(update={"precision": "bf16"}), params.datasets[0], settings)
-    assert [s["uri"].rpartition("/")[2] for s in bf16["splits"].values()] == [
-        f"{split}.bf16.arrow" for split in extracted["splits"]
+    assert [s.uri.rpartition("/")[2] for s in bf16.splits.values()] == [
+        f"{split}.bf16.arrow" for split in extracted.splits
     ]
     report = probe(extracted, params, settings)
     # The TF-IDF baseline is measured on the same splits, once: a second transfer reads it from the store.
     measured = fit_baseline(load_dataset(params.datasets[0]))
-    assert report["baseline"]["cached"] is False
-    baseline = report["baseline"]
-    assert (baseline["test_accuracy"], baseline["C"]) == (measured.test_accuracy, measured.C)
-    again = measure_baseline(extracted, params, settings)
-    assert again["cached"] is True and again["test_accuracy"] == measured.test_accuracy
-    heatmaps = report["heatmaps"]
-    assert [h["role"].split(",")[0] for h in heatmaps[:6]] == [
+    baseline = report.baseline
+    assert baseline is not None and baseline.cached is False
+    assert (baseline.test_accuracy, baseline.C) == (measured.test_accuracy, measured.C)
+    again = measure_baseline(extracted.spec, extracted.checksum, params, settings)
+    assert again.cached is True and again.test_accuracy == measured.test_accuracy
+    heatmaps = report.heatmaps
+    assert [h.role.split(",")[0] for h in heatmaps[:6]] == [
         *(f"positive {k}" for k in (1, 2, 3)),
         *(f"negative {k}" for k in (1, 2, 3)),
     ]
@@ -256,14 +270,14 @@ def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
     classifier = classifier_of(report, settings)
     p_N = classifier.predict_proba(texts)
     for h in heatmaps:  # the heatmap's last probability is what the classifier says of the whole review
-        assert h["probability"] == pytest.approx(p_N[h["row"]], abs=1e-5)
-    others = np.delete(p_N, [h["row"] for h in heatmaps])
-    assert min(h["probability"] for h in heatmaps[:3]) >= max(others)
-    assert max(h["probability"] for h in heatmaps[3:6]) <= min(others)
+        assert h.probability == pytest.approx(p_N[h.row], abs=1e-5)
+    others = np.delete(p_N, [h.row for h in heatmaps])
+    assert min(h.probability for h in heatmaps[:3]) >= max(others)
+    assert max(h.probability for h in heatmaps[3:6]) <= min(others)
     wrong_N = (p_N >= 0.5) != (labels == 1)
     surest = np.argsort(-np.abs(p_N - 0.5), kind="stable")
     mistakes = [int(i) for i in surest if wrong_N[i]][:2]
-    assert set(mistakes) <= {h["row"] for h in heatmaps}  # the two most confident mistakes are shown
+    assert set(mistakes) <= {h.row for h in heatmaps}  # the two most confident mistakes are shown
     # What `generate --sentiment positive|negative` holds the unit near: its class means on train.
     expected = class_means(*split_features(extracted, settings)["train"])
     assert classifier.class_means_2H is not None
@@ -274,12 +288,12 @@ def test_transfer_logs_the_neuron_over_the_extremes_and_the_mistakes(
     client = MlflowClient()
     metrics = client.get_run(run_id).data.metrics
     # What the features were read in (auto on a CPU: fp32), in the report and on the run.
-    assert report["features_precision"] == "fp32" and bf16["features_precision"] == "bf16"
+    assert report.features_precision == "fp32" and bf16.features_precision == "bf16"
     assert client.get_run(run_id).data.params["small.features_precision"] == "fp32"
     assert metrics["small_baseline_test_accuracy"] == pytest.approx(measured.test_accuracy)
-    assert metrics["small_vs_baseline"] == pytest.approx(report["test_accuracy"] - measured.test_accuracy)
+    assert metrics["small_vs_baseline"] == pytest.approx(report.test_accuracy - measured.test_accuracy)
     logged = sorted(a.path for a in client.list_artifacts(run_id, "small/neuron"))
-    assert logged == sorted(f"small/neuron/{h['uri'].rsplit('/', 1)[-1]}" for h in heatmaps)
+    assert logged == sorted(f"small/neuron/{h.uri.rsplit('/', 1)[-1]}" for h in heatmaps)
     with Image.open(client.download_artifacts(run_id, logged[0], str(tmp_path))) as image:
         assert image.size[0] > 200 and image.size[1] > 100
     markdown = heatmaps_markdown([report], lambda path: f"<{path}>")
@@ -315,12 +329,15 @@ def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
             name="model", python_model=echo, pip_requirements=["mlflow"]
         ).model_uri
 
-    def report(accuracy: float, checksum: str = "a" * 64) -> dict[str, Any]:
-        baseline = {"test_accuracy": 0.655, "dev_accuracy": 0.6, "C": 2.0}
-        return {
-            "name": "sst2", "checksum": checksum, "test_accuracy": accuracy, "checkpoint_uri": "x",
-            "baseline": baseline,
-        }  # fmt: skip
+    baseline = BaselineReport(
+        test_accuracy=0.655, dev_accuracy=0.6, C=2.0, seconds=1.0, method="tf-idf", cached=True
+    )
+
+    def report(accuracy: float, checksum: str = "a" * 64) -> ProbeReport:
+        return probe_report(name="sst2", checksum=checksum, test_accuracy=accuracy, baseline=baseline)
+
+    def register(model_uri: str, report: ProbeReport, settings: Settings, **options: Any) -> Registration:
+        return registry.register(model_uri, report, settings, description=model_card(report), **options)
 
     scored: list[str] = []
 
@@ -329,21 +346,21 @@ def test_champion_moves_only_to_a_better_model_on_the_same_test_set(
         return 0.80
 
     first = register(model_uri, report(0.70), settings, score_on_test=score)
-    assert first["promoted"] and first["reason"] == "there was no champion"
+    assert first.promoted and first.reason == "there was no champion"
     # The model card (the version's description) puts the probe beside the measured baseline.
-    card = MlflowClient(mlflow_server).get_model_version("promotion-rule", str(first["version"]))
+    card = MlflowClient(mlflow_server).get_model_version("promotion-rule", str(first.version))
     assert "70.00% vs baseline 65.50% (+4.50 points)" in card.description
     assert card.tags["baseline_test_accuracy"] == "0.655000"
     worse = register(model_uri, report(0.69), settings, score_on_test=score)
     tie = register(model_uri, report(0.70), settings, score_on_test=score)
     better = register(model_uri, report(0.71), settings, score_on_test=score)
-    assert [worse["promoted"], tie["promoted"], better["promoted"]] == [False, False, True]
+    assert [worse.promoted, tie.promoted, better.promoted] == [False, False, True]
     assert scored == []  # same test set: the champion's recorded accuracy is compared, nothing re-run
     # Another test set: the champion is scored on ours (0.80 here), and 0.75 does not beat it.
     other = register(model_uri, report(0.75, checksum="b" * 64), settings, score_on_test=score)
-    assert scored == ["models:/promotion-rule@champion"] and not other["promoted"]
+    assert scored == ["models:/promotion-rule@champion"] and not other.promoted
     champion = MlflowClient(mlflow_server).get_model_version_by_alias("promotion-rule", CHAMPION)
-    assert str(champion.version) == str(better["version"])
+    assert str(champion.version) == str(better.version)
 
 
 def test_saved_classifier_loads_without_pickles_and_predicts_the_same(tmp_path: Path) -> None:
@@ -418,16 +435,19 @@ def test_a_champion_scored_on_other_data_is_rescored_here_and_an_unreadable_one_
     def score(uri: str) -> float:
         return accuracy_on_test(uri, spec, params)
 
-    def report(accuracy: float, checksum: str) -> dict[str, Any]:
-        return {"name": "reviews", "checksum": checksum, "test_accuracy": accuracy, "checkpoint_uri": "x"}
+    def report(accuracy: float, checksum: str) -> ProbeReport:
+        return probe_report(name="reviews", checksum=checksum, test_accuracy=accuracy)
+
+    def register(model_uri: str, report: ProbeReport, settings: Settings, **options: Any) -> Registration:
+        return registry.register(model_uri, report, settings, description="a card", **options)
 
     first = register(model_uri, report(0.99, "a" * 64), settings, score_on_test=score)
-    assert first["promoted"]
+    assert first.promoted
     # Scored on other data: its 0.99 says nothing here; run on this test split it scores `expected`.
     below = register(model_uri, report(expected, "b" * 64), settings, score_on_test=score)
-    assert below["champion_accuracy"] == pytest.approx(expected) and not below["promoted"], below
+    assert below.champion_accuracy == pytest.approx(expected) and not below.promoted, below
     above = register(model_uri, report(expected + 0.01, "b" * 64), settings, score_on_test=score)
-    assert above["promoted"] and above["champion_version"] == first["version"], above
+    assert above.promoted and above.champion_version == first.version, above
 
     # The champion's files are gone (a cleaned bucket): it cannot be scored, and it cannot serve either.
     model_id = model_uri.removeprefix("models:/")  # every version here is this one logged model
@@ -437,13 +457,9 @@ def test_a_champion_scored_on_other_data_is_rescored_here_and_an_unreadable_one_
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
     replaced = register(model_uri, report(0.5, "c" * 64), settings, score_on_test=score)
-    assert replaced["promoted"] and replaced["champion_accuracy"] is None
-    assert replaced["reason"].startswith(f"champion v{above['version']} could not be scored on reviews ("), (
-        replaced
-    )
-    assert "\n" not in replaced["reason"]
-    version = client.get_model_version("rescored-champion", str(replaced["version"]))
-    assert version.tags["promotion"] == replaced["reason"]
-    assert client.get_model_version_by_alias("rescored-champion", CHAMPION).version == str(
-        replaced["version"]
-    )
+    assert replaced.promoted and replaced.champion_accuracy is None
+    assert replaced.reason.startswith(f"champion v{above.version} could not be scored on reviews ("), replaced
+    assert "\n" not in replaced.reason
+    version = client.get_model_version("rescored-champion", str(replaced.version))
+    assert version.tags["promotion"] == replaced.reason
+    assert client.get_model_version_by_alias("rescored-champion", CHAMPION).version == str(replaced.version)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
 Command = TypeVar("Command", bound=Callable[..., Any])
+Result = TypeVar("Result")  # what a flow returns: its stage's result model
 
 # Markup off by default: paths, reviews and messages are the user's text, and `[/]` or `[bold]` in them must
 # print as typed. Styled words are Rich Text objects (``styled``).
@@ -206,8 +207,8 @@ def progress_bar(unit: str = "percent", *, show: bool = True, transient: bool = 
 
 
 def run_flow(
-    flow: Flow[..., Any], *, unit: str = "percent", show_progress: bool = True, **parameters: Any
-) -> Any:
+    flow: Flow[..., Result], *, unit: str = "percent", show_progress: bool = True, **parameters: Any
+) -> Result:
     """Run a flow in this process against the configured Prefect API (or a temporary one), with a
     progress bar per stage on stderr."""
     from flows import progress

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -23,6 +23,10 @@ from flows.cli.common import (
 from tasks.corpus.config import CorpusConfig
 from tasks.settings import TaskRunnerName, WorkerOptions, get_settings
 
+if TYPE_CHECKING:
+    from tasks.corpus.result import CorpusResult
+
+
 app = typer.Typer(help="Build and inspect review corpora (Arrow shards + manifest).", no_args_is_help=True)
 
 
@@ -35,14 +39,15 @@ def run_corpus_build(
     workers: int | None = None,
     show_progress: bool = True,
     create_bucket: bool = False,
-) -> dict[str, Any]:
+) -> CorpusResult:
     """Build a corpus as a Prefect flow run, or return at once if it is already built."""
     from flows import progress
     from flows.corpus import build_corpus
     from flows.runtime import prefect_api
     from flows.runtime import task_runner as make_task_runner
-    from tasks.corpus.build import plan_corpus, summary_of
+    from tasks.corpus.build import plan_corpus
     from tasks.corpus.manifest import read_manifest
+    from tasks.corpus.result import CorpusResult
     from tasks.corpus.sources import expand_sources
     from tasks.secrets import hide
     from tasks.store import store_of
@@ -59,7 +64,7 @@ def run_corpus_build(
         # Local sources are cheap to fingerprint again: a corpus already built needs no flow run.
         plan = plan_corpus(sources, config, cache_path=settings.home / "cache" / "fingerprints.json")
         if target.exists(plan.manifest_key):
-            return summary_of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+            return CorpusResult.of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
     flow = build_corpus.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar(show=show_progress)
     with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
@@ -101,15 +106,14 @@ def corpus_build(
     except user_errors() as error:
         raise fail(error) from None
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps(summary.model_dump(mode="json")))
         return
     out.print(
-        styled(f"corpus {summary['corpus_id']}", "bold green"),
-        f": {summary['rows']:,} rows, {summary['duplicates']:,} duplicates removed, "
-        f"{summary['rejected']:,} rejected",
+        styled(f"corpus {summary.corpus_id}", "bold green"),
+        f": {summary.rows:,} rows, {summary.duplicates:,} duplicates removed, {summary.rejected:,} rejected",
         sep="",
     )
-    out.print(f"manifest: {summary['manifest_uri']}", highlight=False)
+    out.print(f"manifest: {summary.manifest_uri}", highlight=False)
 
 
 def _load_manifest(uri: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import typer
 
 from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, run_flow, user_errors
 from tasks.finetune.config import FinetuneParams, flag_errors
+from tasks.finetune.result import FinetuneResult
 from tasks.settings import get_settings
 
 app = typer.Typer()
@@ -19,7 +20,7 @@ PANEL = "Transfer"
 SETTINGS = list(FinetuneParams.model_fields)
 
 
-def run_finetune(params: FinetuneParams, *, show_progress: bool = True) -> dict[str, Any]:
+def run_finetune(params: FinetuneParams, *, show_progress: bool = True) -> FinetuneResult:
     """Fine-tune as a Prefect flow run (the job itself under torchrun, Slurm or Kubernetes)."""
     from tasks.finetune.stage import plan_job
 
@@ -47,20 +48,20 @@ def finetune(store: StoreOption = None, as_json: JsonOption = False, **settings:
         raise fail(flag_errors(error)) from None
     except user_errors(LaunchError) as error:  # DatasetError is a ValueError
         raise fail(error) from None
-    report, registered = result["report"], result["registered"]
+    report, registered = result.report, result.registered
     if as_json:
-        keys = ("run_id", "test_accuracy", "dev_accuracy", "best_epoch", "model_uri")
-        print(json.dumps({**{k: result[k] for k in keys}, "probe": report["probe"], "baseline": report["baseline"],
-                          "version": registered["version"], "promoted": registered["promoted"]}))  # fmt: skip
+        print(json.dumps({"run_id": result.run_id, "test_accuracy": result.test_accuracy,
+                          "dev_accuracy": result.dev_accuracy, "best_epoch": result.best_epoch,
+                          "model_uri": result.model_uri, "probe": report.probe and report.probe.model_dump(),
+                          "baseline": report.baseline and report.baseline.model_dump(),
+                          "version": registered.version, "promoted": registered.promoted}))  # fmt: skip
         return
-    probe = f", frozen probe {report['probe']['test_accuracy']:.2%}" if report.get("probe") else ""
-    baseline = f", TF-IDF {report['baseline']['test_accuracy']:.2%}" if report.get("baseline") else ""
+    probe = f", frozen probe {report.probe.test_accuracy:.2%}" if report.probe else ""
+    baseline = f", TF-IDF {report.baseline.test_accuracy:.2%}" if report.baseline else ""
     out.print(
-        f"fine-tuned on {report['name']}: test accuracy {result['test_accuracy']:.2%}{probe}{baseline} "
-        f"(epoch {result['best_epoch']} chosen on dev, {result['dev_accuracy']:.2%})",
+        f"fine-tuned on {report.name}: test accuracy {result.test_accuracy:.2%}{probe}{baseline} "
+        f"(epoch {result.best_epoch} chosen on dev, {result.dev_accuracy:.2%})",
         highlight=False,
     )
-    out.print(
-        f"registered {registered['name']} v{registered['version']}: {registered['reason']}", highlight=False
-    )
-    out.print(f"MLflow run: {result['run_id']}", highlight=False)
+    out.print(f"registered {registered.name} v{registered.version}: {registered.reason}", highlight=False)
+    out.print(f"MLflow run: {result.run_id}", highlight=False)

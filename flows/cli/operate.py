@@ -74,7 +74,7 @@ def demo(
         out.print(" ", styled(f"{prediction['label']:>8}", color), f"{prediction['probability']:.3f}  {text}")
     out.print("\nLook at it:")
     out.print("  mlstm-sentiment status            # pipeline runs, their stages and models", highlight=False)
-    for line in _where_to_look(settings, result["run_id"]):
+    for line in _where_to_look(settings, result.run_id):
         out.print(f"  {line}", highlight=False, soft_wrap=True)
     out.print(f'  model: {model_uri}  (`mlstm-sentiment predict "…"`)', highlight=False)
     out.print(

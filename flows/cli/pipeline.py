@@ -22,7 +22,8 @@ from flows.cli.common import (
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
-    from tasks.pipeline import PipelineParams
+    from tasks.pipeline import PipelineParams, PipelineResult
+    from tasks.pretrain.result import PretrainResult
 
 app = typer.Typer()
 PANEL = "Pipeline"
@@ -35,7 +36,7 @@ def pipeline_values(**flags: Any) -> dict[str, Any]:
     return PipelineParams.model_construct().model_dump(mode="json") | flags
 
 
-def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> dict[str, Any]:
+def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> PipelineResult:
     """The whole pipeline (or the stages ``params.stages`` names) as a Prefect flow run, here."""
     from flows.pipeline import pipeline as pipeline_flow
     from tasks.tracking import connect
@@ -103,54 +104,47 @@ def pipeline_command(
     print_pipeline(result, as_json=as_json)
 
 
-def _trained(result: dict[str, Any]) -> str:
+def _trained(result: PretrainResult) -> str:
     """The pretrain stage's line: a val split shorter than one batch row leaves no val bpc."""
     val = (
         "no val bpc (val split too short)"
-        if result["val_bpc"] is None
-        else f"val {result['val_bpc']:.2f} bits/byte"
+        if result.val_bpc is None
+        else f"val {result.val_bpc:.2f} bits/byte"
     )
-    return f"step {result['steps']:,}, {val}"
+    return f"step {result.steps:,}, {val}"
 
 
-def print_pipeline(result: dict[str, Any], *, as_json: bool) -> None:
+def print_pipeline(result: PipelineResult, *, as_json: bool) -> None:
     """A pipeline run's stages and outputs: a table, or one JSON object on stdout."""
     if as_json:
-        keep = {"run_id", "stages", "corpus", "pretrain"}
-        summary = {k: v for k, v in result.items() if k in keep}
-        if "transfer" in result:
-            summary["transfer"] = {k: result["transfer"][k] for k in ("run_id", "datasets", "registered")}
-        print(json.dumps(summary, default=str))
+        print(json.dumps(result.shown(), default=str))
         return
-    table = Table(title=f"pipeline run {result['run_id']}")
+    table = Table(title=f"pipeline run {result.run_id}")
     for column in ("stage", "state", "result", "MLflow run"):
         table.add_column(column, no_wrap=column != "result")
     outputs = {
-        "corpus": lambda r: f"{r['rows']:,} rows",
-        "pretrain": _trained,
-        "transfer": lambda r: ", ".join(
-            f"{n} test {v['test_accuracy']:.2%}" for n, v in r["datasets"].items()
-        ),
+        "corpus": f"{result.corpus.rows:,} rows" if result.corpus else "-",
+        "pretrain": _trained(result.pretrain) if result.pretrain else "-",
+        "transfer": ", ".join(f"{n} test {v.test_accuracy:.2%}" for n, v in result.transfer.datasets.items())
+        if result.transfer
+        else "-",
+        "finetune": f"{result.finetune.dataset} test {result.finetune.test_accuracy:.2%}"
+        if result.finetune
+        else "-",
     }
-    for stage, info in result["stages"].items():
-        color = {"ran": "green", "skipped": "cyan"}.get(info.get("state", ""), "red")
-        output = outputs[stage](result[stage]) if stage in result else "-"
-        table.add_row(
-            stage, styled(str(info.get("state")), color), output, str(info.get("run_id") or "-")[:12]
-        )
+    for stage, info in result.stages.items():
+        color = {"ran": "green", "skipped": "cyan"}.get(info.state, "red")
+        table.add_row(stage, styled(info.state, color), outputs[stage], str(info.run_id or "-")[:12])
     out.print(table)
-    if "corpus" in result:
-        out.print(f"manifest: {result['corpus']['manifest_uri']}", highlight=False)
-    if "pretrain" in result:
-        out.print(f"checkpoint: {result['pretrain']['checkpoint_uri']}", highlight=False)
-    registered = (result.get("transfer") or {}).get("registered")
-    if registered and result["stages"]["transfer"].get("state") == "skipped":
-        out.print(f"model: {registered['name']} v{registered['version']}, unchanged", highlight=False)
+    if result.corpus:
+        out.print(f"manifest: {result.corpus.manifest_uri}", highlight=False)
+    if result.pretrain:
+        out.print(f"checkpoint: {result.pretrain.checkpoint_uri}", highlight=False)
+    registered = result.transfer.registered if result.transfer else None
+    if registered and result.stages["transfer"].state == "skipped":
+        out.print(f"model: {registered.name} v{registered.version}, unchanged", highlight=False)
     elif registered:
-        out.print(
-            f"registered {registered['name']} v{registered['version']}: {registered['reason']}",
-            highlight=False,
-        )
+        out.print(f"registered {registered.name} v{registered.version}: {registered.reason}", highlight=False)
 
 
 StageArgument = Annotated[str, typer.Argument(help="corpus, pretrain, transfer or finetune.")]
@@ -216,7 +210,7 @@ def _rerun_values(stage: str, origin: str | None) -> dict[str, Any]:
     return values
 
 
-def run_through_deployment(name: str, params: PipelineParams) -> dict[str, Any]:
+def run_through_deployment(name: str, params: PipelineParams) -> PipelineResult:
     """Create a run of a pipeline deployment, follow its state and logs until it ends; its result is
     read back from the MLflow run it made."""
     from flows.runtime import configured_api_url, follow_flow_run, prefect_api, submit_deployment

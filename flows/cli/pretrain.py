@@ -12,13 +12,14 @@ from flows.cli.common import JsonOption, StoreOption, fail, options_from, out, r
 from models.config import Recurrence
 from tasks.jobs.config import Sharding, flag_errors
 from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.result import PretrainResult
 from tasks.settings import get_settings
 
 app = typer.Typer()
 PANEL = "Pretrain"
 
 
-def run_pretrain(params: PretrainParams, *, show_progress: bool = True) -> dict[str, Any]:
+def run_pretrain(params: PretrainParams, *, show_progress: bool = True) -> PretrainResult:
     """Train as a Prefect flow run (the job itself under torchrun, Slurm or Kubernetes)."""
     from tasks.pretrain.stage import plan_job
 
@@ -51,17 +52,19 @@ def pretrain(store: StoreOption = None, as_json: JsonOption = False, **settings:
         raise fail(error) from None
     if as_json:
         print(
-            json.dumps({k: result[k] for k in ("run_id", "checkpoint_uri", "steps", "final_loss", "val_bpc")})
+            json.dumps(
+                result.model_dump(include={"run_id", "checkpoint_uri", "steps", "final_loss", "val_bpc"})
+            )
         )
         return
     out.print(
-        styled(f"run {result['run']}", "bold green"),
-        f": step {result['steps']:,} of {result['total_steps']:,}, "
-        f"loss {result['final_loss']:.4f}, val bpc {result['val_bpc']}",
+        styled(f"run {result.run}", "bold green"),
+        f": step {result.steps:,} of {result.total_steps:,}, "
+        f"loss {result.final_loss:.4f}, val bpc {result.val_bpc}",
         sep="",
     )
-    out.print(f"checkpoint: {result['checkpoint_uri']}", highlight=False)
-    out.print(f"MLflow run: {result['run_id']}", highlight=False)
+    out.print(f"checkpoint: {result.checkpoint_uri}", highlight=False)
+    out.print(f"MLflow run: {result.run_id}", highlight=False)
 
 
 @app.command(rich_help_panel=PANEL)

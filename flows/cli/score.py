@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from flows.cli.common import RichSink, fail, options_from, out, parsed, progress_bar, styled, user_errors
 from tasks.score.config import PIECE_ROWS, ScoreParams
 from tasks.settings import WorkerOptions, get_settings
+
+if TYPE_CHECKING:
+    from tasks.score.result import ScoreResult
 
 app = typer.Typer()
 PANEL = "Transfer"
@@ -29,7 +32,7 @@ def run_score(
     workers: int | None = None,
     precision: str = "auto",
     show_progress: bool = True,
-) -> dict[str, Any]:
+) -> ScoreResult:
     """The score flow run here, on the task runner the settings name (the corpus stage's).
 
     The inputs are described (found, hashed, counted) first, before Prefect starts: a bad file is one
@@ -122,12 +125,12 @@ def score(
     except user_errors() as error:  # InputError and ModelNotFound are ValueErrors
         raise fail(error) from None
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps(summary.model_dump()))
         return
     out.print(
         styled("scored", "bold green"),
-        f"{summary['rows_out']:,} of {summary['rows_in']:,} rows with "
-        f"{summary['model_uri']} (v{summary['model_version']}), {summary['rejected']:,} rejected; "
-        f"pieces: {summary['pieces_scored']} scored, {summary['pieces_skipped']} skipped",
+        f"{summary.rows_out:,} of {summary.rows_in:,} rows with "
+        f"{summary.model_uri} (v{summary.model_version}), {summary.rejected:,} rejected; "
+        f"pieces: {summary.pieces_scored} scored, {summary.pieces_skipped} skipped",
     )
-    out.print(f"output: {summary['output']}\nmanifest: {summary['manifest_uri']}", highlight=False)
+    out.print(f"output: {summary.output}\nmanifest: {summary.manifest_uri}", highlight=False)

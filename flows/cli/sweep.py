@@ -13,6 +13,7 @@ from tasks.settings import get_settings
 from tasks.sweep.config import SweepRunOptions
 
 if TYPE_CHECKING:
+    from tasks.sweep.result import SweepResult
     from tasks.sweep.spec import SweepSpec
 
 
@@ -30,7 +31,7 @@ app = typer.Typer(cls=SpecOrCommand, no_args_is_help=True, help="Hyperparameter 
 PANEL = "Sweep"
 
 
-def run_sweep(spec: SweepSpec, parallel: int = 1, *, show_progress: bool = True) -> dict[str, Any]:
+def run_sweep(spec: SweepSpec, parallel: int = 1, *, show_progress: bool = True) -> SweepResult:
     """The ``sweep`` flow in this process; a spec that cannot run fails before the Prefect API starts."""
     from flows.sweep import sweep as sweep_flow
     from tasks.sweep.engine import prepare
@@ -61,7 +62,7 @@ def run(
     except user_errors(LaunchError) as error:
         raise fail(error) from None
     if as_json:
-        print(json.dumps({k: result[k] for k in ("sweep_id", "best", "trials", "steps_trained")}))
+        print(json.dumps(result.shown()))
         return
     print_table(result)
 
@@ -97,28 +98,26 @@ def status(
     except user_errors() as error:
         raise fail(error) from None
     if as_json:
-        print(json.dumps(result))
+        print(json.dumps(result.shown()))
         return
     print_table(result)
 
 
-def print_table(result: dict[str, Any]) -> None:
+def print_table(result: SweepResult) -> None:
     from rich.table import Table
 
-    table = Table(title=f"sweep {result['sweep_id']}: {result['steps_trained']:,} steps trained")
+    table = Table(title=f"sweep {result.sweep_id}: {result.steps_trained:,} steps trained")
     for column in ("trial", "rung", "state", "steps", "val_bpc", "run"):
         table.add_column(
             column, justify="right" if column in ("trial", "rung", "steps", "val_bpc") else "left"
         )
-    best = result["best"]
-    for row in result["trials"]:
-        value = "-" if row["value"] is None else f"{row['value']:.4f}"
-        mark = " ★" if best and row["trial"] == best["trial"] else ""
-        cells = [str(row["trial"]), str(row["rung"]), row["state"] + mark, str(row["steps"]), value]
-        table.add_row(*cells, str(row["run"]))
+    best = result.best
+    for row in result.trials:
+        value = "-" if row.value is None else f"{row.value:.4f}"
+        mark = " ★" if best and row.trial == best.trial else ""
+        cells = [str(row.trial), str(row.rung), row.state + mark, str(row.steps), value]
+        table.add_row(*cells, str(row.run))
     out.print(table)
     if best:
-        out.print(
-            f"best: trial {best['trial']} {best['params']} val bpc {best['value']:.4f}", highlight=False
-        )
-        out.print(f"checkpoint: {best['checkpoint_uri']}", highlight=False)
+        out.print(f"best: trial {best.trial} {best.params} val bpc {best.value:.4f}", highlight=False)
+        out.print(f"checkpoint: {best.checkpoint_uri}", highlight=False)

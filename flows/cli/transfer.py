@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -25,6 +25,10 @@ from flows.cli.common import (
 from tasks.jobs.config import FEATURES_PRECISION, Precision
 from tasks.settings import get_settings
 from tasks.transfer.config import TransferParams
+
+if TYPE_CHECKING:
+    from tasks.transfer.result import TransferResult
+
 
 app = typer.Typer()
 PANEL = "Transfer"
@@ -119,7 +123,7 @@ def import_weights_command(
     print(uri)  # stdout holds only the URI: CKPT=$(mlstm-sentiment import-weights openai model/)
 
 
-def run_transfer(params: TransferParams, *, show_progress: bool = True) -> dict[str, Any]:
+def run_transfer(params: TransferParams, *, show_progress: bool = True) -> TransferResult:
     """Probe a checkpoint as a Prefect flow run."""
     from flows.transfer import transfer as transfer_flow
 
@@ -150,14 +154,12 @@ def transfer(
     except user_errors() as error:  # DatasetError is a ValueError
         raise fail(error) from None
     if as_json:
-        print(json.dumps(result["datasets"]))
+        print(json.dumps({name: values.model_dump() for name, values in result.datasets.items()}))
         return
     _print_transfer(result)
 
 
-def _print_transfer(result: dict[str, Any]) -> None:
-    from tasks.transfer.stage import baseline_accuracy
-
+def _print_transfer(result: TransferResult) -> None:
     table = Table(title="L1 logistic regression on the final cell state")
     for column in (
         "dataset",
@@ -172,30 +174,30 @@ def _print_transfer(result: dict[str, Any]) -> None:
         "paper (cited)",
     ):
         table.add_column(column, justify="left" if column == "dataset" else "right")
-    for report in result["reports"]:
-        paper = report.get("reference", {}).get("radford_2017_mlstm_4096")
-        baseline = baseline_accuracy(report)
+    for report in result.reports:
+        paper = report.reference.get("radford_2017_mlstm_4096")
+        baseline = report.baseline_accuracy
         table.add_row(
-            report["name"], f"{report['test_accuracy']:.2%}", f"{report['dev_accuracy']:.2%}", f"{report['C']:g}",
-            str(report["nonzero"]), str(report["top_unit"]), f"{report['top_unit_accuracy']:.2%}",
+            report.name, f"{report.test_accuracy:.2%}", f"{report.dev_accuracy:.2%}", f"{report.C:g}",
+            str(report.nonzero), str(report.top_unit), f"{report.top_unit_accuracy:.2%}",
             f"{baseline:.2%}" if baseline is not None else "-",
-            f"{(report['test_accuracy'] - baseline) * 100:+.2f} pts" if baseline is not None else "-",
+            f"{(report.test_accuracy - baseline) * 100:+.2f} pts" if baseline is not None else "-",
             f"{paper:.2%}" if paper else "-",
         )  # fmt: skip
     out.print(table)
-    registered = result.get("registered")
+    registered = result.registered
     if registered:
         out.print(
-            f"registered {registered['name']} v{registered['version']}: {registered['reason']}",
+            f"registered {registered.name} v{registered.version}: {registered.reason}",
             highlight=False,
         )
         from tasks.transfer.serve import serve_command
 
         settings = get_settings()
         command = serve_command(
-            registered["champion_uri"],
+            registered.champion_uri,
             settings.shown_mlflow_tracking_uri,
             registry_uri=settings.resolved_mlflow_registry_uri,
         )
         out.print(f"serve it:  {command}", highlight=False, soft_wrap=True, markup=False)
-    out.print(f"MLflow run: {result['run_id']}", highlight=False)
+    out.print(f"MLflow run: {result.run_id}", highlight=False)

@@ -551,17 +551,5 @@ def build_in_process(plan: CorpusPlan, store: Store) -> dict[str, Any]:
     return manifest
 
 
-def summary_of(manifest: dict[str, Any], manifest_uri: str) -> dict[str, Any]:
-    """What ``corpus build --json`` prints."""
-    totals = manifest["totals"]
-    return {
-        "corpus_id": manifest["corpus_id"],
-        "manifest_uri": manifest_uri,
-        "rows": totals["kept"],
-        "duplicates": totals["duplicates"],
-        "rejected": totals["rejected"],
-    }
-
-
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

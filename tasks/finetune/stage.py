@@ -14,7 +14,6 @@ import dataclasses
 import json
 import re
 from datetime import UTC, datetime
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -25,11 +24,13 @@ from tasks.finetune.config import (
     flag_errors,
     weight_settings,
 )
+from tasks.finetune.result import FinetuneJobResult, FinetuneReport, FinetuneResult, FrozenProbe
 from tasks.jobs.environment import absolute_uri, job_environment
 from tasks.jobs.launchers.base import JobSpec, LaunchError
 from tasks.settings import Settings
 from tasks.store import store_of
 from tasks.transfer.datasets import Dataset, load_dataset
+from tasks.transfer.result import BaselineReport
 
 JOB_MODULE = "tasks.finetune.train"
 
@@ -140,7 +141,7 @@ def open_mlflow_run(
     return str(run.info.run_id)
 
 
-def job_result(job: Job, settings: Settings) -> dict[str, Any]:
+def job_result(job: Job, settings: Settings) -> FinetuneJobResult:
     """The job's ``result.json``, which it writes last once the final epoch is scored."""
     from tasks.finetune.train import RESULT, finetune_store
     from tasks.jobs.checkpoint import run_prefix
@@ -149,13 +150,13 @@ def job_result(job: Job, settings: Settings) -> dict[str, Any]:
     key = f"{run_prefix(job.config.run_name)}/{RESULT}"
     if not store.exists(key):
         raise LaunchError(f"fine-tuning run {job.config.run_name} ended without {RESULT}")
-    return dict(json.loads(store.read_bytes(key)))
+    return FinetuneJobResult.model_validate(json.loads(store.read_bytes(key)))  # json: NaN losses parse
 
 
-def frozen_probe(job: Job, settings: Settings) -> dict[str, Any]:
+def frozen_probe(job: Job, settings: Settings) -> FrozenProbe:
     """The L1 probe of the same checkpoint on the same splits (the transfer stage's features, cached in
     the store, read in the job's precision: bf16 features are about 3× fp32's on a CPU that has it), for
-    the model card: ``{test_accuracy, dev_accuracy, C, features_precision}``."""
+    the model card."""
     from tasks.transfer.config import TransferParams
     from tasks.transfer.probe import fit_probe
     from tasks.transfer.stage import extract, split_features
@@ -170,11 +171,15 @@ def frozen_probe(job: Job, settings: Settings) -> dict[str, Any]:
     extracted = extract(params, job.config.dataset, settings)
     data = split_features(extracted, settings)
     result = fit_probe(*data["train"], *data["dev"], *data["test"], Cs=params.Cs, solver=params.solver)
-    summary = {key: result.summary()[key] for key in ("test_accuracy", "dev_accuracy", "C")}
-    return summary | {"features_precision": extracted["features_precision"]}
+    return FrozenProbe(
+        test_accuracy=float(result.test_accuracy),
+        dev_accuracy=float(result.dev_accuracy),
+        C=float(result.C),
+        features_precision=extracted.features_precision,
+    )
 
 
-def baseline(job: Job, settings: Settings) -> dict[str, Any]:
+def baseline(job: Job, settings: Settings) -> BaselineReport:
     """The TF-IDF baseline on the same splits (cached in the store by the transfer stage)."""
     from tasks.transfer.config import TransferParams
     from tasks.transfer.stage import measure_baseline
@@ -185,33 +190,32 @@ def baseline(job: Job, settings: Settings) -> dict[str, Any]:
         text_column=job.config.text_column,
         label_column=job.config.label_column,
     )
-    extracted = {"checksum": job.dataset_checksum, "spec": job.config.dataset}
-    return measure_baseline(extracted, params, settings)
+    return measure_baseline(job.config.dataset, job.dataset_checksum, params, settings)
 
 
-def model_card(report: dict[str, Any]) -> str:
+def model_card(report: FinetuneReport) -> str:
     """The registered version's description: fine-tuned beside the frozen probe and the baseline."""
-    settings = report["settings"]
+    settings = report.settings
     lines = [
         f"Fine-tuned mLSTM (Kant et al. 2018): {settings['head']} head on {settings['pool']} pooling of the cell "
-        f"states, trained with the mLSTM{' frozen' if settings['freeze_lm'] else ''} on {report['name']} "
-        f"(`{report['source']}`), data checksum {report['checksum'][:16]}, from checkpoint "
-        f"`{report['checkpoint_uri']}`.",
+        f"states, trained with the mLSTM{' frozen' if settings['freeze_lm'] else ''} on {report.name} "
+        f"(`{report.source}`), data checksum {report.checksum[:16]}, from checkpoint "
+        f"`{report.checkpoint_uri}`.",
         "",
         "| model | test accuracy |",
         "|---|---:|",
-        f"| fine-tuned (this version) | {report['test_accuracy']:.2%} |",
+        f"| fine-tuned (this version) | {report.test_accuracy:.2%} |",
     ]
-    if probe := report.get("probe"):
-        read = probe.get("features_precision", "fp32")
+    if probe := report.probe:
+        read = probe.features_precision
         features = "" if read == "fp32" else f", features in {read}"
-        lines.append(f"| frozen L1 probe, same checkpoint{features} | {probe['test_accuracy']:.2%} |")
-    if report.get("baseline"):
-        lines.append(f"| TF-IDF + logistic regression | {report['baseline']['test_accuracy']:.2%} |")
+        lines.append(f"| frozen L1 probe, same checkpoint{features} | {probe.test_accuracy:.2%} |")
+    if report.baseline:
+        lines.append(f"| TF-IDF + logistic regression | {report.baseline.test_accuracy:.2%} |")
     lines += [
         "",
-        f"- epoch {report['best_epoch']} of {settings['epochs']} chosen on dev: accuracy {report['dev_accuracy']:.2%} at "
-        f"logit threshold {report['threshold']:.3g} (folded into the head's bias)",
+        f"- epoch {report.best_epoch} of {settings['epochs']} chosen on dev: accuracy {report.dev_accuracy:.2%} at "
+        f"logit threshold {report.threshold:.3g} (folded into the head's bias)",
         f"- texts longer than {settings['max_bytes']} bytes are cut at the "
         f"{'front (their end is kept)' if settings['truncate'] == 'front' else 'back (their start is kept)'}",
         f"- auxiliary LM loss weight {settings['aux_lm_weight']:g}; slanted triangular lr, peak {settings['lr']:g}",
@@ -220,8 +224,8 @@ def model_card(report: dict[str, Any]) -> str:
 
 
 def register_result(
-    job: Job, result: dict[str, Any], settings: Settings, *, compare: bool = True
-) -> dict[str, Any]:
+    job: Job, result: FinetuneJobResult, settings: Settings, *, compare: bool = True
+) -> FinetuneResult:
     """Log the run's classifier as a pyfunc, register it, and let the champion rule decide. ``compare``:
     measure the frozen probe and the TF-IDF baseline for the model card."""
     import mlflow
@@ -232,33 +236,33 @@ def register_result(
     from tasks.transfer.stage import accuracy_on_test
 
     store = finetune_store(job.config.store or settings.resolved_store_uri, settings)
-    classifier = load_classifier(store, result["classifier_key"])
+    classifier = load_classifier(store, result.classifier_key)
     source = load_dataset(
         job.config.dataset, text_column=job.config.text_column, label_column=job.config.label_column
     ).source
-    report: dict[str, Any] = {
-        "name": result["dataset"],
-        "source": source,
-        "checksum": result["checksum"],
-        "checkpoint_uri": result["checkpoint_uri"],
-        "test_accuracy": result["test_accuracy"],
-        "dev_accuracy": result["dev_accuracy"],
-        "best_epoch": result["best_epoch"],
-        "threshold": result["threshold"],
-        "settings": job.config.model_dump(include=set(weight_settings())),
-        "probe": frozen_probe(job, settings) if compare else None,
-        "baseline": baseline(job, settings) if compare else None,
-    }
-    run_id = str(result["run_id"])
+    report = FinetuneReport(
+        name=result.dataset,
+        source=source,
+        checksum=result.checksum,
+        checkpoint_uri=result.checkpoint_uri,
+        test_accuracy=result.test_accuracy,
+        dev_accuracy=result.dev_accuracy,
+        best_epoch=result.best_epoch,
+        threshold=result.threshold,
+        settings=job.config.model_dump(include=set(weight_settings())),
+        probe=frozen_probe(job, settings) if compare else None,
+        baseline=baseline(job, settings) if compare else None,
+    )
+    run_id = str(result.run_id)
     with mlflow.start_run(run_id=run_id):
-        metrics = {"test_accuracy": result["test_accuracy"]}
-        if report["probe"]:
-            metrics["probe_test_accuracy"] = report["probe"]["test_accuracy"]
-        if report["baseline"]:
-            metrics["baseline_test_accuracy"] = report["baseline"]["test_accuracy"]
+        metrics = {"test_accuracy": result.test_accuracy}
+        if report.probe:
+            metrics["probe_test_accuracy"] = report.probe.test_accuracy
+        if report.baseline:
+            metrics["baseline_test_accuracy"] = report.baseline.test_accuracy
         mlflow.log_metrics(metrics)
-        mlflow.log_dict(report, "finetune/report.json")
-    model_uri = log_classifier(run_id, classifier, f"classifier-{result['dataset']}")
+        mlflow.log_dict(report.model_dump(), "finetune/report.json")
+    model_uri = log_classifier(run_id, classifier, f"classifier-{result.dataset}")
     params = TransferParams(
         checkpoint=job.config.checkpoint,
         datasets=[job.config.dataset],
@@ -266,11 +270,11 @@ def register_result(
         label_column=job.config.label_column,
     )
     lineage = {
-        **lineage_of(result.get("checkpoint_run_id"), settings),
+        **lineage_of(result.checkpoint_run_id, settings),
         "method": "finetune",
         "finetune_run": job.config.run_name,
         "finetune_mlflow_run_id": run_id,
-        "finetune_settings": json.dumps(report["settings"], sort_keys=True),
+        "finetune_settings": json.dumps(report.settings, sort_keys=True),
     }
     registered = register(
         model_uri,
@@ -280,4 +284,4 @@ def register_result(
         lineage=lineage,
         description=model_card(report),
     )
-    return {**result, "report": report, "registered": registered, "model_uri": model_uri}
+    return FinetuneResult(**result.model_dump(), report=report, registered=registered, model_uri=model_uri)

@@ -24,6 +24,7 @@ from tasks.jobs.launchers.base import (
 )
 from tasks.pretrain.config import PretrainParams, TrainConfig, TrainSettings
 from tasks.pretrain.memory import plan as plan_memory
+from tasks.pretrain.result import PretrainResult
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, store_of
 
@@ -180,7 +181,7 @@ def open_mlflow_run(
     return str(run.info.run_id)
 
 
-def job_result(job: Job, settings: Settings) -> dict[str, Any]:
+def job_result(job: Job, settings: Settings) -> PretrainResult:
     """What the CLI prints: read from the run's ``latest.json``, which the job writes last."""
     from tasks.jobs.checkpoint import read_latest
 
@@ -188,17 +189,4 @@ def job_result(job: Job, settings: Settings) -> dict[str, Any]:
     latest = read_latest(store, job.config.run_name)
     if latest is None:
         raise LaunchError(f"run {job.config.run_name} ended without a checkpoint")
-    return result_of(job.config.run_name, latest)
-
-
-def result_of(run: str, latest: dict[str, Any]) -> dict[str, Any]:
-    """A training run's result from its ``latest.json``, as the CLI and the pipeline show it."""
-    return {
-        "run": run,
-        "run_id": latest.get("mlflow_run_id"),
-        "checkpoint_uri": latest["checkpoint_uri"],
-        "steps": latest["step"],
-        "total_steps": latest["total_steps"],
-        "final_loss": latest["loss"],
-        "val_bpc": latest["val_bpc"],
-    }
+    return PretrainResult.from_latest(job.config.run_name, latest)

@@ -33,6 +33,7 @@ from tasks.jobs.world import Preempted, World, log
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep, graph_supported
 from tasks.pretrain.metrics import Report, Throughput, Tracker
+from tasks.pretrain.result import FitResult
 from tasks.pretrain.step import optimizer_step
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 from tasks.settings import Settings, get_settings
@@ -256,7 +257,7 @@ def diverged(loss: float) -> bool:
     return not math.isfinite(loss) or loss > DIVERGED_NATS
 
 
-def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]:
+def fit(config: TrainConfig, world: World, settings: Settings) -> FitResult:
     trainer = Trainer(config, world, settings)
     resumed = trainer.resume()
     stop = min(trainer.total_steps, config.max_steps or trainer.total_steps)
@@ -318,18 +319,18 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> dict[str, Any]
         latest = checkpoint.read_latest(trainer.store, config.run_name)
         checkpoint_uri = latest["checkpoint_uri"] if latest else None
     report.close(preempted=trainer.step < stop)
-    result = {
-        "run": config.run_name,
-        "run_id": trainer.mlflow_run_id,
-        "checkpoint_uri": checkpoint_uri,
-        "steps": trainer.step,
-        "total_steps": trainer.total_steps,
-        "final_loss": trainer.last_loss,
-        "val_bpc": trainer.last_val_bpc,
-        "skipped_steps": trainer.total_skipped_steps(),
-        "preempted": bool(trainer.step < stop),
-    }
-    log(world, "result " + json.dumps(result))
+    result = FitResult(
+        run=config.run_name,
+        run_id=trainer.mlflow_run_id,
+        checkpoint_uri=checkpoint_uri,
+        steps=trainer.step,
+        total_steps=trainer.total_steps,
+        final_loss=trainer.last_loss,
+        val_bpc=trainer.last_val_bpc,
+        skipped_steps=trainer.total_skipped_steps(),
+        preempted=trainer.step < stop,
+    )
+    log(world, "result " + json.dumps(result.model_dump()))
     # Every rank waits for rank 0's checkpoint and MLflow: a rank that tears its process group down
     # while another still talks to it can abort the job (gloo: "terminate called without an active
     # exception").
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         world.close()
     # A preempted launch exits non-zero, so launchers and the flow see an unfinished job.
-    return 143 if result["preempted"] else 0
+    return 143 if result.preempted else 0
 
 
 if __name__ == "__main__":

@@ -542,19 +542,3 @@ def verify(output: str, *, s3_endpoint_url: str | None = None) -> list[str]:
         for f in manifest["files"]
         if hashlib.sha256(store.read_bytes(f["key"])).hexdigest() != f["sha256"]
     ]
-
-
-def summary_of(manifest: dict[str, Any], manifest_uri: str, *, scored: int, skipped: int) -> dict[str, Any]:
-    """The --json result of a run."""
-    return {
-        "output": manifest["output"],
-        "manifest_uri": manifest_uri,
-        "model_uri": manifest["model"]["uri"],
-        "model_version": manifest["model"]["version"],
-        "rows_in": manifest["rows_in"],
-        "rows_out": manifest["rows_out"],
-        "rejected": manifest["rejected"]["rows"],
-        "labels": manifest["labels"],
-        "pieces_scored": scored,
-        "pieces_skipped": skipped,
-    }

@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.jobs.environment import absolute_uri
 from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.result import PretrainResult
 from tasks.pretrain.stage import plan_job, resolve_corpus
 from tasks.secrets import redact
 from tasks.settings import Settings
 from tasks.sweep.asha import Done, Promote, Standing, Start, Wait, next_move
+from tasks.sweep.result import Best, BestTrial, SweepResult, TrialRow
 from tasks.sweep.spec import Choice, IntUniform, LogUniform, SpecError, SweepSpec, Uniform
 
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
 # A launch of one trial up to a rung: the pretraining job's result (``job_result``'s dict).
-Launch = Callable[[PretrainParams], dict[str, Any]]
+Launch = Callable[[PretrainParams], PretrainResult]
 # Told after each rung: (trial number, its MLflow run id, rung steps, objective, state: suspended or
 # complete).
 RungHook = Callable[[int, str | None, int, float, str], None]
@@ -271,7 +273,7 @@ class Sweep:
     def sweep_id(self) -> str:
         return self.spec.sweep_id()
 
-    def run(self, parallel: int = 1) -> dict[str, Any]:
+    def run(self, parallel: int = 1) -> SweepResult:
         """Work until the sweep is over (by this worker or another); the summary."""
         if parallel == 1:
             self._work()
@@ -413,7 +415,7 @@ class Sweep:
         except Exception:
             self._tell(claim.number, TrialState.FAIL)
             raise
-        reported = result.get("val_bpc")
+        reported = result.val_bpc
         if reported is None:
             self._tell(claim.number, TrialState.FAIL)
             raise ValueError(
@@ -421,13 +423,13 @@ class Sweep:
                 "split is shorter than one batch row per rank"
             )
         value = float(reported)
-        trained = int(result["steps"]) - int(frozen.user_attrs["steps"])
+        trained = result.steps - int(frozen.user_attrs["steps"])
         self._set(
             claim.trial_id,
-            steps=int(result["steps"]),
+            steps=result.steps,
             steps_trained=int(frozen.user_attrs["steps_trained"]) + max(trained, 0),
-            mlflow_run_id=result.get("run_id"),
-            checkpoint_uri=result.get("checkpoint_uri"),
+            mlflow_run_id=result.run_id,
+            checkpoint_uri=result.checkpoint_uri,
         )
         storage.set_trial_intermediate_value(claim.trial_id, claim.target, value)
         if claim.target == self.rungs[-1]:
@@ -438,7 +440,7 @@ class Sweep:
             self._set(claim.trial_id, lease=None)
             storage.set_trial_state_values(claim.trial_id, TrialState.WAITING)
             state = "suspended"
-        self.on_rung(claim.number, result.get("run_id"), claim.target, value, state)
+        self.on_rung(claim.number, result.run_id, claim.target, value, state)
 
     def _tell(self, number: int, state: Any, value: float | None = None) -> None:
         with self._lock:
@@ -505,20 +507,20 @@ def sweep_trials(study: optuna.Study) -> list[FrozenTrial]:
     return [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
 
 
-def trial_row(frozen: FrozenTrial) -> dict[str, Any]:
+def trial_row(frozen: FrozenTrial) -> TrialRow:
     values = frozen.intermediate_values
     last = values[max(values)] if values else None
-    return {
-        "trial": frozen.number,
-        "state": trial_state(frozen),
-        "rung": len(values),  # rungs reached: 1 is the first; 0 before it
-        "steps": int(frozen.user_attrs.get("steps", 0)),
-        "value": frozen.value if frozen.value is not None else last,
-        "run": frozen.user_attrs.get("run"),
-    }
+    return TrialRow(
+        trial=frozen.number,
+        state=trial_state(frozen),
+        rung=len(values),
+        steps=int(frozen.user_attrs.get("steps", 0)),
+        value=frozen.value if frozen.value is not None else last,
+        run=frozen.user_attrs.get("run"),
+    )
 
 
-def summary(study: optuna.Study) -> dict[str, Any]:
+def summary(study: optuna.Study) -> SweepResult:
     """What ``sweep --json`` prints: the best finished trial, every trial, the steps really trained."""
     from optuna.trial import TrialState
 
@@ -527,20 +529,20 @@ def summary(study: optuna.Study) -> dict[str, Any]:
     best = None
     if complete:
         top = min(complete, key=lambda t: (t.value, t.number))
-        best = {
-            "trial": top.number,
-            "params": top.user_attrs.get("values", top.params),
-            "value": top.value,
-            "run": top.user_attrs.get("run"),
-            "checkpoint_uri": top.user_attrs.get("checkpoint_uri"),
-            "run_id": top.user_attrs.get("mlflow_run_id"),
-        }
-    return {
-        "sweep_id": study.study_name,
-        "best": best,
-        "trials": [trial_row(t) for t in trials],
-        "steps_trained": sum(int(t.user_attrs.get("steps_trained", 0)) for t in trials),
-    }
+        best = Best(
+            trial=top.number,
+            params=top.user_attrs.get("values", top.params),
+            value=top.value,
+            run=top.user_attrs.get("run"),
+            checkpoint_uri=top.user_attrs.get("checkpoint_uri"),
+            run_id=top.user_attrs.get("mlflow_run_id"),
+        )
+    return SweepResult(
+        sweep_id=study.study_name,
+        best=best,
+        trials=[trial_row(t) for t in trials],
+        steps_trained=sum(int(t.user_attrs.get("steps_trained", 0)) for t in trials),
+    )
 
 
 def rung_history(study: optuna.Study) -> dict[int, dict[int, float]]:
@@ -572,18 +574,19 @@ def list_sweeps(settings: Settings) -> list[dict[str, Any]]:
     return rows
 
 
-def best_trial(sweep_id: str, settings: Settings) -> dict[str, Any]:
+def best_trial(sweep_id: str, settings: Settings) -> BestTrial:
     """The best finished trial of a sweep, with what the pipeline's lineage needs: its checkpoint,
     runs and corpus. A ``ValueError`` when the sweep has none yet."""
     study = load_study(sweep_id, settings)
-    best = summary(study)["best"]
-    if best is None or not best.get("checkpoint_uri"):
+    best = summary(study).best
+    if best is None or not best.checkpoint_uri:
         raise ValueError(
             f"--from-sweep {sweep_id}: no trial has finished yet (`mlstm-sentiment sweep status {sweep_id}`)"
         )
     spec = study.user_attrs.get("spec", {})
-    return {
-        **best,
-        "manifest_uri": spec.get("corpus"),
-        "sweep_run_id": study.user_attrs.get("mlflow_run_id"),
-    }
+    return BestTrial(
+        **best.model_dump(),
+        sweep_id=sweep_id,
+        manifest_uri=spec.get("corpus"),
+        sweep_run_id=study.user_attrs.get("mlflow_run_id"),
+    )

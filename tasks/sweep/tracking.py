@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     import optuna
     from matplotlib.figure import Figure
 
+    from tasks.sweep.result import SweepResult
+
 
 def open_parent(spec: SweepSpec, settings: Settings, study: optuna.Study, tags: dict[str, str]) -> str:
     """The sweep's parent run: the one the study remembers (a continued sweep), else a new one."""
@@ -80,16 +82,16 @@ def record_state(run_id: str | None, state: str) -> None:
     MlflowClient().set_tag(run_id, "sweep_state", state)
 
 
-def close_parent(run_id: str, study: optuna.Study, result: dict[str, Any], rungs: list[int]) -> None:
+def close_parent(run_id: str, study: optuna.Study, result: SweepResult, rungs: list[int]) -> None:
     """Plots, the trial table, the best trial tagged; the parent run ends FINISHED."""
     from mlflow.tracking import MlflowClient
 
     from tasks.sweep.engine import rung_history
 
     client = MlflowClient()
-    client.log_dict(run_id, result, "sweep.json")
+    client.log_dict(run_id, result.shown(), "sweep.json")
     history = rung_history(study)
-    rows = result["trials"]
+    rows = [row.model_dump() for row in result.trials]
     for name, figure in (
         ("objective_by_trial.png", objective_by_trial(rows, rungs)),
         ("objective_by_step.png", objective_by_step(history, rungs)),
@@ -97,16 +99,21 @@ def close_parent(run_id: str, study: optuna.Study, result: dict[str, Any], rungs
     ):
         if figure is not None:
             client.log_figure(run_id, figure, name)
-    best = result["best"]
-    client.log_metric(run_id, "steps_trained", float(result["steps_trained"]))
+    best = result.best
+    client.log_metric(run_id, "steps_trained", float(result.steps_trained))
     if best:
-        client.log_metric(run_id, "best_value", float(best["value"]))
-        for key in ("trial", "run", "checkpoint_uri", "run_id"):
-            if best.get(key) is not None:
-                client.set_tag(run_id, f"best_{key}", str(best[key]))
-        if best.get("run_id"):
-            client.set_tag(best["run_id"], "sweep_best", "true")
-            client.set_tag(best["run_id"], "sweep_best_checkpoint_uri", str(best["checkpoint_uri"]))
+        client.log_metric(run_id, "best_value", best.value)
+        for key, value in (
+            ("trial", best.trial),
+            ("run", best.run),
+            ("checkpoint_uri", best.checkpoint_uri),
+            ("run_id", best.run_id),
+        ):
+            if value is not None:
+                client.set_tag(run_id, f"best_{key}", str(value))
+        if best.run_id:
+            client.set_tag(best.run_id, "sweep_best", "true")
+            client.set_tag(best.run_id, "sweep_best_checkpoint_uri", str(best.checkpoint_uri))
     client.set_terminated(run_id, "FINISHED")
 
 

@@ -26,7 +26,8 @@ from models.serving import MAX_TEXT_CHARS_KEY
 from tasks.settings import Settings, get_settings
 from tasks.store import split_object_uri
 from tasks.tracking import connect
-from tasks.transfer.stage import REFERENCE_SOURCE, accuracy_beside_baseline, baseline_accuracy
+from tasks.transfer.result import ProbeReport, Registrable, Registration
+from tasks.transfer.stage import REFERENCE_SOURCE, accuracy_beside_baseline
 
 CHAMPION = "champion"
 EXAMPLE_TEXTS = ["A warm, funny and beautifully acted film.", "Dull, predictable and far too long."]
@@ -51,77 +52,78 @@ def open_transfer_run(
     return str(client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id)
 
 
-def log_report(run_id: str, report: dict[str, Any], settings: Settings) -> None:
+def log_report(run_id: str, report: ProbeReport, settings: Settings) -> None:
     """One dataset's probe under the run: inputs, params, metrics, the sweep, plots and the report."""
     import mlflow
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.types import ColSpec, Schema
 
-    name = report["name"]
+    name = report.name
     schema = Schema([ColSpec("string", "text"), ColSpec("long", "label")])
     with warnings.catch_warnings():
         # Two of MLflow's local-file source types claim a path; either records it the same way.
         warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
-        source = resolve_dataset_source(report["source"])
+        source = resolve_dataset_source(report.source)
     with mlflow.start_run(run_id=run_id):
         for split, context in (("train", "training"), ("dev", "validation"), ("test", "testing")):
             # MLflow's own docs make MetaDataset so; its stubs mark `profile` abstract.
             dataset = MetaDataset(  # type: ignore[abstract]
-                source, name=f"{name}-{split}", digest=report["checksum"][:16], schema=schema
+                source, name=f"{name}-{split}", digest=report.checksum[:16], schema=schema
             )
-            mlflow.log_input(dataset, context=context, tags={"rows": str(report["rows"][split])})
+            mlflow.log_input(dataset, context=context, tags={"rows": str(report.rows[split])})
         mlflow.log_params(
-            {f"{name}.{k}": report[k] for k in ("kind", "checksum", "C", "top_unit")}
-            | {f"{name}.dev_from_train": report["dev_from_train"] or "-"}
-            | {f"{name}.features_precision": report["features_precision"]}
+            {f"{name}.kind": report.kind, f"{name}.checksum": report.checksum}
+            | {f"{name}.C": report.C, f"{name}.top_unit": report.top_unit}
+            | {f"{name}.dev_from_train": report.dev_from_train or "-"}
+            | {f"{name}.features_precision": report.features_precision}
         )
-        metrics = {f"{name}_{k}": float(report[k]) for k in ("test_accuracy", "dev_accuracy", "nonzero")}
-        metrics[f"{name}_top_unit_accuracy"] = float(report["top_unit_accuracy"])
-        if report.get("baseline"):  # the TF-IDF baseline, measured on the same splits
-            baseline = report["baseline"]
-            metrics |= {f"{name}_baseline_{k}": float(baseline[k]) for k in ("test_accuracy", "dev_accuracy")}
-            metrics[f"{name}_vs_baseline"] = float(report["test_accuracy"]) - float(baseline["test_accuracy"])
-            mlflow.log_param(f"{name}.baseline_C", baseline["C"])
+        metrics = {
+            f"{name}_test_accuracy": report.test_accuracy,
+            f"{name}_dev_accuracy": report.dev_accuracy,
+            f"{name}_nonzero": float(report.nonzero),
+            f"{name}_top_unit_accuracy": report.top_unit_accuracy,
+        }
+        if (baseline := report.baseline) is not None:  # the TF-IDF baseline, measured on the same splits
+            metrics |= {f"{name}_baseline_test_accuracy": baseline.test_accuracy}
+            metrics |= {f"{name}_baseline_dev_accuracy": baseline.dev_accuracy}
+            metrics[f"{name}_vs_baseline"] = report.test_accuracy - baseline.test_accuracy
+            mlflow.log_param(f"{name}.baseline_C", baseline.C)
         mlflow.log_metrics(metrics)
-        for step, point in enumerate(report["sweep"]):
+        for step, point in enumerate(report.sweep):
             mlflow.log_metrics(
-                {
-                    f"{name}_sweep_dev_accuracy": point["dev_accuracy"],
-                    f"{name}_sweep_nonzero": point["nonzero"],
-                },
+                {f"{name}_sweep_dev_accuracy": point.dev_accuracy, f"{name}_sweep_nonzero": point.nonzero},
                 step=step,
             )
-        mlflow.log_dict(report, f"{name}/report.json")
-        for uri in report["plots"].values():
+        mlflow.log_dict(report.model_dump(), f"{name}/report.json")
+        for uri in report.plots.values():
             store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
             with store.local_copy(key) as path:
                 mlflow.log_artifact(str(path), artifact_path=name)
-        for heatmap in report.get("heatmaps", []):  # the sentiment neuron over six to eight test reviews
-            store, key = split_object_uri(heatmap["uri"], endpoint_url=settings.s3_endpoint_url)
+        for heatmap in report.heatmaps:  # the sentiment neuron over six to eight test reviews
+            store, key = split_object_uri(heatmap.uri, endpoint_url=settings.s3_endpoint_url)
             with store.local_copy(key) as path:
                 mlflow.log_artifact(str(path), artifact_path=f"{name}/neuron")
 
 
-def heatmaps_markdown(reports: list[dict[str, Any]], link: Callable[[str], str]) -> str:
+def heatmaps_markdown(reports: list[ProbeReport], link: Callable[[str], str]) -> str:
     """Per dataset, a list of the neuron's heatmaps: why each review was picked, its label and P, and
     ``link(artifact_path)`` to the PNG in the MLflow run."""
     lines = []
     for report in reports:
-        if not report.get("heatmaps"):
+        if not report.heatmaps:
             continue
         lines += [
             "",
-            f"Unit {report['top_unit']} over {len(report['heatmaps'])} {report['name']} test reviews (the "
+            f"Unit {report.top_unit} over {len(report.heatmaps)} {report.name} test reviews (the "
             "three most positive, the three most negative, the two most confidently misclassified):",
             "",
         ]
-        for h in report["heatmaps"]:
-            path = f"{report['name']}/neuron/{h['uri'].rsplit('/', 1)[-1]}"
-            label = "positive" if h["label"] == 1 else "negative"
+        for h in report.heatmaps:
+            path = f"{report.name}/neuron/{h.uri.rsplit('/', 1)[-1]}"
+            label = "positive" if h.label == 1 else "negative"
             lines.append(
-                f"- {h['role']}: test row {h['row']}, labelled {label}, P(positive) {h['probability']:.3f}: "
-                f"{link(path)}"
+                f"- {h.role}: test row {h.row}, labelled {label}, P(positive) {h.probability:.3f}: {link(path)}"
             )
     return "\n".join(lines) + ("\n" if lines else "")
 
@@ -181,20 +183,20 @@ def log_classifier(
 
 def register(
     model_uri: str,
-    report: dict[str, Any],
+    report: Registrable,
     settings: Settings,
     *,
     score_on_test: Callable[[str], float],
     lineage: dict[str, str] | None = None,
-    description: str | None = None,
-) -> dict[str, Any]:
+    description: str,
+) -> Registration:
     """Register a version; make it ``@champion`` only if it beats the champion on this test set.
 
     ``score_on_test(model_uri)`` measures a model's accuracy on this report's test set; it is called
     only when the champion was scored on other data (its tags then say nothing comparable). A champion
     that cannot be scored (its model unreadable) is replaced, and the reason says why.
     ``lineage`` tags lead from the version back to its corpus, pretraining run and flow runs.
-    ``description``: the version's model card (default: the probe's, ``model_card``).
+    ``description``: the version's model card (a probe's: ``model_card``).
     """
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -203,33 +205,28 @@ def register(
     connect(settings)
     client = MlflowClient()
     name = settings.model_name
+    baseline = report.baseline_accuracy
     tags = {
-        "dataset": report["name"],
-        "dataset_checksum": report["checksum"],
-        "test_accuracy": f"{report['test_accuracy']:.6f}",
-        **(
-            {"baseline_test_accuracy": f"{baseline_accuracy(report):.6f}"}
-            if baseline_accuracy(report) is not None
-            else {}
-        ),
+        "dataset": report.name,
+        "dataset_checksum": report.checksum,
+        "test_accuracy": f"{report.test_accuracy:.6f}",
+        **({"baseline_test_accuracy": f"{baseline:.6f}"} if baseline is not None else {}),
         **(lineage or {}),
-        "checkpoint_uri": report["checkpoint_uri"],
+        "checkpoint_uri": report.checkpoint_uri,
     }
     with contextlib.redirect_stderr(io.StringIO()):  # MLflow prints "Successfully registered …" there
         version = mlflow.register_model(model_uri, name, tags=tags)
-    client.update_model_version(name, version.version, description=description or model_card(report))
+    client.update_model_version(name, version.version, description=description)
     try:
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
         champion = None
-    outcome: dict[str, Any] = {"name": name, "version": int(version.version), "model_uri": model_uri}
     champion_accuracy: float | None = None
     if champion is None:
         promoted, reason = True, "there was no champion"
     else:
-        outcome["champion_version"] = int(champion.version)
         unreadable = None
-        if champion.tags.get("dataset_checksum") == report["checksum"]:
+        if champion.tags.get("dataset_checksum") == report.checksum:
             champion_accuracy = float(champion.tags["test_accuracy"])
         else:
             try:
@@ -241,26 +238,29 @@ def register(
         if unreadable is not None:
             promoted = True
             reason = (
-                f"champion v{champion.version} could not be scored on {report['name']} ({unreadable}); "
-                f"v{version.version} with test accuracy {report['test_accuracy']:.4f} replaces it"
+                f"champion v{champion.version} could not be scored on {report.name} ({unreadable}); "
+                f"v{version.version} with test accuracy {report.test_accuracy:.4f} replaces it"
             )
         elif champion_accuracy is not None:
-            promoted = report["test_accuracy"] > champion_accuracy
+            promoted = report.test_accuracy > champion_accuracy
             verdict = "beats" if promoted else "does not beat"
             reason = (
-                f"test accuracy {report['test_accuracy']:.4f} {verdict} champion v{champion.version}'s "
-                f"{champion_accuracy:.4f} on {report['name']}"
+                f"test accuracy {report.test_accuracy:.4f} {verdict} champion v{champion.version}'s "
+                f"{champion_accuracy:.4f} on {report.name}"
             )
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version.version)
     client.set_model_version_tag(name, version.version, "promotion", reason)
-    return {
-        **outcome,
-        "promoted": promoted,
-        "reason": reason,
-        "champion_accuracy": champion_accuracy,
-        "champion_uri": f"models:/{name}@{CHAMPION}",
-    }
+    return Registration(
+        name=name,
+        version=int(version.version),
+        model_uri=model_uri,
+        champion_version=int(champion.version) if champion is not None else None,
+        promoted=promoted,
+        reason=reason,
+        champion_accuracy=champion_accuracy,
+        champion_uri=f"models:/{name}@{CHAMPION}",
+    )
 
 
 # Tags of the pretraining run that a registered model's lineage carries on, under these names.
@@ -310,34 +310,29 @@ def promote(version: int, settings: Settings, *, reason: str) -> dict[str, Any]:
     return {"name": name, "version": version, "previous": previous}
 
 
-def model_card(report: dict[str, Any]) -> str:
+def model_card(report: ProbeReport) -> str:
     """The registered version's description (its page in the MLflow UI): the probe's test accuracy beside
     the measured baseline's, with the difference, and the paper's figure as a citation."""
-    source = f" (`{report['source']}`)" if report.get("source") else ""
+    source = f" (`{report.source}`)" if report.source else ""
     lines = [
-        f"L1 logistic-regression probe on the mLSTM's final cell state, trained on {report['name']}{source}, "
-        f"data checksum {report['checksum'][:16]}, checkpoint `{report['checkpoint_uri']}`.",
+        f"L1 logistic-regression probe on the mLSTM's final cell state, trained on {report.name}{source}, "
+        f"data checksum {report.checksum[:16]}, checkpoint `{report.checkpoint_uri}`.",
         "",
-        f"- test accuracy {accuracy_beside_baseline(report['test_accuracy'], baseline_accuracy(report))}",
+        f"- test accuracy {accuracy_beside_baseline(report.test_accuracy, report.baseline_accuracy)}",
+        f"- dev accuracy {report.dev_accuracy:.2%} at C = {report.C:g}, {report.nonzero} non-zero "
+        f"weights; unit {report.top_unit} alone: {report.top_unit_accuracy:.2%} on test",
     ]
-    if "dev_accuracy" in report:
+    if (b := report.baseline) is not None:
         lines.append(
-            f"- dev accuracy {report['dev_accuracy']:.2%} at C = {report['C']:g}, {report['nonzero']} non-zero "
-            f"weights; unit {report['top_unit']} alone: {report['top_unit_accuracy']:.2%} on test"
+            f"- the baseline, measured on the same splits: {b.method}; dev {b.dev_accuracy:.2%} at C = {b.C:g}"
         )
-    if report.get("baseline"):
-        b = report["baseline"]
-        lines.append(
-            f"- the baseline, measured on the same splits: {b.get('method', 'TF-IDF + logistic regression')}; "
-            f"dev {b['dev_accuracy']:.2%} at C = {b['C']:g}"
-        )
-    paper = report.get("reference", {}).get("radford_2017_mlstm_4096")
+    paper = report.reference.get("radford_2017_mlstm_4096")
     if paper:
         lines.append(f"- cited, not measured here: {paper:.2%} for the 4096-unit mLSTM ({REFERENCE_SOURCE})")
     return "\n".join(lines) + "\n"
 
 
-def report_markdown(reports: list[dict[str, Any]], registered: dict[str, Any] | None) -> str:
+def report_markdown(reports: list[ProbeReport], registered: Registration | None) -> str:
     """The probe report as markdown: ours beside the measured TF-IDF baseline and the paper's cited figure."""
     lines = [
         "| dataset | test acc | baseline (TF-IDF, measured) | probe − baseline | dev acc | C | non-zero "
@@ -345,16 +340,16 @@ def report_markdown(reports: list[dict[str, Any]], registered: dict[str, Any] | 
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in reports:
-        paper = r.get("reference", {}).get("radford_2017_mlstm_4096")
-        baseline = baseline_accuracy(r)
+        paper = r.reference.get("radford_2017_mlstm_4096")
+        baseline = r.baseline_accuracy
         measured, gap = "-", "-"
         if baseline is not None:
-            measured, gap = f"{baseline:.2%}", f"{(r['test_accuracy'] - baseline) * 100:+.2f} points"
+            measured, gap = f"{baseline:.2%}", f"{(r.test_accuracy - baseline) * 100:+.2f} points"
         lines.append(
-            f"| {r['name']} | {r['test_accuracy']:.2%} | {measured} | {gap} | {r['dev_accuracy']:.2%} | {r['C']:g} | {r['nonzero']} "
-            f"| {r['top_unit']} | {r['top_unit_accuracy']:.2%} | {f'{paper:.2%}' if paper else '-'} |"
+            f"| {r.name} | {r.test_accuracy:.2%} | {measured} | {gap} | {r.dev_accuracy:.2%} | {r.C:g} | {r.nonzero} "
+            f"| {r.top_unit} | {r.top_unit_accuracy:.2%} | {f'{paper:.2%}' if paper else '-'} |"
         )
     lines += ["", f"The paper's column is a citation ({REFERENCE_SOURCE}); the baseline is measured here."]
     if registered:
-        lines += ["", f"Registered `{registered['name']}` v{registered['version']}: {registered['reason']}."]
+        lines += ["", f"Registered `{registered.name}` v{registered.version}: {registered.reason}."]
     return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ from tasks.transfer.explain import class_means, explain, pick_examples, to_png
 from tasks.transfer.features import cached_features, weights_fingerprint
 from tasks.transfer.precomputed import read_split
 from tasks.transfer.probe import ProbeResult, fit_probe, plot_sweep, plot_top_unit
+from tasks.transfer.result import BaselineReport, Extracted, ProbeReport, SplitFeatures
 
 SPLITS = ("train", "dev", "test")
 NEWEST = "newest"  # a checkpoint or corpus URI that means: the one saved last in the store
@@ -46,7 +47,6 @@ REFERENCE = {
     "imdb": {"radford_2017_mlstm_4096": 0.9288},
 }
 REFERENCE_SOURCE = "Radford et al. 2017, arXiv:1704.01444"
-SUMMARY_KEYS = ("test_accuracy", "dev_accuracy", "C", "nonzero", "top_unit", "top_unit_accuracy")
 
 
 def resolve_checkpoint(uri: str, settings: Settings) -> str:
@@ -95,7 +95,7 @@ def extract(
     *,
     on_start: Callable[[int], None] | None = None,
     on_batch: OnBatch | None = None,
-) -> dict[str, Any]:
+) -> Extracted:
     """The features of one dataset's three splits, computed or found in the store's cache.
 
     ``on_start`` hears the number of rows once the data is read; ``on_batch`` after every batch.
@@ -121,40 +121,39 @@ def extract(
             on_batch=on_batch,
             precision=params.precision,
         )
-        splits[split] = {"uri": found.uri, "rows": len(data.texts), "cached": found.cached}
-    return {
-        "name": dataset.name,
-        "spec": spec,
-        "source": dataset.source,
-        "kind": dataset.kind,
-        "checksum": dataset.checksum,
-        "dev_from_train": dataset.dev_from_train,
-        "checkpoint_uri": checkpoint.uri,
-        "checkpoint_run_id": checkpoint.meta.get("mlflow_run_id"),
-        "weights": weights,
-        "hidden_size": model.config.hidden_size,
-        # What the features were read in here: auto's answer on this machine's device.
-        "features_precision": PRECISION_NAMES[resolve_precision(params.precision, default_device())],
-        "splits": splits,
-    }
+        splits[split] = SplitFeatures(uri=found.uri, rows=len(data.texts), cached=found.cached)
+    return Extracted(
+        name=dataset.name,
+        spec=spec,
+        source=dataset.source,
+        kind=dataset.kind,
+        checksum=dataset.checksum,
+        dev_from_train=dataset.dev_from_train,
+        checkpoint_uri=checkpoint.uri,
+        checkpoint_run_id=checkpoint.meta.get("mlflow_run_id"),
+        weights=weights,
+        hidden_size=model.config.hidden_size,
+        features_precision=PRECISION_NAMES[resolve_precision(params.precision, default_device())],
+        splits=splits,
+    )
 
 
-def split_features(extracted: dict[str, Any], settings: Settings) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def split_features(extracted: Extracted, settings: Settings) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each split's features and labels, as ``extract`` wrote them (the `probe` command's reader:
     memory-mapped, and every error names the file and the column)."""
     return {
-        split: read_split(extracted["splits"][split]["uri"], endpoint_url=settings.s3_endpoint_url)
+        split: read_split(extracted.splits[split].uri, endpoint_url=settings.s3_endpoint_url)
         for split in SPLITS
     }
 
 
 def probe(
-    extracted: dict[str, Any],
+    extracted: Extracted,
     params: TransferParams,
     settings: Settings,
     *,
     on_fit: Callable[[Any], None] | None = None,
-) -> dict[str, Any]:
+) -> ProbeReport:
     """Fit the L1 probe on one dataset's features; write its weights, report and plots to the store."""
     data = split_features(extracted, settings)
     result = fit_probe(
@@ -162,8 +161,10 @@ def probe(
         solver=params.solver, device=_probe_device(params.solver),
     )  # fmt: skip
     store = store_of(settings)
-    measured = measure_baseline(extracted, params, settings) if params.baseline else None
-    prefix = f"transfer/{extracted['weights']}/{extracted['checksum'][:16]}"
+    measured = (
+        measure_baseline(extracted.spec, extracted.checksum, params, settings) if params.baseline else None
+    )
+    prefix = f"transfer/{extracted.weights}/{extracted.checksum[:16]}"
     with tempfile.TemporaryDirectory(prefix="mlstm-probe-") as scratch:
         np.savez(
             Path(scratch) / "probe.npz",
@@ -173,7 +174,7 @@ def probe(
         )
         store.put_file(Path(scratch) / "probe.npz", f"{prefix}/probe.npz")
         plots = {}
-        for name, figure in _figures(result, extracted["name"], *data["test"]).items():
+        for name, figure in _figures(result, extracted.name, *data["test"]).items():
             figure.savefig(Path(scratch) / name, dpi=110, bbox_inches="tight")
             store.put_file(Path(scratch) / name, f"{prefix}/{name}")
             plots[name] = store.url(f"{prefix}/{name}")
@@ -183,51 +184,55 @@ def probe(
             store.put_file(Path(scratch) / heatmap.pop("file"), key)
             heatmap["uri"] = store.url(key)
     report = {
-        **{
-            key: extracted[key]
-            for key in (
-                *("name", "spec", "source", "kind", "checksum", "checkpoint_uri", "dev_from_train"),
+        **extracted.model_dump(
+            include={
+                "name",
+                "spec",
+                "source",
+                "kind",
+                "checksum",
+                "checkpoint_uri",
+                "dev_from_train",
                 "features_precision",
-            )
-        },
-        "rows": {split: extracted["splits"][split]["rows"] for split in SPLITS},
+            }
+        ),
+        "rows": {split: extracted.splits[split].rows for split in SPLITS},
         **result.summary(),
         "top_unit_sign": result.top_unit_sign,
         "sweep": [asdict(point) for point in result.sweep],
-        "reference": REFERENCE.get(extracted["name"], {}),
-        "baseline": measured,
+        "reference": REFERENCE.get(extracted.name, {}),
+        "baseline": measured.model_dump() if measured else None,
         "probe_uri": store.url(f"{prefix}/probe.npz"),
         "plots": plots,
         "heatmaps": heatmaps,
     }
+    # report.json: the report as it was written before it was a model (the same keys, in their order).
     store.write_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())
-    return {**report, "report_uri": store.url(f"{prefix}/report.json")}
+    return ProbeReport.model_validate({**report, "report_uri": store.url(f"{prefix}/report.json")})
 
 
-def measure_baseline(extracted: dict[str, Any], params: TransferParams, settings: Settings) -> dict[str, Any]:
-    """The TF-IDF baseline on the dataset's own splits: ``{test_accuracy, dev_accuracy, C, seconds,
-    cached}``, read from the store when this data was measured by this method before."""
+def measure_baseline(spec: str, checksum: str, params: TransferParams, settings: Settings) -> BaselineReport:
+    """The TF-IDF baseline on the splits of dataset ``spec`` (whose content is ``checksum``), read from
+    the store when this data was measured by this method before."""
     from tasks.transfer.baseline import METHOD, fit_baseline
 
     store = store_of(settings)
     # The same file read with other columns is other data: the columns are part of the key.
     columns = f"{params.text_column}\0{params.label_column}"
     method = hashlib.sha256(f"{METHOD}\0{columns}".encode()).hexdigest()[:12]
-    key = f"baseline/{extracted['checksum'][:16]}/{method}.json"
+    key = f"baseline/{checksum[:16]}/{method}.json"
     if store.exists(key):
-        return {**json.loads(store.read_bytes(key)), "cached": True}
-    dataset = load_dataset(
-        extracted["spec"], text_column=params.text_column, label_column=params.label_column
-    )
-    if dataset.checksum != extracted["checksum"]:
+        return BaselineReport.model_validate({**json.loads(store.read_bytes(key)), "cached": True})
+    dataset = load_dataset(spec, text_column=params.text_column, label_column=params.label_column)
+    if dataset.checksum != checksum:
         raise ValueError(f"{dataset.source} changed while the transfer stage read it; run it again")
     measured = {**fit_baseline(dataset).as_dict(), "method": METHOD}
     store.write_bytes(key, json.dumps(measured, indent=2).encode())
-    return {**measured, "cached": False}
+    return BaselineReport.model_validate({**measured, "cached": False})
 
 
 def _neuron_heatmaps(
-    extracted: dict[str, Any],
+    extracted: Extracted,
     params: TransferParams,
     settings: Settings,
     result: ProbeResult,
@@ -241,15 +246,15 @@ def _neuron_heatmaps(
     p_N = probability(test_X, result.coef, result.intercept)
     examples = pick_examples(p_N, test_y)
     texts = load_dataset(
-        extracted["spec"], text_column=params.text_column, label_column=params.label_column
+        extracted.spec, text_column=params.text_column, label_column=params.label_column
     ).test.texts
-    model = load_checkpoint_of(extracted["checkpoint_uri"], settings).model()
+    model = load_checkpoint_of(extracted.checkpoint_uri, settings).model()
     classifier = SentimentClassifier(model, result.coef, result.intercept)
     shown = []
     for example in examples:
         reading = explain(classifier, texts[example.index], unit=result.top_unit)
         label = "positive" if test_y[example.index] == 1 else "negative"
-        title = f"{extracted['name']} test row {example.index} ({label}): P(positive) = {reading.final:.3f}"
+        title = f"{extracted.name} test row {example.index} ({label}): P(positive) = {reading.final:.3f}"
         to_png(reading, scratch / f"neuron-{example.file}", title=title)
         shown.append(
             {
@@ -278,33 +283,21 @@ def _figures(result: ProbeResult, name: str, test_X: np.ndarray, test_y: np.ndar
     }
 
 
-def classifier_of(report: dict[str, Any], settings: Settings) -> SentimentClassifier:
+def classifier_of(report: ProbeReport, settings: Settings) -> SentimentClassifier:
     """The featurizer of the report's checkpoint with its probe on top."""
-    model = load_checkpoint_of(report["checkpoint_uri"], settings).model()
-    store, key = split_object_uri(report["probe_uri"], endpoint_url=settings.s3_endpoint_url)
+    model = load_checkpoint_of(report.checkpoint_uri, settings).model()
+    store, key = split_object_uri(report.probe_uri, endpoint_url=settings.s3_endpoint_url)
     with store.local_copy(key) as path, np.load(path, allow_pickle=False) as arrays:
         coef_H, intercept = arrays["coef"], float(arrays["intercept"][0])
         class_means_2H = arrays["class_means"] if "class_means" in arrays.files else None
-    info = {key: report[key] for key in ("name", "checksum", "checkpoint_uri", "C", "test_accuracy")}
-    return SentimentClassifier(
-        model, coef_H, intercept, {"dataset": info.pop("name"), **info}, class_means_2H
-    )
-
-
-def summary_table(reports: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The --json output: {dataset: {test_accuracy, dev_accuracy, C, nonzero, top_unit, top_unit_accuracy,
-    baseline_test_accuracy}} (the last None when the baseline was not measured)."""
-    return {
-        report["name"]: {key: report[key] for key in SUMMARY_KEYS}
-        | {"baseline_test_accuracy": baseline_accuracy(report)}
-        for report in reports
+    info = {
+        "dataset": report.name,
+        "checksum": report.checksum,
+        "checkpoint_uri": report.checkpoint_uri,
+        "C": report.C,
+        "test_accuracy": report.test_accuracy,
     }
-
-
-def baseline_accuracy(report: dict[str, Any]) -> float | None:
-    """The measured baseline's test accuracy in a probe report, or None."""
-    baseline = report.get("baseline")
-    return float(baseline["test_accuracy"]) if baseline else None
+    return SentimentClassifier(model, coef_H, intercept, info, class_means_2H)
 
 
 def accuracy_beside_baseline(test_accuracy: float, baseline: float | None) -> str:

@@ -1,0 +1,31 @@
+"""The corpus stage's result: what ``corpus build`` hands on to pretraining and prints with ``--json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class CorpusResult(BaseModel):
+    """A published corpus: its id, its manifest's URI and the counts a user checks first."""
+
+    model_config = ConfigDict(frozen=True)
+
+    corpus_id: str
+    manifest_uri: str
+    rows: int  # kept: one row per distinct cleaned review
+    duplicates: int
+    rejected: int
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any], manifest_uri: str) -> CorpusResult:
+        """The result of a corpus from its manifest (built now, or found built)."""
+        totals = manifest["totals"]
+        return cls(
+            corpus_id=manifest["corpus_id"],
+            manifest_uri=manifest_uri,
+            rows=totals["kept"],
+            duplicates=totals["duplicates"],
+            rejected=totals["rejected"],
+        )
