@@ -237,3 +237,86 @@ def test_no_module_of_the_three_packages_is_over_600_lines() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert not over, f"split by job: {over}"
+
+
+# --- Stage results are typed: what a stage hands on is a pydantic model, read by attribute. -----------
+
+# The modules at the stages' boundaries: each stage's flow module, the stages' steps, the pipeline.
+BOUNDARY_MODULES = sorted(
+    path
+    for path in [
+        *(ROOT / "flows").glob("*.py"),
+        *(ROOT / "tasks").glob("*/stage.py"),
+        ROOT / "tasks" / "pipeline.py",
+    ]
+    if "@flow(" in path.read_text() or path.name in ("stage.py", "pipeline.py")
+)
+# What still passes as a dict there, and why it is no stage's result.
+UNTYPED_ON_PURPOSE = {
+    # The pipeline's parameters as ``--set`` edits them (a JSON document), its MLflow record, the keys' hashes.
+    ("tasks/pipeline.py", "digest"),
+    ("tasks/pipeline.py", "transfer_key_settings"),
+    ("tasks/pipeline.py", "apply_overrides"),
+    ("tasks/pipeline.py", "validated"),
+    ("tasks/pipeline.py", "pipeline_params_of"),
+    ("tasks/pipeline.py", "recent_pipelines"),
+    ("tasks/pipeline.py", "shown"),  # the --json object
+    ("tasks/pipeline.py", "finished_run"),  # the job runtime's latest.json
+    # A scored piece's record, from one of the score stage's own tasks to its manifest.
+    ("flows/score.py", "score_piece_task"),
+    # The corpus manifest: a stored document every later stage reads; not a model yet.
+    ("tasks/pretrain/stage.py", "read_corpus_manifest"),
+}
+
+
+def untyped_boundaries(paths: list[Path]) -> list[str]:
+    """Public functions of ``paths`` that take or return ``dict[str, Any]``, as ``path: name``."""
+    found = []
+    for path in paths:
+        relative = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name.startswith("_"):
+                continue
+            arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            annotations = [a.annotation for a in arguments if a.annotation] + (
+                [node.returns] if node.returns else []
+            )
+            untyped = any("dict[str, Any]" in ast.unparse(a) for a in annotations)
+            if untyped and (relative, node.name) not in UNTYPED_ON_PURPOSE:
+                found.append(f"{relative}: {node.name}")
+    return found
+
+
+def test_no_stage_result_crosses_a_boundary_as_a_dict() -> None:
+    """Flows, stage steps and the pipeline take and return result models: mypy sees a renamed field."""
+    # The 7 flow modules, the steps of the three stages that plan a stage.py, the pipeline's bookkeeping.
+    assert len(BOUNDARY_MODULES) == 11, BOUNDARY_MODULES
+    assert untyped_boundaries(BOUNDARY_MODULES) == []
+
+
+def flow_returns() -> dict[str, str]:
+    """Each Prefect flow of flows/ and the name its return annotation gives."""
+    found = {}
+    for path in sorted((ROOT / "flows").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Call) and ast.unparse(d.func) == "flow" for d in node.decorator_list
+            ):
+                found[f"{path.stem}.{node.name}"] = ast.unparse(node.returns) if node.returns else "-"
+    return found
+
+
+def result_models() -> set[str]:
+    """The result models: the classes of each stage's ``result.py``, and the pipeline's."""
+    names = {"PipelineResult"}
+    for path in (ROOT / "tasks").glob("*/result.py"):
+        names |= {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+    return names
+
+
+def test_every_flow_returns_its_stages_result_model() -> None:
+    returns = flow_returns()
+    assert len(returns) >= 8, (
+        returns
+    )  # corpus, pretrain, transfer, register, finetune, score, sweep, pipeline
+    assert {flow: name for flow, name in returns.items() if name not in result_models()} == {}
