@@ -420,7 +420,7 @@ def test_mlflow_serves_the_registered_fine_tuned_version_as_the_job_scored_it(
     from tasks.transfer.serve import invoke, served
 
     texts = load_dataset(f"early={world['data']}").test.texts[:8]
-    uri = f"models:/finetune-test/{world['result']['registered']['version']}"
+    uri = f"models:/finetune-test/{world['result'].registered.version}"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLSTM_HOME", str(world["root"] / "home"))
         settings = get_settings()
