@@ -20,8 +20,8 @@ step's folder (with ``consolidated.json`` holding its sha256) when the store can
 
 With ``MLSTM_CHECKPOINT_KEY`` set, ``meta.json`` (and so every file's sha256 in it) also carries an
 HMAC-SHA256 under that key, which ``load_from``, the one way in for every reader, checks before it
-opens any other file of the checkpoint: DCP's ``.metadata``, a pickle, is read only once it and its
-digest are known to be the job's. A checkpoint whose HMAC is wrong or missing is refused
+opens any other file of the checkpoint. Without the key, DCP's files are still read as data only
+(``tasks/jobs/dcp_reader.py``): a forged ``.metadata`` is refused, not run. A checkpoint whose HMAC is wrong or missing is refused
 (``UntrustedCheckpoint``, naming its ``meta.json``); a cached consolidation without its own valid
 HMAC is made again from the checked files. The digests alone say nothing against someone who can
 write the store: they would rewrite ``meta.json`` with their file's digest.

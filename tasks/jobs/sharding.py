@@ -20,7 +20,6 @@ consolidated on first use (``consolidate``, in one process) and cached beside it
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,6 +40,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from tasks.jobs.config import OptimizerSettings, Sharding
+from tasks.jobs.dcp_reader import load_into, read_whole
 from tasks.jobs.optim import OptimizerPath, build_optimizer
 
 
@@ -137,7 +136,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     """Load DCP files saved at any world size and sharding into this launch's model and optimizer.
     Every rank must call this."""
     state, groups = _sharded_state(model, optimizer)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    load_into(state, directory)  # the index and any stored bytes read as data only
     set_model_state_dict(model, state["model"])
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     set_optimizer_state_dict(model, inner, {"state": state["optimizer"], "param_groups": groups})
@@ -160,10 +159,7 @@ def optimizer_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 def consolidate(directory: Path, run_state: dict[str, Any]) -> dict[str, Any]:
     """A sharded checkpoint's DCP files and ``run_state.pt`` as one ``state.pt``'s state (no process
     group: one process reads every file)."""
-    with tempfile.TemporaryDirectory(prefix="mlstm-consolidate-") as scratch:
-        path = Path(scratch) / "state.pt"
-        dcp_to_torch_save(directory, path)
-        saved: dict[str, Any] = torch.load(path, weights_only=True)
+    saved = read_whole(directory)  # DCP's own dcp_to_torch_save reads the index with a plain pickle
     names = run_state["param_names"]  # the model's order, which plain Adam's indices follow
     weights = {name: saved["model"][name] for name in names}
     adam = {names.index(name): value for name, value in saved["optimizer"].items()}
