@@ -1,7 +1,12 @@
 """MLflow's loader for the served classifier (``loader_module``): the code that scores is this installed
 package, never code stored with the model. The logged model's artifact holds data only: the classifier's
-``.npz`` of weights and its ``classifier.json``. Anyone who can write the artifact store can change what a
-model answers, not run code on the machines that load it.
+``.npz`` of weights and its ``classifier.json``.
+
+The project's own readers (``predict``, ``score``, ``explain``, the transfer stage's champion) call
+``load_served`` on the artifact's data folder themselves (``tasks/registered.py``), so what the
+artifact's ``MLmodel`` names cannot change the code they run. ``mlflow models serve`` and
+``mlflow.pyfunc.load_model`` follow ``MLmodel`` and so trust whoever can write the artifact root
+(docs/operations.md, "Who may write what").
 """
 
 from __future__ import annotations
@@ -26,7 +31,12 @@ def installed_version() -> str:
 
 def _load_pyfunc(data_path: str) -> SentimentModel:
     """What ``mlflow.pyfunc.load_model`` calls with the model's data folder."""
-    folder = Path(data_path)
+    return load_served(Path(data_path))
+
+
+def load_served(folder: Path) -> SentimentModel:
+    """The served model of a classifier's saved folder, built by this installed package from data only
+    (the project's own readers call this directly, never MLflow's flavour dispatch)."""
     # A probe on the frozen mLSTM, or the mLSTM fine-tuned with its head: the same interface.
     classifier = (
         FinetunedClassifier.load(folder) if is_finetuned(folder) else SentimentClassifier.load(folder)

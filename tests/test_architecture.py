@@ -113,7 +113,15 @@ def test_the_job_is_run_not_imported() -> None:
 
 # Inside tasks/: the ground floor every stage stands on, the job runtime above it, then the stages side
 # by side, and the pipeline's bookkeeping on top.
-GROUND = ("tasks.processes", "tasks.secrets", "tasks.settings", "tasks.store", "tasks.tracking")
+GROUND = (
+    "tasks.processes",
+    "tasks.registered",
+    "tasks.secrets",
+    "tasks.settings",
+    "tasks.signing",
+    "tasks.store",
+    "tasks.tracking",
+)
 RUNTIME = "tasks.jobs"
 STAGES = ("tasks.corpus", "tasks.pretrain", "tasks.finetune", "tasks.transfer", "tasks.score", "tasks.sweep")
 # The longest chain of packages inside tasks/, each importing the next (secrets → settings → store →

@@ -238,7 +238,8 @@ def test_predict_reads_in_the_asked_precision_a_model_logged_before_it_was_a_par
     tmp_path: Path,
 ) -> None:
     # A model whose logged signature knows batch_size only: MLflow drops `precision` from its params with
-    # a warning, so `predict --precision bf16` would silently read fp32; it calls the model's code instead.
+    # a warning, so through MLflow `predict --precision bf16` would silently read fp32; the project reads
+    # the model itself (tasks/registered.py), so the asked precision is honoured.
     import mlflow
     import numpy as np
     import pandas as pd
@@ -249,6 +250,7 @@ def test_predict_reads_in_the_asked_precision_a_model_logged_before_it_was_a_par
     from models import mlflow_loader
     from models.classifier import SentimentClassifier
     from models.mlstm import MLSTM, tiny
+    from tasks import registered
 
     torch.manual_seed(0)
     model = MLSTM(tiny())
@@ -268,7 +270,10 @@ def test_predict_reads_in_the_asked_precision_a_model_logged_before_it_was_a_par
     exact = loaded.predict(frame, params={"batch_size": 8})["probability"].to_numpy()
     dropped = loaded.predict(frame, params={"batch_size": 8, "precision": "bf16"})["probability"].to_numpy()
     np.testing.assert_array_equal(dropped, exact)  # what MLflow alone does with it
-    asked = _predicted(loaded, texts, {"batch_size": 8, "precision": "bf16"})["probability"].to_numpy()
+    ours = registered.load(
+        registered.RegisteredModel(uri="model", folder=registered.data_folder(tmp_path / "model", "model"))
+    )
+    asked = _predicted(ours, texts, {"batch_size": 8, "precision": "bf16"})["probability"].to_numpy()
     assert not np.array_equal(asked, exact)
     np.testing.assert_allclose(asked, exact, atol=0.02)
-    np.testing.assert_array_equal(_predicted(loaded, texts, {"batch_size": 8})["probability"], exact)
+    np.testing.assert_array_equal(_predicted(ours, texts, {"batch_size": 8})["probability"], exact)

@@ -241,16 +241,12 @@ def probe_of(loaded: Any, uri: str) -> Any:
 
 
 def load_registered(model: str | None) -> tuple[Any, str]:
-    """The MLflow pyfunc model at ``model`` (default: the champion) and its URI, or one clear line."""
-    from tasks.tracking import connect
+    """The classifier at MLflow model URI ``model`` (default: the champion) as a served model, read as
+    data and built by this package (``tasks/registered.py``), and its URI; or one clear line."""
+    from tasks import registered
 
-    settings = get_settings()
-    connect(settings)
-    import mlflow.pyfunc
-    from mlflow.exceptions import MlflowException
-
-    uri = model or f"models:/{settings.model_name}@champion"
     try:
-        return mlflow.pyfunc.load_model(uri), uri
-    except MlflowException as error:
-        raise fail(f"cannot load {uri} from {settings.shown_mlflow_tracking_uri}: {error.message}") from None
+        found = registered.resolve(model, get_settings())
+        return registered.load(found), found.uri
+    except (registered.ModelNotFound, registered.UntrustedModel) as error:
+        raise fail(error) from None

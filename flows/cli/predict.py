@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from flows.cli.common import classifier_of, fail, load_registered, out, probe_of, styled, user_errors
+from flows.cli.common import fail, load_registered, out, probe_of, styled, user_errors
 from flows.cli.transfer import PrecisionOption
 
 if TYPE_CHECKING:
@@ -29,18 +29,12 @@ def _explained(classifier: Any, texts: list[str], unit: int | None) -> list[Read
 
 
 def _predicted(loaded: Any, texts: list[str], params: dict[str, Any]) -> Any:
-    """The pyfunc's answer for ``texts`` with ``params``, as served. MLflow drops, with only a warning,
-    a parameter the model's logged signature lacks: a model logged before ``precision`` was one would
-    read fp32 whatever was asked, so such a model's own code is called directly, with the same checks."""
+    """The served model's answer for ``texts`` with ``params``, with the checks it makes when served.
+    The project calls the model itself (``load_registered``), so a parameter the logged signature lacks
+    (``precision``, for a model logged before it was one) is honoured, not dropped as MLflow would."""
     import pandas as pd
 
-    from models.serving import SentimentModel
-
-    frame = pd.DataFrame({"text": texts})
-    schema = loaded.metadata.get_params_schema()
-    if set(params) <= {spec.name for spec in (schema.params if schema else [])}:
-        return loaded.predict(frame, params=params)
-    return SentimentModel(classifier_of(loaded)).predict(frame, params=params)
+    return loaded.predict(pd.DataFrame({"text": texts}), params=params)
 
 
 @app.command(rich_help_panel=PANEL)

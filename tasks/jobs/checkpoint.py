@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import io
 import json
 import logging
@@ -46,6 +45,8 @@ from typing import Any
 import torch
 
 from models.mlstm import MLSTM, MLSTMConfig
+from tasks import signing
+from tasks.signing import HMAC_FIELD
 from tasks.store import LocalStore, Store, StoreError, open_store
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,6 @@ SHARDED_DIR = "sharded"  # a sharded checkpoint's DCP files
 CONSOLIDATED = "consolidated.json"  # the sha256 of a sharded checkpoint's cached state.pt
 DCP = "dcp"
 DCP_METADATA = ".metadata"  # DCP's index of a sharded checkpoint's files: a pickle
-HMAC_FIELD = "hmac_sha256"  # in meta.json and consolidated.json, with MLSTM_CHECKPOINT_KEY set
 _STEP_DIR = re.compile(r"step-(\d{7,})$")
 
 
@@ -69,47 +69,13 @@ class UntrustedCheckpoint(DamagedCheckpoint):
     """A checkpoint whose HMAC is wrong or missing while ``MLSTM_CHECKPOINT_KEY`` is set: not read."""
 
 
-def _key() -> bytes | None:
-    from tasks.settings import get_settings
-
-    secret = get_settings().checkpoint_key
-    return secret.get_secret_value().encode() if secret else None
-
-
-def _signature(key: bytes, signed: dict[str, Any]) -> str:
-    """The HMAC-SHA256 of a JSON object's canonical form, its own HMAC field left out."""
-    body = {name: value for name, value in signed.items() if name != HMAC_FIELD}
-    message = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
-
-
-def _signed(signed: dict[str, Any]) -> dict[str, Any]:
-    """``signed`` with its HMAC under ``MLSTM_CHECKPOINT_KEY``; as it is without the key."""
-    key = _key()
-    return {**signed, HMAC_FIELD: _signature(key, signed)} if key else signed
-
-
-def _check_signature(key: bytes, signed: dict[str, Any], url: str) -> None:
-    found = signed.get(HMAC_FIELD)
-    if not isinstance(found, str):
-        raise UntrustedCheckpoint(
-            f"{url} has no HMAC and MLSTM_CHECKPOINT_KEY is set: not read (saved without the key, or "
-            "not by the pipeline)"
-        )
-    if not hmac.compare_digest(found, _signature(key, signed)):
-        raise UntrustedCheckpoint(
-            f"{url} does not match its HMAC under MLSTM_CHECKPOINT_KEY: not read (changed since it "
-            "was saved, or saved with another key)"
-        )
-
-
 def _check_meta(meta: dict[str, Any], url: str) -> None:
     """With ``MLSTM_CHECKPOINT_KEY`` set: ``meta.json`` is the job's (``UntrustedCheckpoint`` if not), and
     it records the digest of every file a reader will open."""
-    key = _key()
-    if key is None:
+    secret = signing.key()
+    if secret is None:
         return
-    _check_signature(key, meta, url)
+    signing.check(secret, meta, url, UntrustedCheckpoint)
     digests = meta.get("sha256", {})
     needed = [f"{SHARDED_DIR}/{DCP_METADATA}", RUN_STATE_FILE] if meta.get("format") == DCP else [STATE_FILE]
     if missing := [name for name in needed if name not in digests]:
@@ -198,7 +164,7 @@ def save_sharded_checkpoint(
 def _publish(store: Store, run: str, step: int, meta: dict[str, Any]) -> str:
     """Write ``meta.json`` once the step's files are in place, then ``latest.json`` last."""
     prefix = step_prefix(run, step)
-    meta = _signed({**meta, "step": step, "run": run})
+    meta = signing.signed({**meta, "step": step, "run": run})
     store.write_bytes(f"{prefix}/meta.json", json.dumps(meta, indent=2).encode())
     uri = store.url(prefix)
     saved_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -316,12 +282,17 @@ def _local_shards(store: Store, prefix: str, meta: dict[str, Any], local: Path) 
 
 def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: Any) -> dict[str, Any]:
     """A sharded checkpoint as one ``state.pt``'s state: the cached file, else made now and cached."""
-    secret = _key()
+    secret = signing.key()
     if store.exists(key(CONSOLIDATED)) and store.exists(key(STATE_FILE)):
         cached = json.loads(store.read_bytes(key(CONSOLIDATED)))
         with contextlib.suppress(DamagedCheckpoint):  # a damaged or unsigned cache is made again
             if secret is not None:  # signed with the checkpoint's own HMAC: not another step's cache
-                _check_signature(secret, {**cached, "of": meta[HMAC_FIELD]}, store.url(key(CONSOLIDATED)))
+                signing.check(
+                    secret,
+                    {**cached, "of": meta[HMAC_FIELD]},
+                    store.url(key(CONSOLIDATED)),
+                    UntrustedCheckpoint,
+                )
             return _read_state(store, key(STATE_FILE), cached["sha256"], map_location)
     from tasks.jobs.sharding import consolidate
 
@@ -333,7 +304,7 @@ def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: An
         digest = _save_state(store, key(STATE_FILE), state)
         cached = {"sha256": digest}
         if secret is not None:
-            cached[HMAC_FIELD] = _signature(secret, {**cached, "of": meta[HMAC_FIELD]})
+            cached[HMAC_FIELD] = signing.signature(secret, {**cached, "of": meta[HMAC_FIELD]})
         store.write_bytes(key(CONSOLIDATED), json.dumps(cached).encode())
         log.info("consolidated %s into %s", store.url(key(SHARDED_DIR)), store.url(key(STATE_FILE)))
     except (OSError, StoreError) as error:  # a store this reader cannot write: consolidate each time

@@ -4,77 +4,46 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from typing import Any
 
+from tasks import registered
+from tasks.registered import ModelNotFound
 from tasks.score.scoring import ModelRef
 from tasks.settings import Settings
 from tasks.tracking import connect
-
-MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))$")
-
-
-class ModelNotFound(ValueError):
-    """A model URI that does not name a registered version here."""
-
 
 NO_UNIT = -1  # ModelRef.unit of a classifier without a probe: its rows' sentiment_unit is NaN
 
 
 def resolve_model(uri: str | None, settings: Settings) -> ModelRef:
     """The registered version ``uri`` names (default: the champion), its classifier downloaded once into
-    ``<home>/cache/models/NAME-vN`` for the workers to load."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
+    ``<home>/cache/models/NAME-vN`` for the workers to load, read as data and checked against its
+    signature (``tasks/registered.py``)."""
     from models.classifier import top_unit
     from models.serving import DEFAULT_MAX_TEXT_CHARS, MAX_TEXT_CHARS_KEY
 
-    uri = uri or f"models:/{settings.model_name}@champion"
-    match = MODEL_URI.match(uri)
-    if match is None:
+    if uri is not None and not registered.MODEL_URI.match(uri):
         raise ModelNotFound(
             f"{uri!r} names no registered version: write models:/NAME@ALIAS or models:/NAME/VERSION"
         )
-    connect(settings)
-    client = MlflowClient()
-    name = match["name"]
-    try:
-        version = (
-            client.get_model_version(name, match["version"])
-            if match["version"]
-            else client.get_model_version_by_alias(name, match["alias"])
-        )
-    except MlflowException as error:
-        raise ModelNotFound(
-            f"cannot find {uri} in {settings.shown_mlflow_tracking_uri}: {error.message}"
-        ) from None
-    folder = (
-        settings.home / "cache" / "models" / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-v{version.version}"
-    )
-    if not list(folder.rglob("classifier.json")):
-        import mlflow.artifacts
-
-        folder.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{name}/{version.version}", dst_path=str(folder)
-        )
-    classifier_dir = next(folder.rglob("classifier.json")).parent
-    info = json.loads((classifier_dir / "classifier.json").read_text())
+    found = registered.resolve(uri, settings)
+    assert found.name is not None and found.version is not None and found.run_id is not None
+    registered.check_folder(found.folder, found.uri)
+    info = json.loads((found.folder / "classifier.json").read_text())
     import numpy as np
 
-    with np.load(classifier_dir / "classifier.npz", allow_pickle=False) as arrays:
+    with np.load(found.folder / "classifier.npz", allow_pickle=False) as arrays:
         # A fine-tuned classifier (tasks/finetune/) has no probe, so no sentiment unit: -1.
         unit = top_unit(arrays["probe.coef"]) if "probe.coef" in arrays.files else NO_UNIT
     return ModelRef(
-        uri=uri,
-        name=name,
-        version=int(version.version),
-        run_id=version.run_id,
-        folder=str(classifier_dir),
+        uri=found.uri,
+        name=found.name,
+        version=found.version,
+        run_id=found.run_id,
+        folder=str(found.folder),
         unit=unit,
         max_text_chars=int(info.get(MAX_TEXT_CHARS_KEY, DEFAULT_MAX_TEXT_CHARS)),
-        weights_sha256=hashlib.sha256((classifier_dir / "classifier.npz").read_bytes()).hexdigest(),
+        weights_sha256=hashlib.sha256((found.folder / "classifier.npz").read_bytes()).hexdigest(),
     )
 
 

@@ -23,6 +23,7 @@ from models.classifier import LABELS, SentimentClassifier
 from models.finetuned import FinetunedClassifier
 from models.mlflow_loader import VERSION_KEY, installed_version
 from models.serving import MAX_TEXT_CHARS_KEY
+from tasks.registered import sign_folder
 from tasks.settings import Settings, get_settings
 from tasks.store import split_object_uri
 from tasks.tracking import connect
@@ -169,6 +170,7 @@ def log_classifier(
             classifier, info={**classifier.info, MAX_TEXT_CHARS_KEY: limit, VERSION_KEY: logged_by}
         )
         folder = limited.save(Path(scratch) / "classifier")
+        sign_folder(folder)  # with MLSTM_CHECKPOINT_KEY: the project's readers refuse changed files
         info = mlflow.pyfunc.log_model(
             name=name,
             loader_module=mlflow_loader.__name__,

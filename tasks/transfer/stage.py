@@ -309,9 +309,13 @@ def accuracy_beside_baseline(test_accuracy: float, baseline: float | None) -> st
 
 def accuracy_on_test(model_uri: str, spec: str, params: TransferParams) -> float:
     """Accuracy of any registered classifier (a champion, say) on a dataset's test split."""
-    import mlflow.pyfunc
     import pandas as pd
 
+    from tasks import registered
+    from tasks.settings import get_settings
+
     test = load_dataset(spec, text_column=params.text_column, label_column=params.label_column).test
-    predicted = mlflow.pyfunc.load_model(model_uri).predict(pd.DataFrame({"text": test.texts}))
+    # Read as data and built by this package: never MLflow's flavour dispatch (tasks/registered.py).
+    model = registered.load(registered.resolve(model_uri, get_settings()))
+    predicted = model.predict(pd.DataFrame({"text": test.texts}))
     return float(((predicted["probability"].to_numpy() >= 0.5) == test.labels).mean())
