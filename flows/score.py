@@ -69,7 +69,12 @@ class _ProgressArtifact:
     cache_policy=NO_CACHE,
 )
 def describe_inputs_task(
-    inputs: list[str], *, text_column: str, id_columns: list[str] | None, s3_endpoint_url: str | None
+    inputs: list[str],
+    *,
+    text_column: str,
+    id_columns: list[str] | None,
+    s3_endpoint_url: str | None,
+    output: str,
 ) -> tuple[InputFile, ...]:
     """The inputs described where no caller did (a deployment's run), with a progress artifact: hashing,
     scanning and parsing a 40 GB input take minutes."""
@@ -79,6 +84,7 @@ def describe_inputs_task(
         text_column=text_column,
         id_columns=id_columns,
         s3_endpoint_url=s3_endpoint_url,
+        output=output,
         on_start=artifact.of,
         on_progress=artifact.advance,
     )
@@ -168,6 +174,7 @@ def score(
                 text_column=text_column,
                 id_columns=id_columns,
                 s3_endpoint_url=settings.s3_endpoint_url,
+                output=output,
             )
         )
     model_ref = resolve_model(model, settings)

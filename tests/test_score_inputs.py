@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tasks.corpus.sources import SourceError
 from tasks.score import inputs
 from tasks.score.readers import base, copies, csv_file, folders, gzip_index, json_lines
 from tasks.score.readers import lines as line_files
@@ -613,3 +614,26 @@ def test_every_format_the_command_takes_has_its_reader() -> None:
     from tasks.score.readers import READERS
 
     assert set(FORMATS.values()) == set(READERS)
+
+
+def test_an_output_inside_the_inputs_folder_is_not_read_as_an_input(tmp_path: Path) -> None:
+    # `score in --output in/scores`, run twice: the second run must not take the first run's parts.
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "reviews.csv").write_text("text\ngreat\n")
+    parts = tmp_path / "in" / "scores" / "abc123"
+    parts.mkdir(parents=True)
+    pq.write_table(pa.table({"probability": [0.5]}), parts / "part-00000.parquet")
+    folder, output = str(tmp_path / "in"), str(tmp_path / "in" / "scores")
+    assert len(inputs.expand_inputs([folder])) == 2  # what a folder holds
+    assert inputs.expand_inputs([folder], output=output) == [str(tmp_path / "in" / "reviews.csv")]
+    with pytest.raises(base.InputError, match="every input lies under --output"):
+        inputs.expand_inputs([str(parts)], output=output)
+
+
+def test_a_file_whose_name_holds_brackets_is_taken_as_named(tmp_path: Path) -> None:
+    named = tmp_path / "reviews[2024].csv"
+    named.write_text("text\ngreat\n")
+    assert inputs.expand_inputs([str(named)]) == [str(named)]
+    # A pattern that names no file is still a glob: [2024] is one character of those four.
+    with pytest.raises(SourceError, match="the glob matches no file"):
+        inputs.expand_inputs([str(tmp_path / "reviews[2024].json")])

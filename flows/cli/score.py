@@ -49,6 +49,7 @@ def run_score(
             text_column=text_column,
             id_columns=id_columns,
             s3_endpoint_url=settings.s3_endpoint_url,
+            output=output,
             on_start=lambda count: sink.stage(f"describe {count} input{'s' * (count != 1)}", total=count),
             on_progress=sink.advance,
         )

@@ -93,7 +93,8 @@ def expand_sources(
             found.append(shown)
         elif scheme == "s3":
             found.extend(_expand_s3(arg, s3_endpoint_url, suffixes))
-        elif any(ch in arg for ch in "*?["):
+        elif any(ch in arg for ch in "*?[") and not Path(arg.removeprefix("file://")).exists():
+            # A real file or folder whose name holds [ ] is taken as named, not as a pattern.
             matches = sorted(p for p in glob.glob(arg, recursive=True) if Path(p).is_file())
             if not matches:
                 raise SourceError(f"SOURCE {arg!r}: the glob matches no file")

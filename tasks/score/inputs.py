@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -68,12 +69,27 @@ def format_of(uri: str) -> str:
     raise InputError(f"{uri}: not a table this command reads ({', '.join(SUFFIXES)})")
 
 
-def expand_inputs(args: list[str], *, s3_endpoint_url: str | None = None) -> list[str]:
-    """Files, folders, globs and s3:// prefixes → the sorted table files they name."""
+def expand_inputs(
+    args: list[str], *, s3_endpoint_url: str | None = None, output: str | None = None
+) -> list[str]:
+    """Files, folders, globs and s3:// prefixes → the sorted table files they name, leaving out what
+    lies under ``output`` (a run's own Parquet parts, when the output is a folder of the inputs)."""
     uris = expand_sources(args, s3_endpoint_url=s3_endpoint_url, suffixes=SUFFIXES)
+    if output is not None:
+        inside = _prefix_of(output)
+        uris = [uri for uri in uris if not _prefix_of(uri).startswith(inside)]
+        if not uris:
+            raise InputError(f"every input lies under --output {output}: nothing left to score")
     for uri in uris:
         format_of(uri)  # a file named outright must still be a table
     return uris
+
+
+def _prefix_of(uri: str) -> str:
+    """A URI as a prefix that the URIs under it start with: a local path made absolute, ending in '/'."""
+    if "://" in uri and not uri.startswith("file://"):
+        return uri.rstrip("/") + "/"
+    return str(Path(uri.removeprefix("file://")).resolve()) + "/"
 
 
 def describe(

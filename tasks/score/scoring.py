@@ -120,6 +120,7 @@ def describe_inputs(
     text_column: str = "text",
     id_columns: list[str] | None = None,
     s3_endpoint_url: str | None = None,
+    output: str | None = None,
     on_start: Callable[[int], None] = lambda _: None,
     on_progress: Callable[[float], None] | None = None,
 ) -> tuple[InputFile, ...]:
@@ -129,7 +130,8 @@ def describe_inputs(
     id_columns = list(id_columns or [])
     if clash := [c for c in id_columns if c in OWN_COLUMNS or c == text_column]:
         raise ValueError(f"--id-column {clash[0]!r} is the text column or one the output writes itself")
-    uris = expand_inputs(inputs, s3_endpoint_url=s3_endpoint_url)
+    # A second run into a folder of its inputs must not read the first run's output as one.
+    uris = expand_inputs(inputs, s3_endpoint_url=s3_endpoint_url, output=output)
     on_start(len(uris))
     return tuple(
         describe(
