@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pytest
@@ -130,6 +130,38 @@ def test_s3_missing_bucket_is_an_error(s3_server: str) -> None:
 def test_http_url_is_accepted(served: tuple[str, Path]) -> None:
     url, _ = served
     assert expand_sources([url]) == [url]
+
+
+class _CountingHandler(http.server.BaseHTTPRequestHandler):
+    """A plain-HTTP server that counts the connections it is handed (a TLS hello arrives as a bad request)."""
+
+    seen: ClassVar[list[str]] = []
+
+    def handle_one_request(self) -> None:
+        type(self).seen.append(self.client_address[0])
+        super().handle_one_request()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_an_https_url_on_a_plain_http_server_is_one_line_and_one_try() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CountingHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"https://127.0.0.1:{server.server_address[1]}/reviews.json.gz"
+        with pytest.raises(SourceError) as raised:
+            expand_sources([url])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert str(raised.value) == (
+        f"SOURCE {url!r}: the TLS handshake failed (WRONG_VERSION_NUMBER); if the server speaks plain HTTP, "
+        "write http://"
+    )
+    assert len(_CountingHandler.seen) == 1  # not retried: the same handshake would fail again
 
 
 def test_http_404_is_an_error(http_root: tuple[str, Path]) -> None:

@@ -128,8 +128,14 @@ def _check_local(path: Path) -> str:
 def _http() -> Any:
     import urllib3
 
+    # Connection drops, timeouts and 5xx answers may pass; an error of any other kind (a TLS handshake
+    # with a plain-http server, a certificate refused) would fail again the same way: not retried.
     retries = urllib3.Retry(
-        total=5, backoff_factor=0.5, status_forcelist=(429, 500, 502, 503, 504), raise_on_status=False
+        total=5,
+        other=0,
+        backoff_factor=0.5,
+        status_forcelist=(429, 500, 502, 503, 504),
+        raise_on_status=False,
     )
     return urllib3.PoolManager(retries=retries, timeout=urllib3.Timeout(connect=10, read=120))
 
@@ -154,6 +160,11 @@ def _check_http(url: str) -> None:
         response = _get(url, headers={"Range": "bytes=0-0"})
         response.close()
     except Exception as error:  # urllib3 wraps every network failure differently
+        if tls := re.search(r"\[SSL: ([A-Z_]+)\]", str(error)):
+            raise SourceError(
+                f"SOURCE {url!r}: the TLS handshake failed ({tls[1]}); if the server speaks plain HTTP, "
+                "write http://"
+            ) from None
         raise SourceError(f"SOURCE {url!r}: cannot be fetched ({scrub(str(error), url)})") from None
     if response.status >= 400:
         raise SourceError(f"SOURCE {url!r}: HTTP {response.status}")
