@@ -322,12 +322,16 @@ def test_star_ratings_are_not_labels(tmp_path: Path) -> None:
 def test_missing_column_lists_the_columns(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.csv", ["review", "stars"], [["fine", 5]])
     with pytest.raises(
-        DatasetError, match=rf"{re.escape(str(path))}: no column 'text' \(columns: review, stars\)"
+        DatasetError,
+        match=rf"{re.escape(str(path))}: no column 'text' \(columns: review, stars\); name the right ones "
+        "with --text-column / --label-column",
     ):
         read_table(path)
     jsonl = write_jsonl(tmp_path / "t.jsonl", [{"text": "ok", "label": 1}, {"text": "ok too"}])
     with pytest.raises(
-        DatasetError, match=rf"{re.escape(str(jsonl))}: line 2: no field 'label' \(fields: text\)"
+        DatasetError,
+        match=rf"{re.escape(str(jsonl))}: line 2: no field 'label' \(fields: text\); name the right ones "
+        "with --text-column / --label-column",
     ):
         read_table(jsonl, label_column="label")
 

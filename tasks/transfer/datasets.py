@@ -373,7 +373,7 @@ def _csv_rows(path: Path, columns: list[str]) -> Iterator[tuple[int, list[str]]]
             if missing:
                 raise DatasetError(
                     f"{path}: no column {', '.join(map(repr, missing))} (columns: {', '.join(header)}); "
-                    "name the right ones with text_column / label_column"
+                    "name the right ones with --text-column / --label-column"
                 )
             indices = [header.index(c) for c in columns]
             end = reader.line_num
@@ -410,7 +410,7 @@ def _jsonl_rows(path: Path, columns: list[str]) -> Iterator[tuple[int, list[Any]
             if missing:
                 raise DatasetError(
                     f"{path}: line {line}: no field {', '.join(map(repr, missing))} "
-                    f"(fields: {', '.join(record)}); name the right ones with text_column / label_column"
+                    f"(fields: {', '.join(record)}); name the right ones with --text-column / --label-column"
                 )
             yield line, [record[c] for c in columns]
 
