@@ -2,10 +2,13 @@
 
 Left alone, every torch process takes a thread per core, so processes that share the cores (a job's
 ranks on one node, a scoring run's workers, the test suite's workers) spin against each other: each
-product waits for a thread that another process has descheduled. A small model's products are too
-small to split: on two cores the tiny (64 units) and small (1,024) presets trained, and tiny read
-features, faster on one thread than on two, with a core busy or not (``benchmarks/threads.py``, its
-figures in docs/benchmarks.md). An explicit ``OMP_NUM_THREADS`` (or a caller's own count) always wins.
+product waits for a thread that another process has descheduled. A small model's products gain little
+from a second thread and lose most to a busy core: on two cores the tiny (64 units) and small (1,024)
+presets train somewhat faster on two threads when nothing else runs, and several times faster on one
+when another process keeps a core busy, as the suite's workers, a job's ranks and a scoring run's
+workers do (``benchmarks/threads.py``, its figures in docs/benchmarks.md). So a small model takes one
+thread. An explicit ``OMP_NUM_THREADS`` (or a caller's own count) always wins: a lone run on an idle
+machine may set 2.
 
 The rule is ``thread_share``, a pure function; ``take_share`` applies it to this process. Importing
 this module imports no torch, so a caller may size the threads before torch is first imported.
@@ -15,8 +18,9 @@ from __future__ import annotations
 
 import os
 
-# Widths up to this take one thread: the presets at and below it (tiny 64, small 1,024) trained faster
-# with one thread than two on two cores (benchmarks/threads.py); wider ones are not measured on a CPU.
+# Widths up to this take one thread: the presets at and below it (tiny 64, small 1,024) lose little on
+# one thread when the cores are free and gain several-fold when one is busy (benchmarks/threads.py);
+# wider ones are not measured on a CPU.
 SMALL_WIDTH = 1024
 
 
