@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tempfile
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,9 +79,9 @@ def check_folder(folder: Path, uri: str) -> None:
 
 
 def resolve(uri: str | None, settings: Settings) -> RegisteredModel:
-    """The classifier ``uri`` names (default: the champion), its files downloaded once: a registered
-    version into ``<home>/cache/models/NAME-vN``, any other MLflow URI or folder into a fresh scratch
-    folder. Raises ``ModelNotFound`` in one line."""
+    """The classifier ``uri`` names (default: the champion), its files downloaded: a registered version
+    once into ``<home>/cache/models/NAME-vN``, any other MLflow URI or folder afresh into
+    ``<home>/cache/models/uri-HASH``. Raises ``ModelNotFound`` in one line."""
     from mlflow.exceptions import MlflowException
 
     from tasks.tracking import connect
@@ -91,7 +91,10 @@ def resolve(uri: str | None, settings: Settings) -> RegisteredModel:
     match = MODEL_URI.match(uri)
     try:
         if match is None:  # a logged model (models:/m-…), a run's artifact, a folder
-            root = Path(tempfile.mkdtemp(prefix="mlstm-model-", dir=_cache(settings)))
+            # One folder a URI, fetched afresh each time (a folder or a run's files may have changed):
+            # a scratch folder a call would leave one copy of the model behind per `predict`.
+            root = _cache(settings) / f"uri-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
+            shutil.rmtree(root, ignore_errors=True)
             return RegisteredModel(uri=uri, folder=data_folder(_download(uri, root), uri))
         from mlflow.tracking import MlflowClient
 

@@ -80,6 +80,13 @@ def test_a_registered_classifier_reads_as_it_predicts(
     classifier, uri = register(tmp_path / "home", monkeypatch)
     served = read(uri)
     expected = classifier.predict_proba(TEXTS)
+    # A model named by its folder is fetched afresh into one cache folder, not a new copy a read.
+    for _ in range(2):
+        by_folder = read(str(artifact_of(tmp_path / "home")))
+    assert len(list((tmp_path / "home" / "cache" / "models").glob("uri-*"))) == 1
+    np.testing.assert_allclose(
+        by_folder.predict(pd.DataFrame({"text": TEXTS}))["probability"], expected, rtol=1e-5
+    )
     np.testing.assert_allclose(
         served.predict(pd.DataFrame({"text": TEXTS}))["probability"], expected, rtol=1e-5
     )
