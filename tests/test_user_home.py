@@ -10,7 +10,8 @@ from pathlib import Path
 
 DRAW = """
 import flows.cli
-flows.cli._caches_in_ours()  # what `mlstm-sentiment` does before any command
+from tasks.settings import get_settings
+flows.cli._caches_in_ours(get_settings().home.resolve())  # what `mlstm-sentiment` does before any command
 from matplotlib.figure import Figure
 Figure().add_subplot().set_title("font cache")  # builds matplotlib's font list on first use
 Figure().savefig("plot.png")

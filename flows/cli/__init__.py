@@ -58,22 +58,24 @@ def _global_options(
         )
 
 
-def _prefect_home_in_ours() -> None:
+def _prefect_home_in_ours(home: Path) -> None:
     """The temporary Prefect API keeps its database (flow-run parameters, names, logs) in MLSTM_HOME, as
     MLflow's is, not in one ~/.prefect shared by every home; a user's own PREFECT_HOME or API is kept, and
     so is their profile (a `prefect config set` there still applies)."""
     if os.environ.get("PREFECT_HOME") or os.environ.get("PREFECT_API_URL"):
         return
     os.environ.setdefault("PREFECT_PROFILES_PATH", str(Path.home() / ".prefect" / "profiles.toml"))
-    home = (get_settings().home / "prefect").resolve()  # the same from any folder
-    home.mkdir(parents=True, exist_ok=True)  # Prefect makes only the last folder: a new MLSTM_HOME has none
-    os.environ["PREFECT_HOME"] = str(home)
+    prefect = home / "prefect"
+    prefect.mkdir(
+        parents=True, exist_ok=True
+    )  # Prefect makes only the last folder: a new MLSTM_HOME has none
+    os.environ["PREFECT_HOME"] = str(prefect)
 
 
-def _caches_in_ours() -> None:
+def _caches_in_ours(home: Path) -> None:
     """Matplotlib's config and font cache (the plots of transfer, sweeps and the pipeline) in MLSTM_HOME,
     not the user's ~/.config and ~/.cache; a user's own MPLCONFIGDIR is kept."""
-    os.environ.setdefault("MPLCONFIGDIR", str((get_settings().home / "cache" / "matplotlib").resolve()))
+    os.environ.setdefault("MPLCONFIGDIR", str(home / "cache" / "matplotlib"))
 
 
 def main() -> None:
@@ -83,8 +85,9 @@ def main() -> None:
     # MLflow prints a link to each run it ends on stdout, which --json keeps for the result alone.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:
-        _prefect_home_in_ours()
-        _caches_in_ours()
+        home = get_settings().home.resolve()  # the same from any folder; read once at start-up
+        _prefect_home_in_ours(home)
+        _caches_in_ours(home)
         app()
     except user_errors(OSError) as error:
         # A bad input or an unreachable service that a command did not catch itself is still one line
