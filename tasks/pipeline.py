@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -36,7 +36,7 @@ from tasks.jobs.config import run_identity
 from tasks.pretrain.config import PretrainParams
 from tasks.pretrain.result import PretrainResult
 from tasks.secrets import hide
-from tasks.settings import Settings
+from tasks.settings import Flag, Settings
 from tasks.store import Store
 from tasks.transfer.config import TransferParams
 from tasks.transfer.result import TransferResult
@@ -58,7 +58,7 @@ class TransferStage(TransferParams):
     """The transfer stage inside the pipeline: the checkpoint comes from the pretraining stage."""
 
     checkpoint: str = Field(default="", description="Filled in by the pipeline from the pretraining stage.")
-    datasets: list[str] = Field(
+    datasets: Annotated[list[str], Flag("--dataset")] = Field(
         default_factory=list,
         description="NAME=PATH, one per dataset: an SST or IMDB layout, or a CSV/JSONL table.",
     )

@@ -55,6 +55,28 @@ def test_every_setting_of_a_command_is_its_models_field_with_its_help_and_defaul
         name: info for model in models for name, info in model.model_fields.items() if name not in not_flags
     }
     assert set(options) - OWN == set(fields), "a flag set by hand, or a field that is no flag"
+    _flags_are_the_fields(options, fields)
+
+
+def test_the_pipelines_stage_flags_are_the_stages_fields() -> None:
+    """``pipeline --preset``/``--dataset``… are the stages' own fields; its other flags set what only the
+    pipeline has (which stages, from a sweep) or edit any field (``--set``)."""
+    from flows.cli.pipeline import STAGE_FLAGS
+    from tasks.pipeline import PipelineParams
+
+    options = {p.name: p for p in _command(("pipeline",)).params if p.param_type_name == "option"}
+    stages = {stage: PipelineParams.model_fields[stage].annotation for stage in STAGE_FLAGS}
+    fields = {
+        name: stages[stage].model_fields[name]  # type: ignore[union-attr]
+        for stage, names in STAGE_FLAGS.items()
+        for name in names
+    }
+    assert set(options) - OWN == set(fields) | {"force", "from_sweep", "finetune", "set_"}
+    _flags_are_the_fields(options, fields)
+
+
+def _flags_are_the_fields(options: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Each field is its flag: the field's name (or ``Flag``), help, default and choices."""
     for name, info in fields.items():
         option, flag = options[name], flag_of(name, info)
         assert flag.name in option.opts, (name, option.opts)

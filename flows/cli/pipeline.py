@@ -14,11 +14,13 @@ from flows.cli.common import (
     check_datasets,
     err,
     fail,
+    options_from,
     out,
     run_flow,
     styled,
     user_errors,
 )
+from tasks.pipeline import PretrainStage, TransferStage
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
@@ -48,7 +50,14 @@ def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> Pipel
     return run_flow(pipeline_flow, show_progress=show_progress, params=params)
 
 
+# The stages' settings the pipeline takes as flags (the rest through --set), each declared once, in the
+# stage's model: the pipeline's stages override only what they fill in themselves.
+STAGE_FLAGS = {"transfer": ("datasets",), "pretrain": ("preset", "launcher", "max_steps")}
+
+
 @app.command("pipeline", rich_help_panel=PANEL)
+@options_from(PretrainStage, STAGE_FLAGS["pretrain"])
+@options_from(TransferStage, STAGE_FLAGS["transfer"])
 def pipeline_command(
     sources: Annotated[
         list[str] | None,
@@ -56,12 +65,6 @@ def pipeline_command(
             help="Raw reviews: files, folders, globs, s3:// or http(s)://. Not with --from-sweep."
         ),
     ] = None,
-    dataset: Annotated[
-        list[str] | None, typer.Option(help="NAME=PATH for the probes, repeatable (SST, IMDB, a table).")
-    ] = None,
-    preset: Annotated[str, typer.Option(help="tiny, small, paper_4096 or paper_8192.")] = "tiny",
-    launcher: Annotated[str, typer.Option(help="local (torchrun here), slurm or kubernetes.")] = "local",
-    max_steps: Annotated[int | None, typer.Option(min=1, help="End pretraining at this step.")] = None,
     force: Annotated[
         list[str] | None, typer.Option(help="Run this stage even if its inputs are unchanged; repeatable.")
     ] = None,
@@ -79,6 +82,7 @@ def pipeline_command(
     ] = False,
     set_: SetOption = None,
     as_json: JsonOption = False,
+    **settings: Any,
 ) -> None:
     """Run corpus → pretrain → transfer → register under one MLflow run; unchanged stages are skipped."""
     from tasks.pipeline import apply_overrides, validated
@@ -95,8 +99,8 @@ def pipeline_command(
             values.update(from_sweep=from_sweep, stages=["transfer"])
         if finetune:
             values["stages"] = [*values["stages"], "finetune"]
-        values["pretrain"].update(preset=preset, launcher=launcher, max_steps=max_steps)
-        values["transfer"]["datasets"] = dataset or []
+        for stage, names in STAGE_FLAGS.items():
+            values[stage].update({name: settings[name] for name in names})
         params = validated(apply_overrides(values, set_ or []))
         result = run_pipeline(params)
     except user_errors() as error:
