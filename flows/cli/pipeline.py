@@ -40,13 +40,16 @@ def pipeline_values(**flags: Any) -> dict[str, Any]:
 
 def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> PipelineResult:
     """The whole pipeline (or the stages ``params.stages`` names) as a Prefect flow run, here."""
-    from flows.pipeline import pipeline as pipeline_flow
     from tasks.tracking import connect
 
     check_datasets(params.transfer.datasets if "transfer" in params.stages else [])
     if "finetune" in params.stages and params.finetune.dataset:
         check_datasets([params.finetune.dataset])
-    connect(get_settings())  # MLflow down: one clear error before any flow run or MLflow run exists
+    # MLflow down: one clear error before any flow run or MLflow run exists, and before every stage's
+    # code is imported (seconds of torch, scipy and MLflow's own modules).
+    connect(get_settings())
+    from flows.pipeline import pipeline as pipeline_flow
+
     return run_flow(pipeline_flow, show_progress=show_progress, params=params)
 
 
