@@ -4,9 +4,9 @@ and build the classifier from the installed package (``models.mlflow_loader.load
 go through ``mlflow.pyfunc.load_model``, which follows whatever the artifact's ``MLmodel`` names: a
 loader module shipped in its ``code/`` folder, or a pickled python model.
 
-With ``MLSTM_CHECKPOINT_KEY`` set, the classifier's files are signed when logged
-(``SIGNATURE_FILE``: their sha256 under the key's HMAC, as a checkpoint's ``meta.json``) and refused
-here when changed, unsigned, or signed with another key.
+The classifier's files are signed when logged (``SIGNATURE_FILE``: their sha256 under the key's HMAC,
+as a checkpoint's ``meta.json``; the key of ``tasks/signing.py``) and refused here when changed,
+unsigned, or signed with another key.
 """
 
 from __future__ import annotations
@@ -50,27 +50,22 @@ class RegisteredModel:
 
 
 def sign_folder(folder: Path) -> None:
-    """Write ``SIGNATURE_FILE`` for a classifier's saved folder (before it is logged); nothing without
-    the key."""
-    if signing.key() is None:
-        return
+    """Write ``SIGNATURE_FILE`` for a classifier's saved folder (before it is logged)."""
     body = signing.signed({"sha256": {name: _sha256(folder / name) for name in SIGNED_FILES}})
     (folder / SIGNATURE_FILE).write_text(json.dumps(body, indent=2))
 
 
 def check_folder(folder: Path, uri: str) -> None:
-    """With the key set, refuse (``UntrustedModel``, naming ``uri``) a classifier whose files are not the
-    ones signed under it."""
+    """Refuse (``UntrustedModel``, naming ``uri``) a classifier whose files are not the ones signed under
+    the key."""
     secret = signing.key()
-    if secret is None:
-        return
     where = f"{uri} ({folder / SIGNATURE_FILE})"
     try:
         body: dict[str, Any] = json.loads((folder / SIGNATURE_FILE).read_text())
     except (OSError, ValueError):
         raise UntrustedModel(
-            f"{where} is missing or unreadable and MLSTM_CHECKPOINT_KEY is set: not read (logged without "
-            "the key, or not by the pipeline)"
+            f"{where} is missing or unreadable: not read (logged before signing was on by default, or not "
+            "by the pipeline: register it again from its checkpoint with `mlstm-sentiment transfer`)"
         ) from None
     signing.check(secret, body, where, UntrustedModel)
     for name in SIGNED_FILES:

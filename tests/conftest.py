@@ -38,6 +38,10 @@ os.environ.pop("PREFECT_API_URL", None)
 SHARED = Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 for name in [n for n in os.environ if n.startswith("MLSTM_") and not n.startswith("MLSTM_REQUIRE_")]:
     del os.environ[name]
+# One checkpoint key for the session, as a team shares one: a checkpoint a test saves under one home (or
+# none, which would make a key in the checkout's .mlstm-sentiment) reads under another test's. The tests of
+# the key made under MLSTM_HOME unset it, each with a home of its own.
+os.environ["MLSTM_CHECKPOINT_KEY"] = uuid.uuid4().hex
 # MLflow's own variables are settings too (below ours): a developer's exported tracking server must not
 # receive the tests' runs.
 _MLFLOW_STATE = (

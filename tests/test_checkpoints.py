@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_in_process
 from train_helpers import run_job
 
 from tasks.jobs.checkpoint import (
@@ -94,19 +95,46 @@ def test_none_intact_names_every_damaged_file(tmp_path: Path) -> None:
     assert "step-0000010/state.pt is damaged" in message and "step-0000020/state.pt is damaged" in message
 
 
-def test_an_old_checkpoint_without_a_digest_still_loads_and_its_damage_still_shows(tmp_path: Path) -> None:
+def _unsign(folder: Path, *, digests: bool = True) -> None:
+    """``meta.json`` as a checkpoint saved before signing was on by default had it (and, older still,
+    without its files' digests)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["hmac_sha256"]
+    if not digests:
+        del meta["sha256"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_an_old_checkpoint_is_refused_naming_the_command_that_signs_it(tmp_path: Path) -> None:
+    """One saved before signing (with or without digests) is refused in one line naming `checkpoints
+    sign`; signed, it loads, and damage after that still shows; a file damaged before is not signed."""
     store = LocalStore(tmp_path)
     _save_steps(store, "r", [10, 20])
-    for step in (10, 20):  # as saved before digests were recorded
-        meta_path = tmp_path / step_prefix("r", step) / "meta.json"
-        meta = json.loads(meta_path.read_text())
-        del meta["sha256"]
-        meta_path.write_text(json.dumps(meta))
+    for step in (10, 20):
+        _unsign(tmp_path / step_prefix("r", step), digests=step == 20)
+    folder = tmp_path / step_prefix("r", 10)
+    with pytest.raises(UntrustedCheckpoint) as raised:
+        load_checkpoint(str(folder))
+    assert str(raised.value) == (
+        f"{folder}/meta.json is not signed: not read (saved before signing was on by default, or not by "
+        f"the pipeline): check it, then sign it with `mlstm-sentiment checkpoints sign {folder}`"
+    )
+    done = cli_in_process(["checkpoints", "sign", "r", "--store", str(tmp_path)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["signed", str(tmp_path / step_prefix("r", 20)), "signed", str(folder)]
     assert load_checkpoint(str(tmp_path / "runs" / "r")).step == 20
+    assert float(load_checkpoint(str(folder)).state["w"][0]) == 10.0
     _truncate(tmp_path / step_prefix("r", 20) / "state.pt")
     found = load_intact(store, "r")
     assert found is not None and found[0].step == 10
-    assert "step-0000020/state.pt is damaged: it cannot be read" in found[1][0]
+    assert "step-0000020/state.pt is damaged" in found[1][0]
+
+    _unsign(folder)  # its digest recorded: a file that no longer matches it is not signed
+    _truncate(folder / "state.pt")
+    done = cli_in_process(["checkpoints", "sign", str(folder)])
+    assert done.returncode == 2 and "not signed" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    with pytest.raises(UntrustedCheckpoint, match="is not signed"):
+        load_checkpoint(str(folder))
 
 
 def _forge(folder: Path, state: dict[str, torch.Tensor]) -> None:
@@ -117,11 +145,10 @@ def _forge(folder: Path, state: dict[str, torch.Tensor]) -> None:
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
-def test_with_a_key_a_rewritten_or_unsigned_checkpoint_is_refused_naming_its_meta(
+def test_a_rewritten_checkpoint_or_one_under_another_key_is_refused_naming_its_meta(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = LocalStore(tmp_path)
-    _save_steps(store, "unsigned", [10])  # saved before the key was set
     monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", "a key of the pipeline's own")
     _save_steps(store, "r", [10, 20])
     assert float(load_checkpoint(str(tmp_path / step_prefix("r", 20))).state["w"][0]) == 20.0
@@ -130,30 +157,79 @@ def test_with_a_key_a_rewritten_or_unsigned_checkpoint_is_refused_naming_its_met
     _forge(folder, {"w": torch.full((64,), 666.0)})
     with pytest.raises(UntrustedCheckpoint) as raised:
         load_checkpoint(str(folder))
-    message = str(raised.value)
-    assert message == (
+    assert str(raised.value) == (
         f"{folder}/meta.json does not match its HMAC under MLSTM_CHECKPOINT_KEY: not read (changed since it "
-        "was saved, or saved with another key)"
+        "was saved, or saved with another key: set MLSTM_CHECKPOINT_KEY to the key it was saved with)"
     )
     # A resume (and a run folder's URI) steps over it to the newest checkpoint the key signs.
     found = load_intact(store, "r")
     assert (
         found is not None and found[0].step == 10 and "step-0000020/meta.json does not match" in found[1][0]
     )
-
-    unsigned = tmp_path / step_prefix("unsigned", 10)
-    with pytest.raises(
-        UntrustedCheckpoint, match=r"step-0000010/meta.json has no HMAC and MLSTM_CHECKPOINT_KEY"
-    ):
-        load_checkpoint(str(unsigned))
     monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", "another key")
     with pytest.raises(UntrustedCheckpoint, match="does not match its HMAC"):
         load_checkpoint(str(tmp_path / step_prefix("r", 10)))
 
-    # Without the key, as before: the digests hold against damage, not against a writer.
+
+def test_with_no_key_set_a_key_made_under_the_home_signs_and_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No MLSTM_CHECKPOINT_KEY: a key made on first use in $MLSTM_HOME/keys/checkpoint.key, readable by
+    its owner only, signs and checks; a forged checkpoint is refused; with the key file changed or
+    removed (a new one is made), the checkpoints it signed are refused naming the file and the setting."""
+    from tasks.signing import key_file
+
     monkeypatch.delenv("MLSTM_CHECKPOINT_KEY")
-    assert float(load_checkpoint(str(folder)).state["w"][0]) == 666.0
-    assert load_checkpoint(str(unsigned)).step == 10
+    home = tmp_path / "home"
+    monkeypatch.setenv("MLSTM_HOME", str(home))
+    store = LocalStore(tmp_path / "store")
+    _save_steps(store, "r", [10, 20])
+    path = key_file(home)
+    assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_text().strip()) == 64
+    assert float(load_checkpoint(str(tmp_path / "store" / "runs" / "r")).state["w"][0]) == 20.0
+
+    folder = tmp_path / "store" / step_prefix("r", 20)
+    _forge(folder, {"w": torch.full((64,), 666.0)})
+    with pytest.raises(UntrustedCheckpoint, match=r"step-0000020/meta\.json does not match its HMAC"):
+        load_checkpoint(str(folder))
+
+    signed_with_another = (
+        f"{tmp_path / 'store' / step_prefix('r', 10)}/meta.json does not match its HMAC under the key in "
+        f"{path} (MLSTM_CHECKPOINT_KEY unset): not read (changed since it was saved, or saved with another "
+        "key: set MLSTM_CHECKPOINT_KEY to the key it was saved with)"
+    )
+    original = path.read_text()
+    path.write_text("0" * 64)
+    with pytest.raises(UntrustedCheckpoint) as raised:
+        load_checkpoint(str(tmp_path / "store" / step_prefix("r", 10)))
+    assert str(raised.value) == signed_with_another
+    path.unlink()
+    with pytest.raises(UntrustedCheckpoint) as raised:
+        load_checkpoint(str(tmp_path / "store" / step_prefix("r", 10)))
+    assert str(raised.value) == signed_with_another
+    assert path.read_text() not in (original, "0" * 64)  # a new key, made as the first one was
+    monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", original.strip())  # the key it was saved with
+    assert load_checkpoint(str(tmp_path / "store" / step_prefix("r", 10))).step == 10
+
+
+def test_racing_processes_make_one_key(tmp_path: Path) -> None:
+    """Processes of a new home asking for the key at once all get the one key left in the file."""
+    from tasks.signing import key_file
+
+    script = (
+        "import sys; from pathlib import Path; from tasks.signing import home_key; "
+        "sys.stdout.write(home_key(Path(sys.argv[1])).decode())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MLSTM_CHECKPOINT_KEY"}
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(6)
+    ]
+    keys = {process.communicate(timeout=60)[0] for process in started}
+    assert keys == {key_file(tmp_path).read_text().strip()}
+    assert [p.name for p in key_file(tmp_path).parent.iterdir()] == ["checkpoint.key"]  # no scratch left
 
 
 @pytest.mark.slow

@@ -279,6 +279,33 @@ def test_a_finetune_job_renders_as_a_pytorchjob_of_the_finetuning_module(
     assert planned.config.checkpoint in command and "--batch-size" in command
 
 
+def test_the_checkpoint_key_reaches_pods_through_the_secret_only(
+    launcher: KubernetesLauncher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod cannot read this machine's key file: a Kubernetes job needs MLSTM_CHECKPOINT_KEY, which
+    reaches the pods from the Secret, never as a value in the manifest. A local job's key is made
+    under MLSTM_HOME before any rank starts."""
+    from tasks.jobs.environment import job_environment
+    from tasks.settings import get_settings
+    from tasks.signing import key_file
+
+    monkeypatch.setenv("MLSTM_HOME", str(tmp_path / "home"))
+    key = "team-key-from-the-secret-store"
+    monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", key)
+    env = job_environment(get_settings(), "kubernetes")
+    assert key not in json.dumps(
+        launcher.render(_spec(nodes=2, gpus=8, env={**env, "MLSTM_CHECKPOINT_KEY": key}))
+    )
+    monkeypatch.delenv("MLSTM_CHECKPOINT_KEY")
+    with pytest.raises(
+        ValueError, match=r"^--launcher kubernetes needs MLSTM_CHECKPOINT_KEY set here and in"
+    ):
+        job_environment(get_settings(), "kubernetes")
+    assert not key_file(tmp_path / "home").exists()
+    job_environment(get_settings(), "local")
+    assert key_file(tmp_path / "home").stat().st_mode & 0o777 == 0o600
+
+
 def test_pod_template_matches_the_kubernetes_models(launcher: KubernetesLauncher) -> None:
     """Every field of the pod template is one Kubernetes knows, with the type it expects."""
     from kubernetes.client import ApiClient, V1PodTemplateSpec

@@ -147,13 +147,15 @@ def test_an_artifact_that_names_its_own_code_runs_nothing_here(
     assert not marker.exists()
 
 
-def test_with_a_key_changed_or_unsigned_files_are_refused(
+def test_changed_or_unsigned_files_are_refused_with_no_key_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Signed by default: with no MLSTM_CHECKPOINT_KEY, under the key made in the home."""
     from tasks import registered
 
     home = tmp_path / "home"
-    _, uri = register(home, monkeypatch, key="team-secret")
+    monkeypatch.delenv("MLSTM_CHECKPOINT_KEY")
+    _, uri = register(home, monkeypatch)
     read(uri)  # signed when logged, and read back
     artifact = artifact_of(home)
     data = next(artifact.rglob("classifier.json")).parent
@@ -168,5 +170,5 @@ def test_with_a_key_changed_or_unsigned_files_are_refused(
 
     (data / registered.SIGNATURE_FILE).write_text(json.dumps({"sha256": {}}))
     shutil.rmtree(home / "cache")
-    with pytest.raises(registered.UntrustedModel, match="has no HMAC and MLSTM_CHECKPOINT_KEY is set"):
+    with pytest.raises(registered.UntrustedModel, match="is not signed: not read"):
         read(uri)

@@ -158,13 +158,19 @@ class _Payload:
         return (self.proof.write_text, ("ran",))
 
 
-def test_with_a_key_a_forged_dcp_metadata_is_never_unpickled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("key", ["MLSTM_CHECKPOINT_KEY", "none set"])
+def test_a_forged_dcp_metadata_is_never_unpickled(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DCP's ``.metadata`` is a pickle: with the key set, one put in the store with its digest rewritten
-    into ``meta.json`` is refused by every reader before it is opened; the intact step loads, and a
-    cached consolidation without the key's HMAC is made again."""
-    monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", "a key of the pipeline's own")
+    """DCP's ``.metadata`` is a pickle: one put in the store with its digest rewritten into ``meta.json``
+    is refused by every reader before it is opened, under a team's key or, with none set, the key made
+    under MLSTM_HOME; the intact step loads, and a cached consolidation without the key's HMAC is made
+    again."""
+    monkeypatch.setenv("MLSTM_HOME", str(tmp_path / "home"))
+    if key == "MLSTM_CHECKPOINT_KEY":
+        monkeypatch.setenv("MLSTM_CHECKPOINT_KEY", "a key of the pipeline's own")
+    else:
+        monkeypatch.delenv("MLSTM_CHECKPOINT_KEY")
     store = LocalStore(tmp_path / "store")
     model = _sharded_step(store, 4, tmp_path)
     _sharded_step(store, 8, tmp_path)

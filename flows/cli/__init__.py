@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from flows.cli import (
+    checkpoints,
     corpus,
     finetune,
     neuron,
@@ -36,6 +37,7 @@ app = typer.Typer(
 )
 app.add_typer(corpus.app, name="corpus", rich_help_panel="Corpus")
 app.add_typer(sweep.app, name="sweep", rich_help_panel="Sweep")
+app.add_typer(checkpoints.app, name="checkpoints", rich_help_panel="Operate")
 # The other stages' commands sit at the top level (`mlstm-sentiment pretrain …`), grouped by stage.
 for stage in (pretrain, transfer, finetune, predict, score, probe, neuron, pipeline, operate):
     app.add_typer(stage.app)

@@ -18,13 +18,16 @@ reader (the transfer stage, ``features``, the registry, ``explain``) gets a cons
 ``load_from`` consolidates a sharded checkpoint on first use, in one process, and caches the file in the
 step's folder (with ``consolidated.json`` holding its sha256) when the store can be written.
 
-With ``MLSTM_CHECKPOINT_KEY`` set, ``meta.json`` (and so every file's sha256 in it) also carries an
-HMAC-SHA256 under that key, which ``load_from``, the one way in for every reader, checks before it
-opens any other file of the checkpoint. Without the key, DCP's files are still read as data only
-(``tasks/jobs/dcp_reader.py``): a forged ``.metadata`` is refused, not run. A checkpoint whose HMAC is wrong or missing is refused
-(``UntrustedCheckpoint``, naming its ``meta.json``); a cached consolidation without its own valid
-HMAC is made again from the checked files. The digests alone say nothing against someone who can
-write the store: they would rewrite ``meta.json`` with their file's digest.
+Every ``meta.json`` (and so every file's sha256 in it) also carries an HMAC-SHA256 under the
+installation's key (``tasks/signing.py``: ``MLSTM_CHECKPOINT_KEY``, else a key made on first use under
+``MLSTM_HOME``), which ``load_from``, the one way in for every reader, checks before it opens any other
+file of the checkpoint. DCP's files are also read as data only (``tasks/jobs/dcp_reader.py``): a forged
+``.metadata`` is refused, not run, whatever the key. A checkpoint whose HMAC is wrong or missing is
+refused (``UntrustedCheckpoint``, naming its ``meta.json``; one saved before signing was on names
+``mlstm-sentiment checkpoints sign``, which signs it once its owner has checked it); a cached
+consolidation without its own valid HMAC is made again from the checked files. The digests alone say
+nothing against someone who can write the store: they would rewrite ``meta.json`` with their file's
+digest.
 """
 
 from __future__ import annotations
@@ -66,20 +69,24 @@ class DamagedCheckpoint(ValueError):
 
 
 class UntrustedCheckpoint(DamagedCheckpoint):
-    """A checkpoint whose HMAC is wrong or missing while ``MLSTM_CHECKPOINT_KEY`` is set: not read."""
+    """A checkpoint whose HMAC under the key is wrong or missing: not read."""
 
 
 def _check_meta(meta: dict[str, Any], url: str) -> None:
-    """With ``MLSTM_CHECKPOINT_KEY`` set: ``meta.json`` is the job's (``UntrustedCheckpoint`` if not), and
-    it records the digest of every file a reader will open."""
-    secret = signing.key()
-    if secret is None:
-        return
-    signing.check(secret, meta, url, UntrustedCheckpoint)
+    """``meta.json`` is the pipeline's (``UntrustedCheckpoint`` if not), and it records the digest of
+    every file a reader will open."""
+    folder = url.removesuffix("/meta.json")
+    unsigned = f": check it, then sign it with `mlstm-sentiment checkpoints sign {folder}`"
+    signing.check(signing.key(), meta, url, UntrustedCheckpoint, unsigned=unsigned)
     digests = meta.get("sha256", {})
-    needed = [f"{SHARDED_DIR}/{DCP_METADATA}", RUN_STATE_FILE] if meta.get("format") == DCP else [STATE_FILE]
-    if missing := [name for name in needed if name not in digests]:
+    if missing := [name for name in needed_files(meta) if name not in digests]:
         raise UntrustedCheckpoint(f"{url} records no sha256 of {', '.join(missing)}: not read")
+
+
+def needed_files(meta: dict[str, Any]) -> list[str]:
+    """The files of a checkpoint whose sha256 its signed ``meta.json`` must hold (a sharded one's DCP
+    files besides ``.metadata`` are checked against theirs as they are read)."""
+    return [f"{SHARDED_DIR}/{DCP_METADATA}", RUN_STATE_FILE] if meta.get("format") == DCP else [STATE_FILE]
 
 
 def run_prefix(run: str) -> str:
@@ -286,13 +293,10 @@ def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: An
     if store.exists(key(CONSOLIDATED)) and store.exists(key(STATE_FILE)):
         cached = json.loads(store.read_bytes(key(CONSOLIDATED)))
         with contextlib.suppress(DamagedCheckpoint):  # a damaged or unsigned cache is made again
-            if secret is not None:  # signed with the checkpoint's own HMAC: not another step's cache
-                signing.check(
-                    secret,
-                    {**cached, "of": meta[HMAC_FIELD]},
-                    store.url(key(CONSOLIDATED)),
-                    UntrustedCheckpoint,
-                )
+            # Signed with the checkpoint's own HMAC: not another step's cache.
+            signing.check(
+                secret, {**cached, "of": meta[HMAC_FIELD]}, store.url(key(CONSOLIDATED)), UntrustedCheckpoint
+            )
             return _read_state(store, key(STATE_FILE), cached["sha256"], map_location)
     from tasks.jobs.sharding import consolidate
 
@@ -303,8 +307,7 @@ def _consolidated(store: Store, key: Any, meta: dict[str, Any], map_location: An
     try:
         digest = _save_state(store, key(STATE_FILE), state)
         cached = {"sha256": digest}
-        if secret is not None:
-            cached[HMAC_FIELD] = signing.signature(secret, {**cached, "of": meta[HMAC_FIELD]})
+        cached[HMAC_FIELD] = signing.signature(secret, {**cached, "of": meta[HMAC_FIELD]})
         store.write_bytes(key(CONSOLIDATED), json.dumps(cached).encode())
         log.info("consolidated %s into %s", store.url(key(SHARDED_DIR)), store.url(key(STATE_FILE)))
     except (OSError, StoreError) as error:  # a store this reader cannot write: consolidate each time
@@ -376,3 +379,55 @@ def load_checkpoint(
         assert found is not None
         log.warning("%s; using %s instead", error, found[0].uri)
         return found[0]
+
+
+def sign_step(store: Store, prefix: str) -> str:
+    """Sign the checkpoint in ``prefix`` ("" for the store's root) as it is now, for its owner who has
+    checked it (one saved before signing was on, or under another key): ``meta.json`` gets the sha256
+    of every file a reader opens (a digest it records must still match: a damaged file is not signed)
+    and the key's HMAC. Returns the checkpoint's URI."""
+
+    def key(name: str) -> str:
+        return f"{prefix}/{name}" if prefix else name
+
+    if not store.exists(key("meta.json")):
+        raise StoreError(f"{store.url(prefix)} is not a checkpoint: it has no meta.json")
+    meta = {k: v for k, v in json.loads(store.read_bytes(key("meta.json"))).items() if k != HMAC_FIELD}
+    digests = dict(meta.get("sha256", {}))
+    names = needed_files(meta)
+    if meta.get("format") == DCP:  # every rank's DCP files too
+        names += [name for name in digests if name.startswith(f"{SHARDED_DIR}/") and name not in names]
+    for name in names:
+        url = store.url(key(name))
+        if not store.exists(key(name)):
+            raise DamagedCheckpoint(f"{url} is missing: not signed")
+        digest = hashlib.sha256()
+        with store.open_read(key(name)) as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+        if digests.setdefault(name, digest.hexdigest()) != digest.hexdigest():
+            raise DamagedCheckpoint(
+                f"{url} is damaged: it does not match the sha256 in its meta.json; not signed"
+            )
+    signed = signing.signed({**meta, "sha256": digests})
+    store.write_bytes(key("meta.json"), json.dumps(signed, indent=2).encode())
+    return store.url(prefix) if prefix else store.uri
+
+
+def sign_checkpoints(target: str, store_uri: str, **store_options: Any) -> list[str]:
+    """``mlstm-sentiment checkpoints sign``: a checkpoint folder (…/checkpoints/step-NNNNNNN), a run
+    folder (every step of it), or a run's name in the store at ``store_uri``. Returns what it signed."""
+    target = target.rstrip("/").removesuffix(f"/{LATEST}")
+    if _STEP_DIR.search(target):
+        return [sign_step(open_store(target, **store_options), "")]
+    if "/" in target or "://" in target:  # a run folder: its parent is the store's runs/
+        store, run = open_store(target.rsplit("/", 2)[0], **store_options), target.rsplit("/", 1)[1]
+    else:
+        store, run = open_store(store_uri, **store_options), target
+    steps = run_steps(store, run)
+    if not steps:
+        raise StoreError(
+            f"{store.url(run_prefix(run))} has no checkpoint to sign: pass a run's name, its folder, or a "
+            "checkpoint folder (…/checkpoints/step-NNNNNNN)"
+        )
+    return [sign_step(store, step_prefix(run, step)) for step in steps]

@@ -170,7 +170,7 @@ def log_classifier(
             classifier, info={**classifier.info, MAX_TEXT_CHARS_KEY: limit, VERSION_KEY: logged_by}
         )
         folder = limited.save(Path(scratch) / "classifier")
-        sign_folder(folder)  # with MLSTM_CHECKPOINT_KEY: the project's readers refuse changed files
+        sign_folder(folder)  # the project's readers refuse changed files
         info = mlflow.pyfunc.log_model(
             name=name,
             loader_module=mlflow_loader.__name__,
