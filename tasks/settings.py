@@ -120,8 +120,9 @@ class Settings(BaseSettings):
     )
     checkpoint_key: SecretStr | None = Field(
         default=None,
-        description="Key of the HMAC-SHA256 every checkpoint saved is signed with and every checkpoint "
-        "read must carry: a checkpoint changed in the store, or saved without the key, is refused.",
+        description="Key of the HMAC-SHA256 every checkpoint and registered classifier is signed with and "
+        "every one read must carry: one changed in the store, or saved under another key or none, is "
+        "refused. Default: a key made on first use in <home>/keys/checkpoint.key (mode 0600).",
     )
     max_text_chars: int = Field(
         default=20_000,
