@@ -16,7 +16,7 @@ from pathlib import Path
 
 from models.classifier import SentimentClassifier
 from models.finetuned import FinetunedClassifier, is_finetuned
-from models.serving import SentimentModel
+from models.serving import SentimentModel, guard_scoring_server
 
 PACKAGE = "mlstm-sentiment"
 VERSION_KEY = "package_version"  # in classifier.json and the MLmodel metadata: the package that logged it
@@ -30,7 +30,9 @@ def installed_version() -> str:
 
 
 def _load_pyfunc(data_path: str) -> SentimentModel:
-    """What ``mlflow.pyfunc.load_model`` calls with the model's data folder."""
+    """What ``mlflow.pyfunc.load_model`` calls with the model's data folder (and, in ``mlflow models
+    serve``, the guard that refuses a text the server's parser would cast to a string)."""
+    guard_scoring_server()
     return load_served(Path(data_path))
 
 

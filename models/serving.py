@@ -12,6 +12,12 @@ the row. The recurrence reads a text byte by byte, so a 5 MB text would hold a s
 minutes; ``mlflow models serve`` answers the rejection with a 400, ``mlstm-sentiment predict`` with
 one error line.
 
+MLflow's scoring server casts the texts of an ``inputs`` or ``instances`` request to the signature's
+string type before the model sees them (``5``, ``null``, ``true`` and ``{"a": 1}`` would arrive as
+``"5"``, ``"None"``, ``"True"`` and ``"{'a': 1}"`` and be scored), while a ``dataframe_records`` request
+keeps them as sent. So the loader module puts ``check_request`` in front of the server's parser
+(``guard_scoring_server``): every request format refuses a text that is not a string, naming it.
+
 Two request parameters: ``batch_size`` (rows read at once) and ``precision`` (the dtype the model reads
 in, ``models.precision``: auto is fp32 on a CPU; bf16 about 3× faster on a CPU that has it). Both are in
 the logged signature (``tasks/transfer/registry.py``): MLflow drops, with a warning, a parameter the
@@ -20,6 +26,8 @@ signature lacks.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -113,3 +121,48 @@ def check_texts(texts: list[Any], *, max_text_chars: int) -> None:
                 f"row {row}: 'text' has {len(text):,} characters, more than this model's limit of "
                 f"{max_text_chars:,} (max_text_chars, set by MLSTM_MAX_TEXT_CHARS when it was logged)"
             )
+
+
+def check_request(request: dict[str, Any], *, column: str = "text") -> None:
+    """Raise ``TextRejected`` naming the first text of an ``inputs`` or ``instances`` request, as sent,
+    that is not a string (the other formats reach ``check_texts`` as sent)."""
+    for key in ("inputs", "instances"):
+        if key in request:
+            for row, text in enumerate(_sent_texts(request[key], column), start=1):
+                if text is not _ABSENT and not isinstance(text, str):
+                    raise TextRejected(
+                        f"{key}: row {row}: '{column}' must be a string, got {type(text).__name__} {text!r:.40}"
+                    )
+
+
+_ABSENT = object()  # a record without the column: MLflow's schema refuses it by name
+
+
+def _sent_texts(value: Any, column: str) -> list[Any]:
+    """The texts of a request's ``inputs``/``instances`` value: a column (``{"text": [...]}`` or one
+    text), records (``[{"text": ...}]``), or the texts themselves (``[...]`` or one text)."""
+    if isinstance(value, dict):
+        value = value.get(column, [])
+        return value if isinstance(value, list) else [value]
+    if not isinstance(value, list):
+        return [value]
+    if value and all(isinstance(item, dict) for item in value):
+        return [item.get(column, _ABSENT) for item in value]
+    return value
+
+
+def guard_scoring_server() -> None:
+    """Put ``check_request`` in front of MLflow's scoring server's parser, in a process that runs one (the
+    server imports it before it loads the model); elsewhere nothing. Once per process."""
+    server = sys.modules.get("mlflow.pyfunc.scoring_server")
+    parse: Callable[..., Any] | None = getattr(server, "infer_and_parse_data", None)
+    if server is None or parse is None or getattr(parse, "checks_texts", False):
+        return
+
+    def parse_checked(data: Any, schema: Any = None) -> Any:
+        if isinstance(data, dict):
+            check_request(data)
+        return parse(data, schema)
+
+    parse_checked.checks_texts = True  # type: ignore[attr-defined]
+    server.infer_and_parse_data = parse_checked  # type: ignore[attr-defined]

@@ -88,8 +88,9 @@ def server(registered: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         process = subprocess.Popen(
             ["/bin/sh", "-c", command],
             cwd=tmp_path_factory.mktemp("serve-cwd"),
-            # A user's shell: no MLflow settings of its own, and a home the test can look into.
-            env={"PATH": CLEAN_PATH, "HOME": str(USER_HOME)},
+            # A user's shell: no MLflow settings of its own, and a home the test can look into (and the
+            # code under test where it is not the installed package's).
+            env={"PATH": CLEAN_PATH, "HOME": str(USER_HOME), **_python_path()},
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -109,6 +110,10 @@ def server(registered: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
+
+
+def _python_path() -> dict[str, str]:
+    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
 
 
 def _post(url: str, body: Any, *, raw: bytes | None = None) -> httpx.Response:
@@ -155,6 +160,35 @@ def test_a_model_logged_by_a_newer_package_is_refused_by_name(tmp_path: Path) ->
     json_file = folder / "classifier.json"
     json_file.write_text(json_file.read_text().replace('"99.0"', f'"{installed_version()}"'))
     assert _load_pyfunc(str(folder)).classifier.info[VERSION_KEY] == installed_version()
+
+
+def test_every_request_format_refuses_a_text_that_is_not_a_string(server: str) -> None:
+    """MLflow casts an ``inputs``/``instances`` request's texts to strings before the model sees them:
+    the served model refuses them as sent, naming the item, as ``dataframe_records`` does."""
+    for body, message in [
+        ({"inputs": {"text": [5]}}, "inputs: row 1: 'text' must be a string, got int 5"),
+        ({"inputs": {"text": [None]}}, "inputs: row 1: 'text' must be a string, got NoneType None"),
+        ({"inputs": {"text": [True]}}, "inputs: row 1: 'text' must be a string, got bool True"),
+        ({"inputs": {"text": [{"a": 1}]}}, "inputs: row 1: 'text' must be a string, got dict {'a': 1}"),
+        ({"inputs": {"text": ["fine", 5]}}, "inputs: row 2: 'text' must be a string, got int 5"),
+        ({"inputs": ["fine", None]}, "inputs: row 2: 'text' must be a string, got NoneType None"),
+        ({"inputs": [{"text": "fine"}, {"text": 7}]}, "inputs: row 2: 'text' must be a string, got int 7"),
+        ({"instances": ["fine", False]}, "instances: row 2: 'text' must be a string, got bool False"),
+        (_records("fine", None), "row 2: 'text' must be a string"),
+    ]:
+        refused = _post(server, body)
+        assert refused.status_code == 400, (body, refused.text)
+        assert message in refused.json()["message"] and "stack_trace" not in refused.json(), (
+            body,
+            refused.text,
+        )
+    for body, rows in [
+        ({"inputs": {"text": ["fine", "5"]}}, 2),
+        ({"inputs": ["fine"]}, 1),
+        ({"instances": [{"text": "fine"}]}, 1),
+    ]:
+        scored = _post(server, body)
+        assert scored.status_code == 200 and len(scored.json()["predictions"]) == rows, (body, scored.text)
 
 
 @pytest.mark.slow
