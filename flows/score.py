@@ -188,7 +188,7 @@ def score(
         precision=precision,
         s3_endpoint_url=settings.s3_endpoint_url,
     )
-    plan.store().check_writable(create_bucket=False)
+    plan.store().check_writable(create_bucket=False, setting="--output")
     if (manifest := read_manifest(plan)) is not None:
         logger.info("already scored by %s v%d: %s", model_ref.name, model_ref.version, plan.output)
         return ScoreResult.of(manifest, plan.store().url("manifest.json"), scored=0, skipped=len(plan.pieces))

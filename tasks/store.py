@@ -46,7 +46,9 @@ class Store(ABC):
     def exists(self, key: str) -> bool: ...
 
     @abstractmethod
-    def check_writable(self, *, create_bucket: bool = False) -> None: ...
+    def check_writable(self, *, create_bucket: bool = False, setting: str = "MLSTM_STORE_URI") -> None:
+        """Before any work: the store can be written; else one StoreError naming ``setting``, what
+        chose it (a command's flag, when the store is its output rather than the pipeline's)."""
 
     @abstractmethod
     def read_bytes(self, key: str) -> bytes: ...
@@ -184,16 +186,15 @@ class LocalStore(Store):
         else:
             target.unlink(missing_ok=True)
 
-    def check_writable(self, *, create_bucket: bool = False) -> None:
+    def check_writable(self, *, create_bucket: bool = False, setting: str = "MLSTM_STORE_URI") -> None:
         """Before any work: the folder can be made and written."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.root, prefix=".tmp-write-check-"):
                 pass
         except OSError as error:
-            raise StoreError(
-                f"store folder {self.root} cannot be written: {error} [MLSTM_STORE_URI]"
-            ) from None
+            label = "store folder" if setting.startswith("MLSTM_") else "folder"
+            raise StoreError(f"{label} {self.root} cannot be written: {error} [{setting}]") from None
 
     def _publish(self, local: Path, key: str) -> None:
         os.replace(local, self.path(key))
@@ -309,13 +310,13 @@ class S3Store(Store):
                     f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
                 )
 
-    def check_writable(self, *, create_bucket: bool = False) -> None:
+    def check_writable(self, *, create_bucket: bool = False, setting: str = "MLSTM_STORE_URI") -> None:
         """Before any work: the bucket exists (or is created when asked) and a tiny object can be
         written and deleted under the prefix; otherwise one StoreError naming what to change."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         where = f"bucket {self.bucket!r} at {self.endpoint_url or 'AWS S3 (boto3 default endpoint)'}"
-        fix = "[MLSTM_STORE_URI, MLSTM_S3_ENDPOINT_URL]"
+        fix = f"[{setting}, MLSTM_S3_ENDPOINT_URL]"
         try:
             try:
                 self.client.head_bucket(Bucket=self.bucket)
@@ -380,6 +381,22 @@ def store_of(settings: Settings) -> Store:
         endpoint_url=settings.s3_endpoint_url,
         max_attempts=settings.s3_max_attempts,
     )
+
+
+def check_target(uri: str, setting: str, *, endpoint_url: str | None = None) -> None:
+    """A store a command will write, named by its flag ``setting``, checked before any work and without
+    making anything: a folder must be one, or makeable in a writable folder; a bucket, writable."""
+    store = open_store(uri, endpoint_url=endpoint_url)
+    if not isinstance(store, LocalStore):
+        store.check_writable(setting=setting)
+        return
+    existing = store.root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StoreError(f"{setting} {store.root}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StoreError(f"{setting} {store.root}: the folder {existing} cannot be written")
 
 
 def open_store(uri: str, *, endpoint_url: str | None = None, max_attempts: int | None = None) -> Store:

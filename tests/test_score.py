@@ -391,6 +391,7 @@ def test_bad_rows_are_written_aside_with_their_reason(champion: dict[str, Any], 
         ("reviews.arrow", b"id,text\n1,great\n", "not a readable Arrow IPC file"),
         ("reviews.jsonl", b'{"id": 1, "review": "great"}\n', "no record has a 'text' field"),
         ("reviews.txt", b"great\n", "not a table this command reads"),
+        ("header-only.csv", b"id,text\n", "no rows to score"),
     ],
 )
 def test_a_bad_file_is_one_error_naming_it(
@@ -414,6 +415,26 @@ def test_a_bad_file_is_one_error_naming_it(
     assert not (tmp_path / "out").exists()
     # Refused before Prefect: no failed flow run, whose log lines would stand in front of the error.
     assert flow_runs() == before
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_output_that_cannot_be_a_folder_is_named_by_its_flag(where: str, tmp_path: Path) -> None:
+    """`--output FILE` is one line naming --output (not MLSTM_STORE_URI), before the inputs are read
+    or Prefect starts (its API here answers nothing), and nothing is made."""
+    reviews = tmp_path / "reviews.csv"
+    reviews.write_text("id,text\n1,great\n")
+    taken = tmp_path / "taken"
+    taken.write_text("a file of the user's")
+    output = taken if where == "a file" else taken / "scores"
+    env: dict[str, str | None] = {
+        "MLSTM_HOME": str(tmp_path / "home"),
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+    }
+    done = cli_in_process(["score", str(reviews), "--output", str(output)], env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert message == f"error: --output {output}: {taken} is a file, not a folder", message
+    assert taken.read_text() == "a file of the user's"
 
 
 def test_s3_input_and_output(

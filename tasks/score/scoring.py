@@ -49,7 +49,7 @@ from tasks.score.config import PIECE_ROWS
 from tasks.score.inputs import InputError, InputFile, describe, expand_inputs, read_rows
 from tasks.score.readers.base import PROBLEM
 from tasks.score.readers.text import text_bytes, texts_of
-from tasks.store import Store, open_store
+from tasks.store import Store, check_target, open_store
 
 PRECISIONS = get_args(Precision)  # models.precision.PRECISION_CHOICES (tests/test_features.py)
 FORMAT_VERSION = 2  # of the output's layout; part of the scoring id (2: pieces cut by length in windows)
@@ -132,8 +132,10 @@ def describe_inputs(
         raise ValueError(f"--id-column {clash[0]!r} is the text column or one the output writes itself")
     # A second run into a folder of its inputs must not read the first run's output as one.
     uris = expand_inputs(inputs, s3_endpoint_url=s3_endpoint_url, output=output)
+    if output is not None:  # named by its flag, before the inputs are read, and nothing made yet
+        check_target(output, "--output", endpoint_url=s3_endpoint_url)
     on_start(len(uris))
-    return tuple(
+    files = tuple(
         describe(
             uri,
             text_column=text_column,
@@ -143,6 +145,9 @@ def describe_inputs(
         )
         for uri in uris
     )
+    if not any(file.rows for file in files):  # header-only tables: refused before Prefect starts
+        raise InputError(f"{', '.join(f.uri for f in files)}: no rows to score")
+    return files
 
 
 def save_described(files: tuple[InputFile, ...], path: Path) -> Path:
