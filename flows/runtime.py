@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.corpus.build import cpu_count
-from tasks.settings import Settings
+from tasks.settings import Settings, check_home_space
 from tasks.store import LocalStore, Store, StoreError
 
 
@@ -56,6 +56,7 @@ def prefect_api(settings: Settings) -> Iterator[str]:
 
     from prefect.server.api.server import SubprocessASGIServer
 
+    check_home_space(settings.home)  # its database is there (PREFECT_HOME, unless the user's own)
     server = SubprocessASGIServer()
     # Flow code that asks for "the" ephemeral server finds this one instead of starting another.
     previous = SubprocessASGIServer._instances.get(None)

@@ -192,6 +192,26 @@ class Settings(BaseSettings):
         return redact(self.resolved_mlflow_tracking_uri)
 
 
+HOME_SPACE_MIB = 32  # what the temporary Prefect API's and MLflow's databases need to start and log a run
+
+
+def check_home_space(folder: Path, setting: str = "MLSTM_HOME") -> None:
+    """Refuse, in one line naming ``setting``, a home whose disk has less than ``HOME_SPACE_MIB`` free: a
+    full disk otherwise shows as a server that does not start within its timeout."""
+    import shutil
+
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < HOME_SPACE_MIB << 20:
+        raise ValueError(
+            f"{setting} {folder}: no space left on device ({free / 2**20:.1f} MiB free; the temporary "
+            f"Prefect API and MLflow's database need {HOME_SPACE_MIB} MiB): free some, or set {setting} "
+            "to a folder on another disk"
+        )
+
+
 def get_settings(**overrides: object) -> Settings:
     """Read the settings from the environment, with explicit overrides (CLI flags) on top."""
     values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}

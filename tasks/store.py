@@ -9,6 +9,7 @@ finds everything it names.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -88,17 +89,30 @@ class Store(ABC):
 
     @contextlib.contextmanager
     def writer(self, key: str) -> Iterator[Path]:
-        """Yield a local path to write; on success it is published at ``key``, else discarded."""
+        """Yield a local path to write; on success it is published at ``key``, else discarded, with the
+        store's folders it leaves empty. A full disk is one StoreError naming ``key``'s URL (the
+        OS's own words name no file when a write, not an open, fails)."""
         scratch = self._scratch_dir(key)
-        scratch.mkdir(parents=True, exist_ok=True)
         # Not mkstemp: its files are 0600, and a published file gets the mode open() would give.
         path = scratch / f".tmp-{uuid.uuid4().hex}-{Path(key).name}"
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         try:
+            scratch.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
             yield path
             self._publish(path, key)
+        except BaseException as error:
+            path.unlink(missing_ok=True)
+            self._prune(scratch)
+            if isinstance(error, OSError) and no_space(error):
+                raise StoreError(
+                    f"{self.url(key)} cannot be written: no space left on device in {scratch}"
+                ) from None
+            raise
         finally:
             path.unlink(missing_ok=True)
+
+    def _prune(self, folder: Path) -> None:  # noqa: B027 (an object store has no folders to prune)
+        """Remove ``folder`` and its parents in the store while they are empty (a failed write's)."""
 
     @contextlib.contextmanager
     def local_copy(self, key: str) -> Iterator[Path]:
@@ -121,6 +135,11 @@ class Store(ABC):
             shutil.copyfile(local, path)
 
 
+def no_space(error: OSError) -> bool:
+    """A full disk or quota, in the OS's words or Arrow's (whose IO errors carry no errno)."""
+    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
+
+
 class LocalStore(Store):
     def __init__(self, root: Path) -> None:
         self.root = root.expanduser().resolve()
@@ -132,6 +151,14 @@ class LocalStore(Store):
     def _scratch_dir(self, key: str) -> Path:
         # Same folder as the target, so publishing is a rename on one filesystem.
         return self.path(key).parent
+
+    def _prune(self, folder: Path) -> None:
+        while folder != self.root and folder.is_relative_to(self.root):
+            try:
+                folder.rmdir()  # fails on a folder that holds anything: another writer's stays
+            except OSError:
+                return
+            folder = folder.parent
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()

@@ -52,7 +52,7 @@ from tasks.corpus.sources import (
     iter_blocks,
     pieces_of,
 )
-from tasks.store import MiB, Store
+from tasks.store import MiB, Store, StoreError, no_space
 
 FORMAT = "mlstm-sentiment/corpus@1"
 SPLITS = ("train", "val", "test")
@@ -191,8 +191,8 @@ def parse_piece(
             result.rejected_key = f"{plan.prefix}/rejected/{piece.piece_id}.arrow"
             _write_rejects(store, result.rejected_key, piece.source.uri, rejects)
         stack.close_all()
-    except BaseException:
-        stack.abort_all()
+    except BaseException as error:
+        stack.abort_all(error)
         raise
     store.write_bytes(marker, json.dumps(result.__dict__).encode())
     # Hand the block buffers back, so a worker that goes on to reduce does not carry them.
@@ -244,22 +244,27 @@ class _WriterStack:
         context = self.store.writer(key)
         path = context.__enter__()
         writer = pa.ipc.new_stream(str(path), WORK_SCHEMA)
-        self.open.append((context, writer, path))
+        self.open.append((context, writer, key))
         return writer
 
     def close_all(self) -> None:
-        for context, writer, _ in self.open:
+        while self.open:  # a close that fails (a full disk) leaves it and the rest to abort_all
+            context, writer, _ = self.open[-1]
             writer.close()
+            self.open.pop()
             context.__exit__(None, None, None)
-        self.open = []
 
-    def abort_all(self) -> None:
+    def abort_all(self, error: BaseException) -> None:
+        """Discard every open file; a full disk is one StoreError naming the first (Arrow's words name
+        none)."""
+        first = self.open[0][2] if self.open else None
         for context, writer, _ in self.open:
-            try:
+            with contextlib.suppress(OSError, pa.ArrowException):  # a full disk fails the close too
                 writer.close()
-            finally:
-                context.__exit__(RuntimeError, RuntimeError("aborted"), None)
+            context.__exit__(RuntimeError, RuntimeError("aborted"), None)
         self.open = []
+        if first is not None and isinstance(error, OSError) and no_space(error):
+            raise StoreError(f"{self.store.url(first)} cannot be written: no space left on device") from None
 
 
 def _scatter(
