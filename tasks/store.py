@@ -104,8 +104,10 @@ class Store(ABC):
             path.unlink(missing_ok=True)
             self._prune(scratch)
             if isinstance(error, OSError) and no_space(error):
+                # An object store's file is written on this machine first: its disk is the full one.
+                local = "" if self.url(key).startswith(str(scratch)) else f" (in {scratch} on this machine)"
                 raise StoreError(
-                    f"{self.url(key)} cannot be written: no space left on device in {scratch}"
+                    f"{self.url(key)} cannot be written: no space left on device{local}"
                 ) from None
             raise
         finally:
