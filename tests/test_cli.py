@@ -24,7 +24,7 @@ COMMANDS = {
     ],
     "Pipeline": ["pipeline", "run", "status"],
     "Sweep": ["sweep"],
-    "Operate": ["demo", "deploy", "promote", "settings"],
+    "Operate": ["checkpoints", "demo", "deploy", "promote", "settings"],
 }
 CORPUS = ["build", "show", "rejected", "sample"]
 SWEEP = ["run", "status"]
