@@ -51,6 +51,8 @@ def test_mlflow_own_variables_are_honoured_below_ours(
     assert shown["mlflow_tracking_uri_from"] == "MLFLOW_TRACKING_URI"
     assert shown["resolved_mlflow_tracking_uri"] == f"sqlite:///{tmp_path / 'elsewhere.db'}"
     assert shown["mlflow_registry_uri_from"] == "MLFLOW_REGISTRY_URI"
+    # Where the checkpoint key comes from, never the key itself.
+    assert (shown["checkpoint_key_from"], shown["checkpoint_key"]) == ("MLSTM_CHECKPOINT_KEY", "**********")
 
     import mlflow
 

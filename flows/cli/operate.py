@@ -12,6 +12,7 @@ from flows.cli.common import err, fail, out, styled, user_errors
 from flows.cli.pipeline import print_pipeline, run_pipeline
 from tasks.secrets import redact
 from tasks.settings import Settings, get_settings
+from tasks.signing import key_name
 
 app = typer.Typer()
 PANEL = "Operate"
@@ -171,5 +172,7 @@ def show_settings() -> None:
     values["mlflow_tracking_uri_from"] = settings.mlflow_tracking_uri_source[1]
     values["resolved_mlflow_registry_uri"] = settings.resolved_mlflow_registry_uri
     values["mlflow_registry_uri_from"] = settings.mlflow_registry_uri_source[1]
+    # Where the checkpoint key comes from, never the key: the variable, else the home's file.
+    values["checkpoint_key_from"] = key_name()
     # A URI's password is the user's to keep: shown redacted, like everywhere else.
     print(json.dumps({k: redact(v) if isinstance(v, str) else v for k, v in values.items()}, indent=2))
