@@ -205,6 +205,35 @@ def peak_rss() -> Iterator[dict[str, Any]]:
         thread.join()
 
 
+# The code each benchmark measures, by the ``benchmark`` name its records carry: a record made before the
+# last commit that changed one of these paths measured other code, and the rendered page says so
+# (render.py's ``stale_line``). A benchmark not named here is not checked.
+MEASURES: dict[str, tuple[str, ...]] = {
+    "baseline": ("tasks/transfer/baseline.py",),
+    "cli": ("flows/cli/",),
+    "corpus": ("tasks/corpus/",),
+    "features": ("models/features.py", "models/mlstm.py", "models/recurrence.py", "tasks/transfer/serve.py"),
+    "finetune": ("tasks/finetune/", "models/finetuned.py"),
+    "finetune-select": ("tasks/finetune/", "models/finetuned.py"),
+    "gpu-check": ("models/", "tasks/pretrain/", "tasks/transfer/solvers/"),
+    "job": ("tasks/jobs/checkpoint.py", "tasks/jobs/checkpointer.py", "tasks/jobs/world.py"),
+    "neuron": ("tasks/transfer/explain.py", "models/neuron.py"),
+    "pipeline": ("tasks/pipeline.py", "flows/pipeline.py"),
+    "pretrain": (
+        "models/mlstm.py",
+        "models/recurrence.py",
+        "tasks/pretrain/step.py",
+        "tasks/pretrain/graphed.py",
+    ),
+    "probe": ("tasks/transfer/solvers/",),
+    "scaling": ("models/mlstm.py", "models/recurrence.py"),
+    "score": ("tasks/score/", "models/features.py"),
+    "sharding": ("tasks/jobs/sharding.py", "tasks/pretrain/step.py"),
+    "sweep": ("tasks/sweep/",),
+    "threads": ("tasks/jobs/threads.py", "models/mlstm.py", "models/recurrence.py"),
+}
+
+
 # The parts of the probe's goal (issue 27) as a row of benchmarks/probe.py keeps them, and as its
 # verdict names the ones a row misses.
 PROBE_GOAL_PARTS = {"met": "speed-up", "same_answer": "C or test accuracy", "objective": "objective"}

@@ -142,8 +142,12 @@ def summarise_probe(logs: Path) -> tuple[bool, str, dict[str, Any]]:
     """Each solver must choose liblinear's C (or one with its dev accuracy) and reach its test accuracy
     within half a point; along the path they may part where liblinear stops short at the large-C end."""
     report = _json(logs / "probe.json")
+    # A speed-up only where liblinear ran in the same run: --liblinear-from times it elsewhere, earlier.
+    one_run = not report.get("liblinear_source")
     line = [
-        f"{r['case']} {r['solver']} {r['solver_s']} s ({r['speedup']}× liblinear, C {r['C'][0]:g}/{r['C'][1]:g})"
+        f"{r['case']} {r['solver']} {r['solver_s']} s ("
+        + (f"{r['speedup']}× liblinear, " if one_run else "")
+        + f"C {r['C'][0]:g}/{r['C'][1]:g})"
         for r in report["rows"]
     ]
     goal = report["goal"]

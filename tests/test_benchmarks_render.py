@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -92,3 +93,60 @@ def test_each_section_and_record_is_on_the_page_once(render: ModuleType) -> None
     records = [match["name"] for match in render.PLACEHOLDER.finditer(template)]
     assert len(sections) == len(set(sections)), sorted({s for s in sections if sections.count(s) > 1})
     assert len(records) == len(set(records)), sorted({r for r in records if records.count(r) > 1})
+
+
+def test_a_record_older_than_the_code_it_measures_is_marked_stale(render: ModuleType, tmp_path: Path) -> None:
+    # A record kept on the page after its benchmark's code changed reads as a measurement of today's code.
+    repo = tmp_path / "repo"
+    solvers = repo / "tasks" / "transfer" / "solvers"
+    solvers.mkdir(parents=True)
+
+    def commit(path: Path, text: str) -> str:
+        path.write_text(text)
+        git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "add", "-A"], check=True, capture_output=True)
+        subprocess.run([*git, "commit", "-qm", path.name], check=True, capture_output=True)
+        return subprocess.run(
+            [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    first = commit(solvers / "newton.py", "a = 1\n")
+    recorded = commit(repo / "README.md", "text\n")  # the record's commit: after the solver's last change
+    assert render.stale_line("probe", recorded, repo) is None
+    assert render.stale_line("probe", f"{recorded}-dirty", repo) is None
+    assert render.stale_line("probe", first, repo) is None  # recorded at that change itself
+    commit(repo / "README.md", "more text\n")  # other code changing leaves the record fresh
+    assert render.stale_line("probe", recorded, repo) is None
+    changed = commit(solvers / "newton.py", "a = 2\n")
+    line = render.stale_line("probe", recorded, repo)
+    assert line is not None and line.startswith("**Stale**: `tasks/transfer/solvers/` changed since")
+    assert f"`{recorded[:10]}` (1 commit, the last `{changed[:10]}`)" in line
+    assert render.stale_line("probe", changed, repo) is None
+    assert "not in this repository" in render.stale_line("probe", "f" * 40, repo)
+    assert render.stale_line("no-such-benchmark", recorded, repo) is None
+
+    document = {
+        "benchmark": "baseline",
+        "command": "python benchmarks/baseline.py --record",
+        "commit": first,
+        "date": "2026-11-24 21:00 UTC",
+        "machine": {"cpu": "Some CPU", "cores": 2, "ram_gib": 23.5, "python": "3.11.7"},
+        "results": {"rows": []},
+    }
+    (tmp_path / "baseline.json").write_text(json.dumps(document))
+    (repo / "tasks" / "transfer" / "baseline.py").write_text("b = 1\n")
+    commit(repo / "tasks" / "transfer" / "baseline.py", "b = 2\n")
+    page = render.render("{{ baseline | python benchmarks/baseline.py --record }}\n", tmp_path, repo)
+    assert "**Stale**: `tasks/transfer/baseline.py` changed since" in page
+
+
+def test_a_figure_in_the_prose_is_read_from_its_record(render: ModuleType, tmp_path: Path) -> None:
+    # A ratio typed into a sentence can divide figures of two runs; one read from a record cannot.
+    document = {"results": {"rows": [{"liblinear_s": 2022.84, "solver_s": 4.87, "speedup": 415.71}]}}
+    (tmp_path / "probe-x.json").write_text(json.dumps(document))
+    text = "newton {= probe-x rows.0.speedup | .0f =}×, {= probe-x rows.0.solver_s | .1f =} s against {= probe-x rows.0.liblinear_s | ,.0f =}"
+    assert render.render(text, tmp_path).endswith("newton 416×, 4.9 s against 2,023")
+    with pytest.raises(SystemExit, match=re.escape("probe-x.json has no 'rows.1.speedup'")):
+        render.render("{= probe-x rows.1.speedup =}", tmp_path)
+    assert "to be measured" in render.render("{= probe-y rows.0.speedup =}", tmp_path)
