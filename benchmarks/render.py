@@ -687,8 +687,51 @@ def finetune_tables(results: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def tuning(settings: dict[str, Any]) -> str:
+    return f"{settings['pool']} pooling, lr {settings['lr']:g}, aux LM weight {settings['aux_lm_weight']:g}"
+
+
+def finetune_select_tables(results: dict[str, Any]) -> str:
+    """The candidates by dev accuracy only; test appears once, for the chosen settings."""
+    from tasks.finetune.config import FinetuneSettings
+
+    chosen = next(c for c in results["candidates"] if c["name"] == results["chosen"])
+    rows = [
+        [
+            c["name"] + (" (chosen)" if c is chosen else ""),
+            c["settings"]["pool"],
+            f"{c['settings']['lr']:g}",
+            f"{c['settings']['aux_lm_weight']:g}",
+            percent(c["dev_accuracy"]),
+            str(c["best_epoch"]),
+            num(c["seconds"]),
+        ]
+        for c in results["candidates"]
+    ]
+    header = ["candidate", "pooling", "lr", "aux LM weight", "dev acc", "best epoch", "seconds"]
+    run = results["chosen_run"]
+    now = {key: FinetuneSettings.model_fields[key].default for key in chosen["settings"]}
+    described = ", ".join(f"{k} {v}" for k, v in results["settings"].items())
+    return "\n\n".join(
+        [
+            f"From {results['checkpoint']}; each candidate on {results['rows']['train']:,} train rows (a fixed "
+            f"subset) and dev's {results['rows']['dev']:,}, with dev in test's place; the other settings: "
+            f"{described}. The rule: {results['rule']}.",
+            table(header, rows),
+            f"Chosen on dev: {chosen['name']} ({tuning(chosen['settings'])}). Fine-tuned so on all "
+            f"{run['rows']['train']:,} train rows, its one test figure: {percent(run['finetune_test_accuracy'])} "
+            f"(dev {percent(run['finetune_dev_accuracy'])}, best epoch {run['finetune_best_epoch']}); from the "
+            f"same checkpoint the frozen probe {percent(run['probe_test_accuracy'])} and TF-IDF "
+            f"{percent(run['baseline_test_accuracy'])} on test. The command's default when this ran: "
+            f"{tuning(results['default_when_run'])}; now: {tuning(now)}"
+            + (", the chosen." if now == chosen["settings"] else ", not the chosen."),
+        ]
+    )
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "finetune": finetune_tables,
+    "finetune-select": finetune_select_tables,
     "cli": cli_tables,
     "baseline": baseline_tables,
     "corpus": corpus_tables,

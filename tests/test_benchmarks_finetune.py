@@ -56,3 +56,26 @@ def test_a_setting_the_command_refuses_is_refused_by_its_flag_before_any_pretrai
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "--lm-lr-factor 2.0: Input should be less than or equal to 1" in err
     assert "pretraining" not in err
+
+
+def test_the_defaults_are_chosen_on_dev_with_the_test_split_read_nowhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first selection's log had F highest on dev and G, chosen, highest on test: on dev alone, F.
+    module = load_benchmark("finetune_select.py", "finetune_select_benchmark", monkeypatch)
+    assert module.choose_on_dev({"D": 0.567, "E": 0.545, "F": 0.619, "G": 0.617, "H": 0.541}) == "F"
+    assert module.choose_on_dev({"D": 0.60, "E": 0.62, "F": 0.62}) == "E"  # a tie: the first listed
+
+    from tasks.transfer.datasets import load_dataset
+
+    folder = tmp_path / "sst"
+    folder.mkdir()
+    for split, count in (("train", 6), ("dev", 4), ("test", 4)):
+        rows = "".join(f"{split} sentence {i},{i % 2}\n" for i in range(count))
+        (folder / f"{split}.csv").write_text("text,label\n" + rows)
+    spec, counts = module.hide_test(f"sst={folder}", 4, tmp_path / "hidden")
+    hidden = load_dataset(spec)
+    assert counts == {"train": 4, "dev": 4} and len(hidden.train) == 4
+    assert hidden.test.texts == hidden.dev.texts and list(hidden.test.labels) == list(hidden.dev.labels)
+    every = [text for split in hidden.splits().values() for text in split.texts]
+    assert not [text for text in every if text.startswith("test")]
