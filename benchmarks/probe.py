@@ -287,7 +287,8 @@ def tightened_liblinear(
 
     Not refitted (``skipped`` says why) where liblinear's own sweep (``base``) spent more than
     ``max_seconds`` on one of those C at its default tolerance: a tighter one takes longer still (on real
-    4,096-wide cell states its fit at C = 4 took 1,251 s by default)."""
+    4,096-wide cell states its fits at the large-C end took most of its sweep: the per-C seconds of
+    ``benchmarks/results/probe-cpu-real-4096.json``)."""
     if base is not None:
         took = {p["C"]: p["seconds"] for p in base["per_C"]}
         if slow := [C for C in sorted(set(Cs)) if took.get(C, 0.0) > max_seconds]:
