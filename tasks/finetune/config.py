@@ -40,9 +40,11 @@ class FinetuneSettings(OptimizerSettings):
 
     # fmt: off
     head: Annotated[Literal["linear", "mlp"], WEIGHTS] = Field(default="linear", description="The classifier head on the pooled states: linear or mlp.")
-    pool: Annotated[Literal["last", "mean", "max", "concat"], WEIGHTS] = Field(default="concat", description="Pooling of the cell states over the text: last (the probe's feature), mean, max or concat (all three).")
+    # pool, lr and aux_lm_weight: the candidate best on dev among five (benchmarks/finetune_select.py,
+    # test read once, for the one chosen; docs/finetune.md).
+    pool: Annotated[Literal["last", "mean", "max", "concat"], WEIGHTS] = Field(default="max", description="Pooling of the cell states over the text: last (the probe's feature), mean, max or concat (all three).")
     mlp_hidden: Annotated[int, WEIGHTS] = Field(default=256, ge=1, description="Hidden units of the mlp head.")
-    aux_lm_weight: Annotated[float, WEIGHTS] = Field(default=0.1, ge=0, description="Weight of the auxiliary next-byte loss (Kant et al. 2018); 0: none.")
+    aux_lm_weight: Annotated[float, WEIGHTS] = Field(default=0.0, ge=0, description="Weight of the auxiliary next-byte loss (Kant et al. 2018); 0: none.")
     freeze_lm: Annotated[bool, WEIGHTS] = Field(default=False, description="Train the head only; the mLSTM's weights stay as the checkpoint has them.")
     epochs: Annotated[int, WEIGHTS] = Field(default=3, ge=1, description="Passes over the train split; the best on dev is kept.")
     batch_size: Annotated[int, WEIGHTS] = Field(default=32, ge=1, description="Global batch in texts, split across ranks.")
@@ -68,9 +70,7 @@ class FinetuneSettings(OptimizerSettings):
 
     @model_validator(mode="after")
     def _aux_needs_the_lm(self) -> FinetuneSettings:
-        if self.freeze_lm and self.aux_lm_weight and "aux_lm_weight" not in self.model_fields_set:
-            self.aux_lm_weight = 0.0  # the default's auxiliary loss goes with a frozen model
-        elif self.freeze_lm and self.aux_lm_weight:
+        if self.freeze_lm and self.aux_lm_weight:
             raise ValueError(
                 f"--aux-lm-weight {self.aux_lm_weight:g} with --freeze-lm: a frozen language model cannot learn "
                 "from its own loss; leave one out"
