@@ -220,6 +220,7 @@ def compare(spec: str, checkpoint: str, settings_of_tuning: dict[str, Any]) -> d
         "finetune_dev_accuracy": tuned["dev_accuracy"],
         "finetune_best_epoch": tuned["best_epoch"],
         "finetune_seconds": tune_seconds,
+        "finetune_test_seconds": tuned["test_seconds"],  # of finetune_seconds: the job's read of test
         "epochs": [
             {k: e[k] for k in ("epoch", "train_loss", "aux_lm_loss", "dev_accuracy", "lr")}
             for e in tuned["epochs"]

@@ -640,7 +640,14 @@ def finetune_tables(results: dict[str, Any]) -> str:
             percent(r["finetune_test_accuracy"]),
             percent(r["probe_test_accuracy"]),
             percent(r["baseline_test_accuracy"]),
-            f"{num(r['finetune_seconds'])} / {num(r['probe_seconds'])} / {num(r['baseline_seconds'])}",
+            f"{num(r['finetune_seconds'])}"
+            # Records from before the job timed its read of test have no figure for it.
+            + (
+                f" (test {num(r['finetune_test_seconds'])})"
+                if r.get("finetune_test_seconds") is not None
+                else ""
+            )
+            + f" / {num(r['probe_seconds'])} / {num(r['baseline_seconds'])}",
             f"{r['finetune_best_epoch']} ({percent(r['finetune_dev_accuracy'])})",
         ]
         for r in results["rows"]
@@ -651,7 +658,7 @@ def finetune_tables(results: dict[str, Any]) -> str:
         "fine-tuned",
         "probe",
         "TF-IDF",
-        "seconds (each)",
+        "seconds (fine-tuning / probe / TF-IDF)",
         "best epoch (dev)",
     ]
     parts = [f"From {results['checkpoint']}; fine-tuning settings: {described}.", table(header, rows)]
@@ -763,7 +770,9 @@ def git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def stale_line(benchmark: str, commit: str, repo: Path = REPO) -> str | None:
     """A line saying the record measured other code than the checkout's, or None when it did not: the
     last commit that changed the paths the benchmark measures (``MEASURES``) is not among the record's
-    commit and its ancestors. A commit this repository does not hold is said too; no git, nothing."""
+    commit and its ancestors, or those paths have changes not yet committed. The line names neither that
+    commit nor a count, so the page rendered before a commit that changes the code is the page after it.
+    A commit this repository does not hold is said too; no git, nothing."""
     paths = MEASURES.get(benchmark)
     if not paths:
         return None
@@ -773,15 +782,12 @@ def stale_line(benchmark: str, commit: str, repo: Path = REPO) -> str | None:
     recorded = commit.removesuffix("-dirty")
     where = ", ".join(f"`{p}`" for p in paths)
     answer = git(repo, "merge-base", "--is-ancestor", last, recorded).returncode
-    if answer == 0:
+    if answer > 1:
+        return f"**Stale?** The record's commit `{recorded[:10]}` is not in this repository: whether {where} changed since cannot be told."
+    edited = git(repo, "status", "--porcelain", "--untracked-files=no", "--", *paths).stdout.strip()
+    if answer == 0 and not edited:
         return None
-    if answer == 1:
-        count = git(repo, "rev-list", "--count", f"{recorded}..{last}", "--", *paths).stdout.strip()
-        return (
-            f"**Stale**: {where} changed since `{recorded[:10]}` ({count} commit{'' if count == '1' else 's'}, "
-            f"the last `{last[:10]}`); these figures measured the code before them."
-        )
-    return f"**Stale?** The record's commit `{recorded[:10]}` is not in this repository: whether {where} changed since cannot be told."
+    return f"**Stale**: {where} changed since `{recorded[:10]}`; these figures measured the code before."
 
 
 def figure(match: re.Match[str], results: Path) -> str:

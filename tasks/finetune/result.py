@@ -29,6 +29,7 @@ class FinetuneJobResult(BaseModel):
     classifier_uri: str
     classifier_key: str
     test_accuracy: float
+    test_seconds: float | None = None  # the read of test; None in results from before it was timed
     dataset: str
     checksum: str
     checkpoint_run_id: str | None
