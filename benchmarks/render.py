@@ -7,12 +7,12 @@ The prose lives in ``benchmarks/benchmarks.md.in``; a line of the form
 
 becomes the run recorded in ``benchmarks/results/NAME.json`` (its machine, command, commit, date and
 tables), or, when there is no such file, a "to be measured" note with COMMAND, the line that records it.
-Every figure on the page therefore comes from a result file: a typed-in number has nowhere to go. A
+Every figure in a table therefore comes from a result file: a typed-in number has nowhere to go. A
 figure in the prose is written ``{= NAME PATH | FORMAT =}``: the value at PATH (keys and list indices
-joined by dots) in ``results/NAME.json``'s results, formatted by FORMAT (``format()``'s spec, or
-``GiB`` for bytes), so a
-ratio in a sentence divides figures of one record, one run. A record whose commit predates the last
-change to the code its benchmark measures (``common.MEASURES``) is marked stale above its tables.
+joined by dots) in ``results/NAME.json``'s results, formatted by FORMAT (``format()``'s spec, or ``GiB``
+for bytes), so a ratio in a sentence divides figures of one record, one run. A record whose commit
+predates the last change to the code its benchmark measures (``common.MEASURES``) is marked stale above
+its tables.
 
     PYTHONPATH=. .venv/bin/python benchmarks/render.py            # rewrite docs/benchmarks.md
     PYTHONPATH=. .venv/bin/python benchmarks/render.py --check    # exit 1 if the page is not what it renders
