@@ -61,7 +61,7 @@ test-long: $(EXTRAS)
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/pytest -m long
 
-# Every GPU path in at most 8 minutes, one table last (benchmarks/gpu_check.py). It runs with that
+# Every GPU path in at most 7 minutes (the parts' limits span 6.5), one table last (benchmarks/gpu_check.py). It runs with that
 # machine's Python and CUDA build of torch from the working tree, not this venv's CPU build, so it
 # needs no install beyond the wheels tasks.pretrain.train imports; without a GPU it says so and fails.
 gpu-check:

@@ -595,9 +595,11 @@ def gpu_check_tables(results: dict[str, Any]) -> str:
         [p["part"], p["status"], f"{p['seconds']:.0f} ({p['limit_s']:.0f})", p["line"].replace("|", "/")]
         for p in results["parts"]
     ]
-    return f"{results['seconds']:.0f} s in all (budget {results['budget_s']:.0f} s).\n\n" + table(
-        ["part", "status", "seconds (limit)", "result"], rows
-    )
+    head = f"{results['seconds']:.0f} s in all (budget {results['budget_s']:.0f} s"
+    if "goal_s" in results:  # since issue 54: the limits' span, and the whole check's goal
+        met = "met" if results["seconds"] <= results["goal_s"] else "NOT met"
+        head += f"; the parts' limits span {results['span_s']:.0f} s; goal ≤ {results['goal_s']:.0f} s {met}"
+    return head + ").\n\n" + table(["part", "status", "seconds (limit)", "result"], rows)
 
 
 def cli_tables(results: dict[str, Any]) -> str:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,11 +18,13 @@ from train_helpers import run_job
 from models.features import featurize
 from models.mlstm import MLSTM, MLSTMConfig, small
 from models.recurrence import _compiled_on, gate_functions, gates, gates_backward, reading_gates
-from tasks.jobs.checkpoint import load_checkpoint
+from tasks.jobs.checkpoint import load_checkpoint, save_checkpoint, step_prefix
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.memory import per_gpu_bytes
 from tasks.pretrain.metrics import MEASURED_PEAKS, datasheet_flops, peak_flops
 from tasks.pretrain.step import optimizer_step
+from tasks.signing import HMAC_FIELD
+from tasks.store import LocalStore
 
 pytestmark = [
     pytest.mark.gpu,
@@ -164,25 +168,47 @@ def test_features_alone_equal_features_in_a_batch() -> None:
         assert (np.abs(together - alone) / scale).max() < 5e-2, batch_size
 
 
-@pytest.mark.slow
-def test_a_captured_run_resumes_without_the_graph_as_it_would_have_run(
-    sample_manifest: str, home: Path
-) -> None:
-    """A captured run's checkpoint, resumed without the graph (as on more ranks): its learning rates are
-    numbers, so Adam gets a float lr, and the run ends where the captured one does. (A captured run
-    preempted and resumed captured: benchmarks/job.py, in make gpu-check.)"""
-    common = ["--corpus", sample_manifest, "--store", str(home / "store"), "--preset", "tiny"]
-    common += ["--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--checkpoint-every", "100"]
-    common += ["--tracking", "off"]  # a GPU node need not have MLflow
-    straight = run_job([*common, "--run-name", "straight", "--max-steps", "16"], home)
-    half = run_job([*common, "--run-name", "halves", "--max-steps", "8"], home)
-    saved = load_checkpoint(half["checkpoint_uri"]).state
+@dataclasses.dataclass(frozen=True)
+class CapturedRun:
+    home: Path
+    flags: list[str]  # every launch's settings but its run name and steps
+    result: dict[str, Any]  # its `result` line
+
+
+@pytest.fixture(scope="module")
+def captured_run(sample_manifest: str, tmp_path_factory: pytest.TempPathFactory) -> CapturedRun:
+    """The one launch the job's tests share: a captured tiny run of 16 steps, checkpointed at steps 8
+    and 16 (a launch's start, imports, compilation and capture, is most of its half minute)."""
+    home = tmp_path_factory.mktemp("captured-run")
+    flags = ["--corpus", sample_manifest, "--store", str(home / "store"), "--preset", "tiny"]
+    flags += ["--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--checkpoint-every", "8"]
+    flags += ["--total-steps", "16", "--tracking", "off"]  # a GPU node need not have MLflow
+    result = run_job([*flags, "--run-name", "straight", "--max-steps", "16"], home)
+    assert result["steps"] == 16
+    return CapturedRun(home, flags, result)
+
+
+def test_a_captured_runs_checkpoint_holds_its_learning_rates_as_numbers(captured_run: CapturedRun) -> None:
+    """Adam resumed without the graph (as on more ranks) then gets a float lr, its fast path's."""
+    saved = load_checkpoint(str(captured_run.home / "store" / step_prefix("straight", 8))).state
     assert all(type(group["lr"]) is float for group in saved["optimizer"]["param_groups"])
     assert all(type(lr) is float for lr in [*saved["schedule"]["base_lrs"], *saved["schedule"]["_last_lr"]])
-    resumed = run_job([*common, "--run-name", "halves", "--max-steps", "16", "--cuda-graph", "off"], home)
+
+
+@pytest.mark.slow  # one launch beside the shared one
+def test_a_captured_run_resumes_without_the_graph_as_it_would_have_run(captured_run: CapturedRun) -> None:
+    """The captured run's step-8 checkpoint, as another run's newest, resumed with --cuda-graph off:
+    it ends where the captured run does. (A captured run preempted and resumed captured:
+    benchmarks/job.py, in make gpu-check.)"""
+    store = LocalStore(captured_run.home / "store")
+    halfway = load_checkpoint(str(captured_run.home / "store" / step_prefix("straight", 8)))
+    meta = {k: v for k, v in halfway.meta.items() if k not in ("sha256", HMAC_FIELD)}
+    save_checkpoint(store, "halves", 8, halfway.state, meta)
+    flags = [*captured_run.flags, "--run-name", "halves", "--max-steps", "16", "--cuda-graph", "off"]
+    resumed = run_job(flags, captured_run.home)
     assert resumed["steps"] == 16
-    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=2e-2)
-    a = load_checkpoint(straight["checkpoint_uri"]).state
+    assert resumed["final_loss"] == pytest.approx(captured_run.result["final_loss"], rel=2e-2)
+    a = load_checkpoint(captured_run.result["checkpoint_uri"]).state
     b = load_checkpoint(resumed["checkpoint_uri"]).state
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], rtol=2e-2, atol=2e-3, msg=name)

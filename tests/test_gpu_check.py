@@ -81,3 +81,38 @@ def test_a_part_beside_one_left_out_is_finished_and_said_like_any_other(
     monkeypatch.setattr(module, "parts", lambda args, logs: [alone])
     assert module.main(["--rehearse", "--logs", str(tmp_path)]) == 0
     assert "[gpu-check] tests: passed in" in capsys.readouterr().err
+
+
+def test_the_parts_limits_span_the_budget_and_the_budget_leaves_the_check_inside_its_goal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 54: the whole check in at most 7 minutes on one GPU, so every part run to its limit must
+    still end inside the budget (6.5 minutes), a part beside the next counting with it once."""
+    module = load_benchmark("gpu_check.py", "gpu_check", monkeypatch)
+    chosen = module.parts(module.parse_args([]), Path("logs"))
+    assert [p.name for p in chosen] == ["pretrain", "features", "probe", "tests", "job", "scaling", "render"]
+    assert module.span_s(chosen) <= module.BUDGET_S <= module.CHECK_GOAL_S - 30
+    # The span counts side-by-side parts as the longer one, and a trailing one too.
+    part = module.Part
+    assert (
+        module.span_s([part("a", 10, [], module.summarise_exit, beside_next=True), part("b", 20, [], None)])
+        == 20
+    )
+    assert module.span_s([part("a", 10, [], None), part("b", 5, [], None, beside_next=True)]) == 15
+
+
+def test_a_part_over_its_limit_is_stopped_reported_as_timed_out_and_the_next_one_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = load_benchmark("gpu_check.py", "gpu_check", monkeypatch)
+    slow = module.Part("slow", 1, ["-c", "import time; time.sleep(60)"], module.summarise_exit)
+    after = module.Part("after", 30, ["-c", "pass"], module.summarise_exit)
+    monkeypatch.setattr(module, "parts", lambda args, logs: [slow, after])
+    assert module.main(["--rehearse", "--logs", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    parts = {p["part"]: p for p in report["parts"]}
+    assert parts["slow"]["status"] == "timed out" and parts["slow"]["limit_s"] == 1
+    assert parts["slow"]["seconds"] < 30  # stopped at its limit, not left to sleep its minute
+    assert parts["after"]["status"] == "passed"
+    out = capsys.readouterr().out
+    assert "| slow | timed out |" in out
