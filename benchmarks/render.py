@@ -602,6 +602,42 @@ def gpu_check_tables(results: dict[str, Any]) -> str:
     return head + ").\n\n" + table(["part", "status", "seconds (limit)", "result"], rows)
 
 
+def gpu_learn_tables(results: dict[str, Any]) -> str:
+    settings, data = results["settings"], results["data"]
+
+    def probe(point: dict[str, Any], name: str) -> list[str]:
+        p = point[name]
+        return [
+            f"{percent(p['test_accuracy'])} (dev {percent(p['dev_accuracy'])}, C {p['C']:g}, {p['nonzero']} units)",
+            f"{percent(p['top_unit_accuracy'])} (#{p['top_unit']})",
+        ]
+
+    rows = [
+        [
+            f"{p['train_s'] / 60:.2f}",
+            f"{p['step']:,}",
+            f"{p['chars_seen'] / 1e6:,.1f}M",
+            "–" if p["train_loss"] is None else f"{p['train_loss'] / math.log(2):.3f}",
+            f"{p['val_bits_per_byte']:.3f}",
+            *probe(p, "sst"),
+            *probe(p, "imdb"),
+        ]
+        for p in results["points"]
+    ]
+    header = ["minutes trained", "step", "chars seen", "train bits/byte", "val bits/byte"]
+    header += ["SST test", "SST top unit alone", "IMDB test", "IMDB top unit alone"]
+    step = "captured" if results["captured"] else "eager"
+    return (
+        f"`{settings['preset']}` in {settings['precision']}, batch {settings['batch']} × {settings['seq_len']}, "
+        f"Adam at {settings['lr']:g} ({results['warmup_steps']} warm-up steps, then linear decay), {step} step "
+        f"{results['step_ms']:.1f} ms ({num(results['chars_per_s'])} chars/s); {results['epochs']:.2f} passes over "
+        f"{data['train_bytes'] / 1e6:.1f} MB of reviews; probes on SST "
+        f"({' / '.join(str(n) for n in data['probes']['sst'].values())} train / dev / test) and IMDB "
+        f"({' / '.join(str(n) for n in data['probes']['imdb'].values())}). "
+        f"{results['seconds']:.0f} s in all (budget {results['budget_s']:.0f} s).\n\n" + table(header, rows)
+    )
+
+
 def cli_tables(results: dict[str, Any]) -> str:
     rows = [
         [f"`mlstm-sentiment {' '.join(r['args'])}`", r["case"].partition(":")[0], num(r["seconds"]),
@@ -755,6 +791,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "neuron": neuron_tables,
     "job": job_tables,
     "gpu-check": gpu_check_tables,
+    "gpu-learn": gpu_learn_tables,
     "threads": threads_tables,
 }
 
