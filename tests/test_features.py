@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import models.precision
-from models.features import MAX_PADDING, featurize, length_batches, pack, rows_for_memory
+from models.features import CHUNK_LEN, MAX_PADDING, featurize, length_batches, pack, rows_for_memory
 from models.mlstm import MLSTM, MLSTMConfig, tiny
+from models.text import encode
 
 
 def test_length_batches_keep_padding_under_its_bound_and_cover_every_text_once() -> None:
@@ -82,6 +83,24 @@ def test_packing_and_padding_never_change_a_feature() -> None:
                 atol=1e-6,
                 err_msg=f"{reader.recurrence} {batch_size}, {max_padding}",
             )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_full_chunks_through_the_replayed_program_equal_the_plain_path(precision: str) -> None:
+    """``replay``: the chunks where every row reads go through ``_FullChunks`` (a CUDA graph on a GPU;
+    here its eager twin), the last ones through the plain path: the same features as the plain path
+    (itself held to each text read alone above), on mixed lengths that make two full chunks and a
+    ragged end; in bf16 too, where the carried h is in the products' dtype."""
+    torch.manual_seed(0)
+    model = MLSTM(tiny())
+    rng = np.random.default_rng(3)
+    lengths = [1, 2, 5, 40, 300, 41, 7, 90, 600, 12, 255, 256, 257, 513, 30, 3, 64, 128]
+    texts = ["".join(rng.choice(list("good bad film!"), size=n)) for n in lengths]
+    packing = pack([len(encode(t)) for t in texts], 4)
+    assert int(packing.row_steps_S[-1]) // CHUNK_LEN >= 2 and packing.steps > int(packing.row_steps_S[-1])
+    plain = featurize(model, texts, batch_size=4, precision=precision, replay=False)
+    replayed = featurize(model, texts, batch_size=4, precision=precision, replay=True)
+    np.testing.assert_allclose(replayed, plain, rtol=1e-6, atol=1e-7)  # and the plain path, alone's
 
 
 def test_bad_padding_bound_is_refused_by_name() -> None:
