@@ -297,6 +297,10 @@ class _FullChunks:
         with torch.cuda.stream(side):
             self._body()
         current.wait_stream(side)
+        # The eager chunk's temporaries go back to the device: the capture takes its own, in the graph's
+        # pool, and the rows were planned for one chunk's (rows_for_memory), not two.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
         # Under featurize's autocast, whose cache of parameter casts (the bias's, made by the eager run)
         # lives as long as the graph's replays: all inside one featurize call.
