@@ -59,7 +59,7 @@ from tasks.transfer.solvers.newton import l1_logistic_path
 BUDGET_S = 300  # issue 54: the learning part in at most 5 minutes on one GPU
 TIMED_STEPS = 10  # steps timed to plan the rest
 START_S = 45  # what the plan keeps for the capture and the last point's excess over the first's
-DEFAULT_CS = ",".join(f"{2.0**k:g}" for k in range(-8, 2))
+DEFAULT_CS = ",".join(f"{2.0**k:g}" for k in range(-8, 3))  # the transfer stage's: 2^-8 … 2^2
 
 
 @dataclasses.dataclass
