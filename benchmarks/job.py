@@ -18,7 +18,7 @@ checkpoints DCP files (``tasks/jobs/sharding.py``). The report gives each launch
 checkpoint's save and load seconds (from the job's own log lines), and the largest difference.
 On a GPU the launches run side by side (``--at-once``): each straight run beside its preempted one,
 every sharding at the same time, so the check pays two launches' starts, not six (the 2026-11-27 H200
-check spent 200 s on six, about 27 s of each its start); the chars/s are then read with the others
+check spent 200 s on six, about 27 s of each one its start); the chars/s are then read with the others
 beside them. On a CPU they run one at a time (``--no-at-once``).
 ``--tracking off`` by default: the job's metrics stay in its log, so MLflow need not be installed.
 
