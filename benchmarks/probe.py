@@ -18,11 +18,14 @@ here or recorded, took longer than ``--tighten-max-seconds``) and newton along i
 times its default: each refit's objective and accuracies at both C, and the C its dev accuracy picks, say
 whose answer is the minimiser's.
 
-Cases, ``ROWS:WIDTH[:SCALES[:NOISE]]``: synthetic features built like cell states, a ``WIDTH``-wide tanh
+Cases, ``ROWS:WIDTH[:SCALES[:NOISE[:RANK]]]``: synthetic features built like cell states, a ``WIDTH``-wide tanh
 of 64 shared latent factors plus independent noise of ``NOISE`` (default 0.5; 0.05 leaves the columns
 strongly correlated), each column then scaled: ``uniform`` in [0.2, 3] (the default: well conditioned),
 ``lognormal-1`` or ``lognormal-2`` (σ = 1 or 2: heavy-tailed unit scales, as real cell states have).
-Labels are drawn from a logistic model on 8 columns before scaling (a known sparse answer). Row counts
+Labels are drawn from a logistic model on 8 columns before scaling (a known sparse answer). With ``RANK``,
+features near a low-dimensional manifold, as a trained model's strongly correlated cell states are
+(``near_low_rank``): each unit a tanh of the same ``RANK`` latent factors plus noise of ``NOISE`` after the
+tanh, then scaled, labels from a sparse direction in the latent space. Row counts
 follow the real splits: SST-sized 6,920 / 872 / 1,821, IMDB-sized 22,500 / 2,500 / 25,000.
 ``real-ROWS:WIDTH``: real cell states (``cell_states.py``): the preset of that width (64 tiny, 1,024
 small) trained ``--train-steps`` steps on the shared Amazon reviews, its final cell states of the real SST
@@ -33,6 +36,7 @@ with bf16 in hardware), said in the case's name.
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py                           # the default cases
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases sst:256 --c-max-log2 -4 --json
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases sst:4096:lognormal-2:0.05,imdb:4096 --solvers newton
+    PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases sst:4096:lognormal-1:0.05:8,sst:4096:lognormal-1:0.05:16,sst:4096:lognormal-1:0.05:64
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-sst:1024 --train-steps 25 --record cpu
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-imdb:1024 --features-precision bf16 --solvers newton
 
@@ -121,6 +125,34 @@ def cell_state_like(
     return splits
 
 
+def near_low_rank(
+    rows: tuple[int, ...],
+    width: int,
+    rank: int,
+    *,
+    scales: str = "lognormal-1",
+    noise: float = 0.05,
+    seed: int = 0,
+) -> Splits:
+    """Train, dev and test splits of features near a ``rank``-dimensional manifold, as a trained model's
+    cell states are: each unit a tanh of the same ``rank`` latent factors, plus independent noise of
+    ``noise``, then scaled per unit (``SCALES``); labels from a logistic model on a sparse direction in
+    the latent space (its first ``min(4, rank)`` factors), so that every unit carries some of the answer
+    and none all of it."""
+    rng = np.random.default_rng(seed)
+    # Pre-activations of unit variance: tanh bends them without saturating most units.
+    mixing = (rng.standard_normal((rank, width)) / np.sqrt(rank)).astype(np.float32)
+    scale_H = SCALES[scales](rng, width).astype(np.float32)
+    w_true = rng.choice([-1.5, 1.5], min(4, rank))
+    splits = []
+    for n in rows:
+        Z = rng.standard_normal((n, rank)).astype(np.float32)
+        T = np.tanh(Z @ mixing) + noise * rng.standard_normal((n, width)).astype(np.float32)
+        y = (rng.random(n) < 1 / (1 + np.exp(-(Z[:, : w_true.size] @ w_true)))).astype(np.int64)
+        splits.append((T * scale_H, y))
+    return splits
+
+
 def timed(splits: Splits, solver: Solver, Cs: tuple[float, ...], device: str) -> tuple[float, ProbeResult]:
     """The sweep's wall seconds and its result (each C's seconds and objective in ``result.sweep``)."""
 
@@ -197,13 +229,14 @@ def recorded_baselines(
 
 @dataclass(frozen=True)
 class Case:
-    """One row of the benchmark: ``ROWS:WIDTH[:SCALES[:NOISE]]`` synthetic, or ``real-ROWS:WIDTH``."""
+    """One row of the benchmark: ``ROWS:WIDTH[:SCALES[:NOISE[:RANK]]]`` synthetic, or ``real-ROWS:WIDTH``."""
 
     rows: str  # sst or imdb
     width: int
     scales: str | None  # None: real cell states
     noise: float
     precision: str = "fp32"  # a real case's: the dtype its features are read in (--features-precision)
+    rank: int | None = None  # near-low-rank features: the latent's rank (``near_low_rank``)
 
     @property
     def name(self) -> str:
@@ -213,17 +246,19 @@ class Case:
             return f"real {self.rows.upper()} × {self.width} ({preset}{read})"
         conditioning = (
             ""
-            if (self.scales, self.noise) == ("uniform", 0.5)
+            if (self.scales, self.noise, self.rank) == ("uniform", 0.5, None)
             else (f", {self.scales} scales, noise {self.noise:g}")
         )
-        return f"{self.rows}-sized × {self.width}{conditioning}"
+        latent = "" if self.rank is None else f", rank-{self.rank} latent"
+        return f"{self.rows}-sized × {self.width}{latent}{conditioning}"
 
 
 def parse_case(text: str) -> Case:
     """A case from its ``--cases`` spelling; SystemExit naming it when it is not one."""
     rows, _, rest = text.partition(":")
     width, _, rest = rest.partition(":")
-    scales, _, noise = rest.partition(":")
+    scales, _, rest = rest.partition(":")
+    noise, _, rank = rest.partition(":")
     real = rows.startswith("real-")
     rows = rows.removeprefix("real-")
     problems = []
@@ -233,8 +268,10 @@ def parse_case(text: str) -> Case:
         problems.append("WIDTH is a number of features")
     elif real and int(width) not in PRESET_OF_WIDTH:
         problems.append(f"a real case's WIDTH is a preset's: {', '.join(map(str, PRESET_OF_WIDTH))}")
-    if real and (scales or noise):
-        problems.append("a real case takes no SCALES or NOISE")
+    if real and (scales or noise or rank):
+        problems.append("a real case takes no SCALES, NOISE or RANK")
+    if rank and (not rank.isdigit() or int(rank) < 1):
+        problems.append("RANK is a number of latent factors ≥ 1")
     if scales and scales not in SCALES:
         problems.append(f"SCALES is one of {', '.join(SCALES)}")
     try:
@@ -245,7 +282,9 @@ def parse_case(text: str) -> Case:
         problems.append("NOISE is a number ≥ 0")
     if problems:
         raise SystemExit(f"--cases: {text!r}: {'; '.join(problems)}")
-    return Case(rows, int(width), None if real else scales or "uniform", noise_value)
+    return Case(
+        rows, int(width), None if real else scales or "uniform", noise_value, rank=int(rank) if rank else None
+    )
 
 
 def features_of(case: Case, args: argparse.Namespace) -> Splits:
@@ -260,6 +299,8 @@ def features_of(case: Case, args: argparse.Namespace) -> Splits:
             cache=args.cache,
             precision=case.precision,
         )
+    if case.rank is not None:
+        return near_low_rank(ROWS[case.rows], case.width, case.rank, scales=case.scales, noise=case.noise)
     return cell_state_like(ROWS[case.rows], case.width, scales=case.scales, noise=case.noise)
 
 
@@ -400,7 +441,7 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         default=DEFAULT_CASES,
-        help="ROWS:WIDTH[:SCALES[:NOISE]] or real-ROWS:WIDTH, comma-separated",
+        help="ROWS:WIDTH[:SCALES[:NOISE[:RANK]]] or real-ROWS:WIDTH, comma-separated",
     )
     probe = ProbeSettings()  # the sweep `transfer` and `probe` run by default
     parser.add_argument("--c-min-log2", type=int, default=probe.c_min_log2)

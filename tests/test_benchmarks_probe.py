@@ -134,3 +134,26 @@ def test_real_cell_states_read_in_bf16_are_kept_apart_from_fp32_s(
     case = probe.parse_case("real-sst:64")
     assert probe.replace(case, precision="bf16").name == "real SST × 64 (tiny, bf16 features)"
     assert case.name == "real SST × 64 (tiny)"  # fp32's name, as recorded before
+
+
+def test_a_rank_case_builds_features_near_a_manifold_of_that_rank(probe: ModuleType) -> None:
+    case = probe.parse_case("sst:256:lognormal-1:0.05:8")
+    assert case.name == "sst-sized × 256, rank-8 latent, lognormal-1 scales, noise 0.05"
+    (X, y), dev, test = probe.features_of(case, None)
+    assert [len(X), len(dev[0]), len(test[0])] == list(probe.ROWS["sst"])
+    # Standardised, 8 directions hold nearly all the variance; the 64-factor case spreads it wider.
+    share = {}
+    for spec in ("sst:256:lognormal-1:0.05:8", "sst:256:lognormal-1:0.05"):
+        X = probe.features_of(probe.parse_case(spec), None)[0][0][:2000]
+        power = np.linalg.svd((X - X.mean(0)) / X.std(0), compute_uv=False) ** 2
+        share[spec] = power[:8].sum() / power.sum()
+    assert share["sst:256:lognormal-1:0.05:8"] > 0.9 > 0.5 > share["sst:256:lognormal-1:0.05"], share
+    assert 0.3 < y.mean() < 0.7  # labels from the latent: both classes
+
+
+@pytest.mark.parametrize(
+    "spec", ["sst:64:lognormal-1:0.05:0", "sst:64:lognormal-1:0.05:x", "real-sst:64:::8"]
+)
+def test_a_bad_rank_is_refused_naming_the_case(probe: ModuleType, spec: str) -> None:
+    with pytest.raises(SystemExit, match=f"--cases: '{spec}'.*RANK"):
+        probe.parse_case(spec)
