@@ -161,6 +161,8 @@ def record(
         "variant": variant or None,
         "command": shlex.join(["python", f"benchmarks/{script or name}.py", *arguments]),
         "commit": git_commit(),
+        # What the figures measured, as content: the page tells a record's staleness without its commit.
+        **({"measured": found} if (found := measured_objects(name, _revision())) else {}),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": info,
         "results": results,
@@ -203,6 +205,33 @@ def peak_rss() -> Iterator[dict[str, Any]]:
     finally:
         stop.set()
         thread.join()
+
+
+def _revision() -> str:
+    """The revision the run measured: MLSTM_BENCH_COMMIT where set (a copy run elsewhere), else HEAD."""
+    return os.environ.get("MLSTM_BENCH_COMMIT", "").removesuffix("-dirty") or "HEAD"
+
+
+def measured_objects(benchmark: str, revision: str = "HEAD", repo: Path = REPO) -> dict[str, str | None]:
+    """The git object id of each path ``benchmark`` measures (``MEASURES``) at ``revision`` (None for a path
+    it lacks): what a record keeps, so that the page can tell whether today's code is the code it
+    measured without the record's commit. Empty without git or for a benchmark not named there."""
+    objects: dict[str, str | None] = {}
+    for path in MEASURES.get(benchmark, ()):
+        try:
+            found = subprocess.run(
+                ["git", "rev-parse", "--verify", "--quiet", f"{revision}:{path.rstrip('/')}"],
+                cwd=repo,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        except OSError:
+            return {}
+        if found.returncode > 1:
+            return {}
+        objects[path] = found.stdout.strip() or None
+    return objects if any(objects.values()) else {}  # no such revision here (a copy run elsewhere)
 
 
 # The code each benchmark measures, by the ``benchmark`` name its records carry: a record made before the

@@ -36,6 +36,7 @@ from common import (
     RESULTS,
     TIGHTENED,
     describe,
+    measured_objects,
     precision_line,
     probe_goal_misses,
     tightened_line,
@@ -806,12 +807,19 @@ def git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False)
 
 
-def stale_line(benchmark: str, commit: str, repo: Path = REPO) -> str | None:
-    """A line saying the record measured other code than the checkout's, or None when it did not: the
-    last commit that changed the paths the benchmark measures (``MEASURES``) is not among the record's
-    commit and its ancestors, or those paths have changes not yet committed. The line names neither that
-    commit nor a count, so the page rendered before a commit that changes the code is the page after it.
-    A commit this repository does not hold is said too; no git, nothing."""
+def stale_line(
+    benchmark: str, commit: str, repo: Path = REPO, measured: dict[str, str | None] | None = None
+) -> str | None:
+    """A line saying the record measured other code than the checkout's, or None when it did not.
+
+    A record carries ``measured``, the git object ids of the paths its benchmark measures (``MEASURES``)
+    as they were when it ran: it is stale when those differ from HEAD's or the paths have changes not yet
+    committed. Content, not ancestry, so a record taken on a branch and cherry-picked, or read in a clone
+    without the record's commit, says the same. An older record without ``measured`` is stale when the
+    last commit that changed the paths is not among its commit and that commit's ancestors; one whose
+    commit this repository does not hold is said to be unknown. The line names neither that commit nor a
+    count, so the page rendered before a commit that changes the code is the page after it. No git,
+    nothing."""
     paths = MEASURES.get(benchmark)
     if not paths:
         return None
@@ -820,13 +828,19 @@ def stale_line(benchmark: str, commit: str, repo: Path = REPO) -> str | None:
         return None
     recorded = commit.removesuffix("-dirty")
     where = ", ".join(f"`{p}`" for p in paths)
-    answer = git(repo, "merge-base", "--is-ancestor", last, recorded).returncode
-    if answer > 1:
-        return f"**Stale?** The record's commit `{recorded[:10]}` is not in this repository: whether {where} changed since cannot be told."
     edited = git(repo, "status", "--porcelain", "--untracked-files=no", "--", *paths).stdout.strip()
-    if answer == 0 and not edited:
-        return None
-    return f"**Stale**: {where} changed since `{recorded[:10]}`; these figures measured the code before."
+    if measured is not None:
+        fresh = measured == measured_objects(benchmark, "HEAD", repo) and not edited
+    else:
+        answer = git(repo, "merge-base", "--is-ancestor", last, recorded).returncode
+        if answer > 1:
+            return f"**Stale?** The record's commit `{recorded[:10]}` is not in this repository: whether {where} changed since cannot be told."
+        fresh = answer == 0 and not edited
+    return (
+        None
+        if fresh
+        else f"**Stale**: {where} changed since `{recorded[:10]}`; these figures measured the code before."
+    )
 
 
 def figure(match: re.Match[str], results: Path) -> str:
@@ -853,7 +867,7 @@ def section(name: str, command: str, results: Path, repo: Path = REPO) -> str:
     document = json.loads(path.read_text())
     render_tables = TABLES[document["benchmark"]]
     commit = document["commit"]
-    stale = stale_line(document["benchmark"], commit, repo)
+    stale = stale_line(document["benchmark"], commit, repo, document.get("measured"))
     return "\n".join(
         [
             f"Recorded {document['date']} at commit `{commit[:10]}{'-dirty' if commit.endswith('-dirty') else ''}` "

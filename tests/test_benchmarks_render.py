@@ -130,6 +130,22 @@ def test_a_record_older_than_the_code_it_measures_is_marked_stale(render: Module
     assert "not in this repository" in render.stale_line("probe", "f" * 40, repo)
     assert render.stale_line("no-such-benchmark", recorded, repo) is None
 
+    # A record that keeps the content it measured needs no commit: one taken on a branch and
+    # cherry-picked, or read in a clone without its commit, is fresh while that content is today's.
+    measured = render.measured_objects("probe", "HEAD", repo)
+    assert (
+        measured
+        == render.measured_objects("probe", changed, repo)
+        != render.measured_objects("probe", first, repo)
+    )
+    assert render.stale_line("probe", "f" * 40, repo, measured) is None
+    assert render.stale_line("probe", "f" * 40, repo, render.measured_objects("probe", first, repo)) == (
+        line.replace(recorded[:10], "f" * 10)
+    )
+    (solvers / "newton.py").write_text("a = 3\n")  # uncommitted edits make it stale too
+    assert render.stale_line("probe", "f" * 40, repo, measured) is not None
+    (solvers / "newton.py").write_text("a = 2\n")
+
     document = {
         "benchmark": "baseline",
         "command": "python benchmarks/baseline.py --record",
