@@ -16,12 +16,18 @@ class ProgressSink(Protocol):
 
     def advance(self, amount: float = 1) -> None: ...
 
+    def note(self, message: str) -> None:
+        """An event the watcher should see as it happens (a job resumed, relaunched, stopped)."""
+
 
 class _Silent:
     def stage(self, description: str, total: float) -> None:
         pass
 
     def advance(self, amount: float = 1) -> None:
+        pass
+
+    def note(self, message: str) -> None:
         pass
 
 

@@ -57,7 +57,7 @@ def prefect_api(settings: Settings) -> Iterator[str]:
     from prefect.server.api.server import SubprocessASGIServer
 
     check_home_space(settings.home)  # its database is there (PREFECT_HOME, unless the user's own)
-    server = SubprocessASGIServer()
+    server = _server_of_its_own()
     # Flow code that asks for "the" ephemeral server finds this one instead of starting another.
     previous = SubprocessASGIServer._instances.get(None)
     SubprocessASGIServer._instances[None] = server
@@ -69,9 +69,11 @@ def prefect_api(settings: Settings) -> Iterator[str]:
     try:
         with _stderr_to(log):
             server.start(timeout=timeout)
-    except RuntimeError as error:
-        server.stop()  # a server still booting would outlive the command
+    except BaseException as error:
+        server.stop()  # a server still booting (Ctrl-C, a timeout) would outlive the command
         _forget(server, previous)
+        if not isinstance(error, RuntimeError):
+            raise
         raise PrefectUnavailable(
             f"the temporary Prefect API did not start within {timeout} s ({error}); its log is {log}. "
             f"On a busy machine raise {_STARTUP_TIMEOUT_VARIABLE}, or point MLSTM_PREFECT_API_URL / "
@@ -89,6 +91,38 @@ def prefect_api(settings: Settings) -> Iterator[str]:
     finally:
         server.stop()
         _forget(server, previous)
+
+
+def _server_of_its_own() -> Any:
+    """Prefect's temporary server, in a process group of its own, dying with this process.
+
+    In this process's group, a terminal's Ctrl-C (sent to the whole group) stopped the server at the
+    same moment as the command: the flow runs could no longer report their end, and the command hung
+    on retries of the dead API and printed their tracebacks. Here only ``stop`` stops it, last; and a
+    command killed outright (SIGKILL) takes it along (``tasks.processes.parented``).
+    """
+    import subprocess
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from tasks.processes import parented
+
+    def own_group_popen(args: list[str], *, env: dict[str, str], **options: Any) -> subprocess.Popen[Any]:
+        command, more = parented(args)
+        return popen(command, env={**env, **more}, process_group=0, **options)
+
+    popen = subprocess.Popen
+
+    class OwnGroupServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            # Prefect builds the command and its environment; only how it is started changes.
+            subprocess.Popen = own_group_popen  # type: ignore[misc,assignment]
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = popen  # type: ignore[misc]
+
+    return OwnGroupServer()
 
 
 _STARTUP_TIMEOUT_VARIABLE = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"

@@ -498,6 +498,11 @@ def test_the_flow_retries_a_crashed_job_from_latest(
     resumed = _resumed_steps(log, "crashy")
     assert resumed and 40 <= resumed[0] < 200, resumed  # killed mid-run; resumed, not restarted
     assert all(step == 200 for step in resumed[1:]), resumed
+    # On the terminal as they happened, not only in the job's log: the crash, the relaunch, the resume.
+    crash = stderr.index("crashed: job ")
+    relaunch = stderr.index("relaunched job ", crash)
+    assert "(attempt 2 of 3)" in stderr[relaunch:].splitlines()[0], stderr
+    stderr.index(f"resumed run crashy from step {resumed[0]} ", relaunch)
 
     straight = _pretrain_cli("straight", sample_manifest, cli_env)
     stdout, stderr = straight.communicate(timeout=300)

@@ -120,6 +120,10 @@ class RichSink:
         if self.task_id is not None:
             self.progress.advance(self.task_id, amount)
 
+    def note(self, message: str) -> None:
+        # Above the bars, which stay at the bottom of the terminal.
+        self.progress.console.print(Text(message), highlight=False)
+
 
 def fail(problem: str | BaseException) -> typer.Exit:
     """Print one error line and return the exit to raise: ``raise fail(error) from None``."""
@@ -210,12 +214,13 @@ def run_flow(
     flow: Flow[..., Result], *, unit: str = "percent", show_progress: bool = True, **parameters: Any
 ) -> Result:
     """Run a flow in this process against the configured Prefect API (or a temporary one), with a
-    progress bar per stage on stderr."""
+    progress bar per stage on stderr; Ctrl-C or SIGTERM stops it with one line (``flows.cli.interrupts``)."""
     from flows import progress
+    from flows.cli.interrupts import stoppable
     from flows.runtime import prefect_api
 
     bar = progress_bar(unit, show=show_progress)
-    with prefect_api(get_settings()), bar, progress.reporting_to(RichSink(bar)):
+    with stoppable(), prefect_api(get_settings()), bar, progress.reporting_to(RichSink(bar)):
         return flow(**parameters)
 
 

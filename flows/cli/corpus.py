@@ -42,6 +42,7 @@ def run_corpus_build(
 ) -> CorpusResult:
     """Build a corpus as a Prefect flow run, or return at once if it is already built."""
     from flows import progress
+    from flows.cli.interrupts import stoppable
     from flows.corpus import build_corpus
     from flows.runtime import prefect_api
     from flows.runtime import task_runner as make_task_runner
@@ -67,7 +68,7 @@ def run_corpus_build(
             return CorpusResult.of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
     flow = build_corpus.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar(show=show_progress)
-    with prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
+    with stoppable(), prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
         return flow(sources=sources, store=settings.resolved_store_uri, config=config)
 
 

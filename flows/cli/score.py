@@ -54,6 +54,7 @@ def run_score(
             on_progress=sink.advance,
         )
     from flows import progress
+    from flows.cli.interrupts import stoppable
     from flows.runtime import local_dask_workers, prefect_api
     from flows.runtime import task_runner as make_task_runner
     from flows.score import score
@@ -61,6 +62,7 @@ def run_score(
     flow = score.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar("rows", show=show_progress)
     with (
+        stoppable(),
         tempfile.TemporaryDirectory(prefix="mlstm-score-") as folder,
         prefect_api(settings),
         bar,

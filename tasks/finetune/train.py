@@ -365,7 +365,7 @@ def fit(config: FinetuneConfig, world: World, settings: Settings) -> dict[str, A
         if step % config.checkpoint_every == 0 or epoch_end or step == stop or stopping:
             trainer.save()
         if stopping:
-            log(world, f"SIGTERM: checkpointed at step {step}; launch again with the same run name to resume")
+            log(world, joblog.stopped_line(step))
             break
     result: dict[str, Any] = {
         "run": config.run_name,

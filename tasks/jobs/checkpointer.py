@@ -175,7 +175,7 @@ class Checkpointer:
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
         seconds = time.perf_counter() - started
-        log(self.world, f"resumed run {self.run} from step {saved.step} ({saved.uri}) in {seconds:.2f} s")
+        log(self.world, joblog.resumed_line(self.run, saved.step, saved.uri, seconds))
         return saved
 
     def _check_same_run(

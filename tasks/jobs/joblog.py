@@ -12,6 +12,9 @@ ERROR_PREFIX = "error: "  # why the job gave up for good: the watcher fails the 
 FAILURE_PREFIX = "failed: "  # an exception a relaunch may not meet again (a lost rank, the network)
 WARNING_PREFIX = "warning: "  # something the user should see: the watcher logs it as a warning
 PROGRESS_PREFIX = "progress "
+# Events the user sees on the terminal as they happen, not only in the job's log.
+RESUMED_PREFIX = "resumed run "
+STOPPED_PREFIX = "SIGTERM: checkpointed at step "
 
 
 def progress_line(values: dict[str, float]) -> str:
@@ -40,3 +43,28 @@ def failure_line(rank: int, error: BaseException) -> str:
 def failures_in(lines: Iterable[str]) -> list[str]:
     """The ranks' last exceptions, from their failure lines."""
     return [line.removeprefix(FAILURE_PREFIX) for line in lines if line.startswith(FAILURE_PREFIX)]
+
+
+def resumed_line(run: str, step: int, uri: str, seconds: float) -> str:
+    """``resumed run NAME from step N (URI) in S s``: a launch that found a checkpoint and went on from it."""
+    return f"{RESUMED_PREFIX}{run} from step {step} ({uri}) in {seconds:.2f} s"
+
+
+def stopped_line(step: int) -> str:
+    """What the job says when SIGTERM stopped it after writing a checkpoint."""
+    return f"{STOPPED_PREFIX}{step}; launch again with the same run name to resume"
+
+
+def is_event(line: str) -> bool:
+    """Whether a line is one of the job's events (a resume, a checkpoint on SIGTERM)."""
+    return line.startswith((RESUMED_PREFIX, STOPPED_PREFIX))
+
+
+def stopped_at(lines: Iterable[str]) -> int | None:
+    """The step the job checkpointed at when SIGTERM stopped it, from its lines; None if it did not say."""
+    steps = [
+        line.removeprefix(STOPPED_PREFIX).partition(";")[0]
+        for line in lines
+        if line.startswith(STOPPED_PREFIX)
+    ]
+    return int(steps[-1]) if steps else None

@@ -9,31 +9,13 @@ finished stopping its job within the worker's grace period, the kernel's parent-
 
 from __future__ import annotations
 
-import ctypes
 import os
 import runpy
-import signal
 import sys
 
-PR_SET_PDEATHSIG = 1
-PARENT_PID_ENV = "MLSTM_LAUNCHER_PID"
+from tasks.processes import PARENT_PID_ENV, die_with_parent
 
-
-def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send ``sig`` to this process when its parent exits, however it exits.
-
-    The signal is sent when the *thread* that started this process exits: the launcher starts a job
-    from the thread that then watches it to its end, so that is the same moment. SIGTERM, not SIGKILL,
-    so that ranks checkpoint first.
-    """
-    if sys.platform != "linux":
-        return
-    expected = os.getppid() if parent_pid is None else parent_pid
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        return  # not allowed here (a seccomp profile): torchrun's own handling remains
-    if os.getppid() != expected:  # the parent died before the prctl could take effect
-        os.kill(os.getpid(), sig)
+__all__ = ["PARENT_PID_ENV", "die_with_parent", "main"]
 
 
 def main() -> None:

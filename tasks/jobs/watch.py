@@ -10,6 +10,17 @@ from tasks.jobs import joblog
 from tasks.jobs.launchers.base import JobError, JobFailed, JobHandle, JobState, Launcher, LaunchError
 
 
+class LogReader:
+    """Rank 0's log of one job, read on from where the last read stopped."""
+
+    def __init__(self, launcher: Launcher, handle: JobHandle) -> None:
+        self.launcher, self.handle, self.offset = launcher, handle, 0
+
+    def new_lines(self) -> list[str]:
+        text, self.offset = self.launcher.logs(self.handle, self.offset)
+        return text.splitlines()
+
+
 def watch(
     launcher: Launcher,
     handle: JobHandle,
@@ -17,18 +28,18 @@ def watch(
     on_line: Callable[[str], None],
     on_progress: Callable[[dict[str, float]], None],
     poll_seconds: float = 1.0,
+    reader: LogReader | None = None,
 ) -> JobState:
     """Follow a job to its end, passing on each line of rank 0's log and each progress line. A failed
-    job's error names what the ranks said last and where the whole log is."""
-    offset = 0
+    job's error names what the ranks said last and where the whole log is. ``reader``: the caller's, to
+    read the lines written after an interrupted watch (a cancelled job's last words)."""
+    log = reader or LogReader(launcher, handle)
     errors: list[str] = []  # what the job said when it gave up (tasks/jobs/joblog.py)
     failures: list[str] = []
     where = f" (log: {handle.log_path})" if handle.log_path else ""
 
     def drain() -> None:
-        nonlocal offset
-        text, offset = launcher.logs(handle, offset)
-        lines = text.splitlines()
+        lines = log.new_lines()
         for line in lines:
             on_line(line)
         errors.extend(joblog.errors_in(lines))

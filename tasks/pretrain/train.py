@@ -313,7 +313,7 @@ def fit(config: TrainConfig, world: World, settings: Settings) -> FitResult:
             checkpoint_uri = trainer.save()
             report.checkpoint(step, checkpoint_uri)
         if stopping:
-            log(world, f"SIGTERM: checkpointed at step {step}; launch again with the same run name to resume")
+            log(world, joblog.stopped_line(step))
             break
     if checkpoint_uri is None and world.is_main:  # nothing to do: already at the budget or the end
         latest = checkpoint.read_latest(trainer.store, config.run_name)

@@ -55,7 +55,9 @@ class LocalLauncher(Launcher):
 
     def submit(self, spec: JobSpec) -> JobHandle:
         spec.workdir.mkdir(parents=True, exist_ok=True)
-        rendezvous = spec.workdir / f"{spec.name}-{uuid.uuid4().hex}.rendezvous"
+        clear_stale_rendezvous(spec.workdir)
+        # The launching process's id in the name: a file whose launcher is gone is stale.
+        rendezvous = spec.workdir / f"{spec.name}-{os.getpid()}-{uuid.uuid4().hex}.rendezvous"
         command = self.command(spec, rendezvous)
         log_path = spec.workdir / f"{spec.name}.log"
         with log_path.open("ab") as log:
@@ -110,6 +112,26 @@ class LocalLauncher(Launcher):
         # SIGTERM (ranks checkpoint), then SIGKILL after the grace, to ranks that outlived torchrun too.
         stop_group(process, grace=self.grace_seconds)
         self._rendezvous[handle.job_id].unlink(missing_ok=True)
+
+
+def clear_stale_rendezvous(workdir: Path) -> list[Path]:
+    """Remove the rendezvous files in ``workdir`` whose launching process is gone (a CLI killed with
+    SIGKILL never removes its own); a live launcher's file is kept. Returns what was removed."""
+    removed = []
+    for path in workdir.glob("*.rendezvous"):
+        parts = path.stem.rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue  # not named by this launcher
+        try:
+            os.kill(int(parts[1]), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def loopback_rendezvous(rendezvous: Path) -> list[str]:
