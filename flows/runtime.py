@@ -206,7 +206,7 @@ def task_runner(settings: Settings) -> Any:
     if settings.task_runner == "process":
         from prefect.task_runners import ProcessPoolTaskRunner
 
-        return ProcessPoolTaskRunner(max_workers=workers)
+        return ProcessPoolTaskRunner(max_workers=workers, initializer=ignore_ctrl_c)
     if settings.task_runner == "thread":
         from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -227,6 +227,17 @@ def task_runner(settings: Settings) -> Any:
     except ImportError as error:
         raise RuntimeError("MLSTM_TASK_RUNNER=ray needs `pip install prefect-ray`") from error
     return RayTaskRunner(address=settings.task_runner_address)
+
+
+def ignore_ctrl_c() -> None:
+    """A pool worker's start: the terminal's Ctrl-C, sent to the whole process group, is for the command.
+
+    A worker that took it died mid-piece with a KeyboardInterrupt traceback on the terminal, and the
+    command hung on its broken pool; the command stops its workers itself, once their pieces are done.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

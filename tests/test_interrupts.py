@@ -28,10 +28,9 @@ from tasks.corpus.sample import write_labelled_sample, write_sample
 from tasks.jobs.checkpoint import read_latest
 from tasks.store import LocalStore
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sys.platform != "linux", reason="reads /proc; the parent-death signal is Linux's"),
-]
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux", reason="reads /proc; the parent-death signal is Linux's"
+)
 
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "mlstm-sentiment")
@@ -80,7 +79,7 @@ class Command:
 
 
 @pytest.fixture
-def cli(tmp_path: Path, prefect_api_url: str) -> Iterator[Callable[..., Command]]:
+def cli(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Command]]:
     """``cli(args, own_api=False)`` starts ``mlstm-sentiment ARGS`` with this test's MLSTM_HOME, against
     the session's Prefect API or (``own_api``) its own temporary one; nothing is left at the end."""
     home = tmp_path / "home"
@@ -90,8 +89,8 @@ def cli(tmp_path: Path, prefect_api_url: str) -> Iterator[Callable[..., Command]
         env = {**os.environ, "MLSTM_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
         if own_api:
             env.pop("PREFECT_API_URL", None)
-        else:
-            env["PREFECT_API_URL"] = prefect_api_url
+        else:  # the session's, started once for every test that asks
+            env["PREFECT_API_URL"] = request.getfixturevalue("prefect_api_url")
         home.mkdir(parents=True, exist_ok=True)
         process = subprocess.Popen(
             [CLI, *args], env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -160,6 +159,7 @@ def manifest(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(root / "store" / "corpora" / built["corpus_id"] / "manifest.json")
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_pretrain_checkpoints_stops_everything_and_a_rerun_resumes(
     cli: Callable[..., Command], manifest: str
 ) -> None:
@@ -182,6 +182,7 @@ def test_ctrl_c_on_pretrain_checkpoints_stops_everything_and_a_rerun_resumes(
     assert f"resumed run ctrl-c from step {latest['step']} " in again.output  # on the terminal
 
 
+@pytest.mark.slow
 def test_sigterm_to_pretrain_alone_checkpoints_and_stops_everything(
     cli: Callable[..., Command], manifest: str
 ) -> None:
@@ -197,13 +198,14 @@ def test_sigterm_to_pretrain_alone_checkpoints_and_stops_everything(
     print(f"stopped in {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_a_cli_killed_outright_takes_its_job_with_it(cli: Callable[..., Command], manifest: str) -> None:
-    """SIGKILL to the CLI alone: torchrun (in a session of its own) and its rank still stop, within
-    seconds, checkpointing first; the rendezvous file the CLI could not remove is cleared by the next
-    launch."""
+    """SIGKILL to the CLI alone: torchrun and the temporary Prefect API (each in a session of its own)
+    and the rank still stop, within seconds, the rank checkpointing first; the rendezvous file the CLI
+    could not remove is cleared by the next launch."""
     from tasks.jobs.launchers.local import clear_stale_rendezvous
 
-    command = cli(["pretrain", "--corpus", manifest, *FAST, "--run", "killed"])
+    command = cli(["pretrain", "--corpus", manifest, *FAST, "--run", "killed"], own_api=True)
     command.wait_until(lambda: "progress step=" in command.job_log(), "first step")
     os.kill(command.process.pid, signal.SIGKILL)
     command.process.wait()
@@ -218,6 +220,7 @@ def test_a_cli_killed_outright_takes_its_job_with_it(cli: Callable[..., Command]
     assert not stale[0].exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_finetune_checkpoints_and_stops_everything(
     cli: Callable[..., Command], tmp_path: Path
 ) -> None:
@@ -233,6 +236,7 @@ def test_ctrl_c_on_finetune_checkpoints_and_stops_everything(
     assert_nothing_left(command.home)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "group", "code", "word"),
     [(signal.SIGINT, True, 130, "interrupted"), (signal.SIGTERM, False, 143, "terminated")],
@@ -256,6 +260,7 @@ def test_pipeline_stops_on_ctrl_c_and_sigterm(
     assert_nothing_left(command.home)
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_score_stops_its_workers(cli: Callable[..., Command], tmp_path: Path) -> None:
     """``score`` signalled once its first piece is published: 130, one line, no worker left."""
     write_classifier(tmp_path / "home")
@@ -294,3 +299,62 @@ def write_classifier(home: Path) -> None:
         uri = log_classifier(run.info.run_id, SentimentClassifier(model, coef_H, 0.0), "classifier")
         version = mlflow.register_model(uri, settings.model_name)
         MlflowClient().set_registered_model_alias(settings.model_name, "champion", version.version)
+
+
+def test_a_stale_rendezvous_file_is_cleared_and_a_live_launcher_s_kept(tmp_path: Path) -> None:
+    """The next launch removes the rendezvous file of a launcher that is gone, not a running one's."""
+    from tasks.jobs.launchers.local import clear_stale_rendezvous
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"run-a-{gone.pid}-0123abcd.rendezvous"
+    live = tmp_path / f"run-b-{os.getpid()}-4567ef01.rendezvous"
+    foreign = tmp_path / "someone-else.rendezvous"
+    for path in (stale, live, foreign):
+        path.write_text("")
+    assert clear_stale_rendezvous(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and foreign.exists()
+
+
+def test_sigterm_and_ctrl_c_become_one_line_with_the_job_s_step_and_the_shell_s_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """In this process: a real SIGTERM inside ``stoppable`` is exit 143 and a ``terminated:`` line; a
+    Ctrl-C carrying the stopped job's note is exit 130 and an ``interrupted:`` line naming the step."""
+    import typer
+
+    from flows.cli.interrupts import stoppable
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(typer.Exit) as ended, stoppable():
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(5)  # the handler raises first
+    assert ended.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert capsys.readouterr().err.startswith("terminated: nothing is left running; run the same command")
+
+    interrupt = KeyboardInterrupt()
+    interrupt.add_note("run r1 checkpointed at step 7")
+    with pytest.raises(typer.Exit) as ended, stoppable():
+        raise interrupt
+    assert ended.value.exit_code == 130
+    said = capsys.readouterr().err
+    assert said == "interrupted: run r1 checkpointed at step 7; run the same command again to resume\n", said
+
+
+def test_the_console_leaves_out_prefect_s_crash_lines_for_a_signal_only() -> None:
+    """The terminal's one line replaces Prefect's "Crash detected!" lines for Ctrl-C and SIGTERM; a crash
+    for any other reason still shows."""
+    import logging
+
+    from flows.console import ConsoleWithoutTracebacks
+
+    handler = ConsoleWithoutTracebacks()
+
+    def shown(message: str) -> bool:
+        return bool(handler.filter(logging.LogRecord("prefect", logging.ERROR, "", 0, message, None, None)))
+
+    assert not shown("Crash detected! Execution was aborted by an interrupt signal.")
+    assert not shown("Finished in state Crashed('Execution was aborted by a termination signal.')")
+    assert shown("Crash detected! Execution was aborted by Python system exit call.")
+    assert shown("Finished in state Failed('job 7 failed')")
