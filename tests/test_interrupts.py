@@ -36,9 +36,9 @@ BIN = Path(sys.executable).parent
 CLI = str(BIN / "mlstm-sentiment")
 # Steps of 8 rows × 32 bytes, a progress line each: the job is under way at its first line.
 FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--log-every", "1"]
-# The rule is 10 s on an idle machine (measured: about 30 s on two cores at load 16, most of it the
-# ranks' and the interpreters' exits). The bound catches a hang: before, the CLI was still running
-# 213 s after Ctrl-C.
+# The rule is 10 s (measured on the shared two cores: pretrain 9.2 and 11.2 s at a lighter load, 28 to
+# 34 s at load 16, most of it the rank's, torchrun's and the interpreters' exits). The bound catches a
+# hang: before, the CLI was still running 213 s after Ctrl-C.
 STOPS_WITHIN_S = 60
 START_WITHIN_S = 400  # a CLI, a Prefect API and torchrun starting on a busy machine
 
