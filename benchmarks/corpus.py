@@ -37,9 +37,12 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
+
+if TYPE_CHECKING:
+    from tasks.corpus.manifest import Manifest
 
 MB = 1_000_000
 # The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
@@ -528,18 +531,20 @@ def flow_windows(called: float) -> dict[str, tuple[float, float]]:
     return windows
 
 
-def _manifest_of(summary: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(Path(summary["manifest_uri"]).read_text())
+def _manifest_of(summary: dict[str, Any]) -> Manifest:
+    from tasks.corpus.manifest import load_manifest
+
+    return load_manifest(summary["manifest_uri"])[2]
 
 
 # ---------------------------------------------------------------------------------------------
 # Checks and report
 
 
-def check_manifest(label: str, manifest: dict[str, Any], inputs: InputSet) -> list[str]:
+def check_manifest(label: str, manifest: Manifest, inputs: InputSet) -> list[str]:
     """Every generated record must be read, kept and written to a shard."""
-    totals = manifest["totals"]
-    rows = sum(split["rows"] for split in manifest["splits"].values())
+    totals = manifest.totals.model_dump()
+    rows = sum(split.rows for split in manifest.splits.values())
     problems = []
     expected = {"records": inputs.records, "kept": inputs.records, "duplicates": 0, "rejected": 0}
     for name, want in expected.items():
@@ -550,8 +555,8 @@ def check_manifest(label: str, manifest: dict[str, Any], inputs: InputSet) -> li
     return problems
 
 
-def shard_digests(manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    return sorted((s["path"], s["sha256"]) for split in manifest["splits"].values() for s in split["shards"])
+def shard_digests(manifest: Manifest) -> list[tuple[str, str]]:
+    return sorted((s.path, s.sha256) for split in manifest.splits.values() for s in split.shards)
 
 
 # The code the numbers belong to: the corpus stage and what it runs on.

@@ -73,7 +73,7 @@ def pretrained_checkpoint(home: Path, preset: str, steps: int) -> tuple[str, str
     manifest = build_in_process(
         plan_corpus([str(f) for f in files], CorpusConfig()), LocalStore(home / "store")
     )
-    corpus = str(home / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+    corpus = str(home / "store" / "corpora" / manifest.corpus_id / "manifest.json")
     config = TrainConfig(
         corpus=corpus, run_name=f"bench-{preset}", preset=preset, batch_size=batch, seq_len=seq_len, lr=lr,
         max_steps=steps, total_steps=total_steps, checkpoint_every=steps, val_every=steps, tracking="off",

@@ -74,7 +74,7 @@ def build_corpus(root: Path) -> str:
     files = write_sample(root / "raw", num_reviews=3000)
     plan = plan_corpus([str(f) for f in files], CorpusConfig(split=(18, 1, 1)))
     manifest = build_in_process(plan, LocalStore(root / "store"))
-    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+    return str(root / "store" / "corpora" / manifest.corpus_id / "manifest.json")
 
 
 class Jobs:

@@ -48,7 +48,7 @@ def build_corpus(root: Path, data: Path) -> str:
     if not files:
         raise SystemExit(f"no Amazon files in {data / 'amazon'}: pass --data with the shared data folder")
     manifest = build(files, root / "store", CorpusConfig(split=(98, 1, 1)))
-    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+    return str(root / "store" / "corpora" / manifest.corpus_id / "manifest.json")
 
 
 def _threads(count: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -25,13 +24,14 @@ from tasks.corpus.build import (
     reduce_bucket,
 )
 from tasks.corpus.lock import BuildLock, building
-from tasks.corpus.manifest import read_manifest
+from tasks.corpus.manifest import Manifest, read_manifest
 from tasks.corpus.result import CorpusResult
 from tasks.corpus.sources import SourceError
+from tasks.corpus.tracking import log_corpus
 from tasks.secrets import hide
 from tasks.settings import Settings, get_settings
 from tasks.store import Store, store_of
-from tasks.tracking import experiment_id, log_corpus, run_link
+from tasks.tracking import experiment_id, run_link
 
 # Prefect tasks: the plain work of tasks.corpus.build, with retries for what is worth retrying
 # (I/O; bad records never raise, they are rejected).
@@ -147,31 +147,31 @@ def _build(
     return CorpusResult.of(manifest, manifest_uri)
 
 
-def _publish_artifacts(manifest: dict[str, Any], manifest_uri: str, mlflow_run: str) -> None:
+def _publish_artifacts(manifest: Manifest, manifest_uri: str, mlflow_run: str) -> None:
     """What a user sees on the flow run's page in the Prefect UI."""
     rows = [
         {
-            "source": s["name"],
-            "category": s["category"],
-            "records": s["records"],
-            "kept": s["kept"],
-            "duplicates": s["duplicates"],
-            "rejected": s["rejected"],
+            "source": s.name,
+            "category": s.category,
+            "records": s.records,
+            "kept": s.kept,
+            "duplicates": s.duplicates,
+            "rejected": s.rejected,
         }
-        for s in manifest["sources"]
+        for s in manifest.sources
     ]
     create_table_artifact(key="corpus-sources", table=rows, description="Records per source")
-    totals = manifest["totals"]
-    splits = " · ".join(f"{name}: {info['rows']:,} rows" for name, info in manifest["splits"].items())
+    totals = manifest.totals
+    splits = " · ".join(f"{name}: {info.rows:,} rows" for name, info in manifest.splits.items())
     create_markdown_artifact(
         key="corpus-manifest",
         markdown=(
-            f"### Corpus `{manifest['corpus_id']}`\n\n"
+            f"### Corpus `{manifest.corpus_id}`\n\n"
             f"- manifest: [{manifest_uri}]({manifest_uri})\n"
             f"- {splits}\n"
-            f"- {totals['records']:,} records: {totals['kept']:,} kept, "
-            f"{totals['duplicates']:,} duplicates, {totals['rejected']:,} rejected "
-            f"(kept under `{manifest['rejected_uri']}`)\n"
+            f"- {totals.records:,} records: {totals.kept:,} kept, "
+            f"{totals.duplicates:,} duplicates, {totals.rejected:,} rejected "
+            f"(kept under `{manifest.rejected_uri}`)\n"
             f"- MLflow run: {mlflow_run}\n"
         ),
         description="The published corpus",

@@ -205,7 +205,7 @@ def _pretrain(
     params: PipelineParams, settings: Settings, manifest_uri: str, run_id: str
 ) -> StageRecord[PretrainResult]:
     stage = pretrain_params(params.pretrain, manifest_uri)
-    corpus_id = read_corpus_manifest(manifest_uri, endpoint_url=settings.s3_endpoint_url)["corpus_id"]
+    corpus_id = read_corpus_manifest(manifest_uri, endpoint_url=settings.s3_endpoint_url).corpus_id
     forced = "pretrain" in params.force
     stage = stage.model_copy(update={"run": pretrain_run_name(stage, corpus_id, force=forced)})
     assert stage.run is not None

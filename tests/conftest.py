@@ -148,7 +148,7 @@ def sample_manifest(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("sample-corpus")
     files = write_sample(root / "raw", num_reviews=3000)
     manifest = build(files, root / "store", CorpusConfig(split=(18, 1, 1)))
-    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+    return str(root / "store" / "corpora" / manifest.corpus_id / "manifest.json")
 
 
 @pytest.fixture(scope="session")
@@ -161,7 +161,7 @@ def amazon_manifest(amazon_complete: list[Path], tmp_path_factory: pytest.TempPa
 
     root = tmp_path_factory.mktemp("amazon-corpus")
     manifest = build(amazon_complete, root / "store", CorpusConfig(split=(98, 1, 1)))
-    return str(root / "store" / "corpora" / manifest["corpus_id"] / "manifest.json")
+    return str(root / "store" / "corpora" / manifest.corpus_id / "manifest.json")
 
 
 @pytest.fixture

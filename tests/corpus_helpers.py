@@ -14,41 +14,44 @@ from tasks.corpus.build import (
     build_in_process,
     plan_corpus,
 )
+from tasks.corpus.manifest import Manifest
 from tasks.corpus.reviews import CORPUS_SCHEMA
 from tasks.store import LocalStore
 
 
-def build(sources: list[str | Path], store_dir: Path, config: CorpusConfig | None = None) -> dict[str, Any]:
+def build(sources: list[str | Path], store_dir: Path, config: CorpusConfig | None = None) -> Manifest:
     return build_in_process(
         plan_corpus([str(s) for s in sources], config or CorpusConfig()), LocalStore(store_dir)
     )
 
 
-def corpus_dir(store_dir: Path, manifest: dict[str, Any]) -> Path:
-    return store_dir / "corpora" / manifest["corpus_id"]
+def corpus_dir(store_dir: Path, manifest: Manifest) -> Path:
+    return store_dir / "corpora" / manifest.corpus_id
 
 
-def read_split(store_dir: Path, manifest: dict[str, Any], split: str) -> pa.Table:
+def read_split(store_dir: Path, manifest: Manifest, split: str) -> pa.Table:
     base = corpus_dir(store_dir, manifest)
-    tables = [pa.ipc.open_file(base / s["path"]).read_all() for s in manifest["splits"][split]["shards"]]
+    tables = [pa.ipc.open_file(base / s.path).read_all() for s in manifest.shards(split)]
     return pa.concat_tables(tables) if tables else CORPUS_SCHEMA.empty_table()
 
 
-def shard_digests(store_dir: Path, manifest: dict[str, Any]) -> list[tuple[str, str]]:
+def shard_digests(store_dir: Path, manifest: Manifest) -> list[tuple[str, str]]:
     base = corpus_dir(store_dir, manifest)
     return [
-        (s["path"], hashlib.sha256((base / s["path"]).read_bytes()).hexdigest())
-        for split in manifest["splits"].values()
-        for s in split["shards"]
+        (s.path, hashlib.sha256((base / s.path).read_bytes()).hexdigest())
+        for split in manifest.splits.values()
+        for s in split.shards
     ]
 
 
-def rejected(store_dir: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+def rejected(store_dir: Path, manifest: Manifest) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for uri in manifest["rejected_files"]:
+    for uri in manifest.rejected_files:
         rows.extend(pa.ipc.open_file(uri).read_all().to_pylist())
     return sorted(rows, key=lambda r: (r["source"], r["line"]))
 
 
-def saved_manifest(store_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    return json.loads((corpus_dir(store_dir, manifest) / "manifest.json").read_text())
+def saved_manifest(store_dir: Path, manifest: Manifest) -> Manifest:
+    return Manifest.model_validate(
+        json.loads((corpus_dir(store_dir, manifest) / "manifest.json").read_text())
+    )

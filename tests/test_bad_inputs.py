@@ -33,7 +33,7 @@ def _files(folder: Path) -> None:
 def _copied_manifest(folder: Path) -> None:
     """A corpus's manifest copied out of its store (MLflow keeps such a copy as an artifact)."""
     manifest = build(write_sample(folder / "raw", num_reviews=60), folder / "store")
-    source = folder / "store" / "corpora" / manifest["corpus_id"] / "manifest.json"
+    source = folder / "store" / "corpora" / manifest.corpus_id / "manifest.json"
     (folder / "elsewhere").mkdir()
     shutil.copy(source, folder / "elsewhere" / "manifest.json")
 
@@ -41,10 +41,8 @@ def _copied_manifest(folder: Path) -> None:
 def _lost_shard(folder: Path) -> None:
     """A corpus in its store with one train shard gone (a half-finished copy, a cleanup gone wrong)."""
     manifest = build(write_sample(folder / "raw", num_reviews=60), folder / "store")
-    corpus = (folder / "store" / "corpora" / manifest["corpus_id"]).rename(
-        folder / "store" / "corpora" / "lost"
-    )
-    (corpus / manifest["splits"]["train"]["shards"][0]["path"]).unlink()
+    corpus = (folder / "store" / "corpora" / manifest.corpus_id).rename(folder / "store" / "corpora" / "lost")
+    (corpus / manifest.shards("train")[0].path).unlink()
 
 
 Setup = Callable[[Path], None]

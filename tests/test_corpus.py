@@ -17,6 +17,7 @@ from corpus_helpers import build, corpus_dir, read_split, rejected, saved_manife
 from models.text import clean_text
 from tasks.corpus.build import SPLITS, CorpusConfig, plan_corpus
 from tasks.corpus.keys import split_of, text_keys
+from tasks.corpus.manifest import Manifest
 from tasks.corpus.reviews import CORPUS_SCHEMA
 from tasks.corpus.sample import write_sample
 from tasks.corpus.sources import SourceError
@@ -31,52 +32,51 @@ def _count_lines(path: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def real_corpus(amazon_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def real_corpus(amazon_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
     store = tmp_path_factory.mktemp("store")
     return store, build([amazon_dir], store, SMALL_SPLIT)
 
 
 def test_manifest_counts_every_record_of_every_real_file(
-    real_corpus: tuple[Path, dict], amazon_dir: Path
+    real_corpus: tuple[Path, Manifest], amazon_dir: Path
 ) -> None:
     store, manifest = real_corpus
-    assert {"corpus_id", "cleaning", "splits", "sources", "rejected_uri"} <= manifest.keys()
     assert saved_manifest(store, manifest) == manifest
     files = sorted(amazon_dir.rglob("*.gz"))
-    assert len(manifest["sources"]) == len(files) == 11
-    for source in manifest["sources"]:
-        path = Path(source["uri"])
-        assert source["records"] == _count_lines(path), source["name"]
-        assert source["records"] == source["kept"] + source["duplicates"] + source["rejected"]
-        assert source["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    by_name = {Path(s["uri"]).relative_to(amazon_dir).as_posix(): s for s in manifest["sources"]}
+    assert len(manifest.sources) == len(files) == 11
+    for source in manifest.sources:
+        path = Path(source.uri)
+        assert source.records == _count_lines(path), source.name
+        assert source.records == source.kept + source.duplicates + source.rejected
+        assert source.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    by_name = {Path(s.uri).relative_to(amazon_dir).as_posix(): s for s in manifest.sources}
     # Facts from the data's README: reviews without reviewText, and repeated records.
-    assert by_name["AMAZON_FASHION_5.json.gz"]["rejected"] == 16
-    assert by_name["Gift_Cards_5.json.gz"]["rejected"] == 6
-    assert by_name["reviews_Musical_Instruments_5.json.gz"]["rejected"] == 7  # empty reviewText
-    assert by_name["Appliances_5.json.gz"]["duplicates"] >= 2074  # repeats of earlier records
-    totals = manifest["totals"]
-    assert totals["kept"] == sum(manifest["splits"][s]["rows"] for s in SPLITS)
-    assert totals["records"] == 42546 + 7853  # complete files + partial slices
+    assert by_name["AMAZON_FASHION_5.json.gz"].rejected == 16
+    assert by_name["Gift_Cards_5.json.gz"].rejected == 6
+    assert by_name["reviews_Musical_Instruments_5.json.gz"].rejected == 7  # empty reviewText
+    assert by_name["Appliances_5.json.gz"].duplicates >= 2074  # repeats of earlier records
+    totals = manifest.totals
+    assert totals.kept == sum(manifest.splits[s].rows for s in SPLITS)
+    assert totals.records == 42546 + 7853  # complete files + partial slices
 
 
-def test_shards_hold_what_the_manifest_says(real_corpus: tuple[Path, dict]) -> None:
+def test_shards_hold_what_the_manifest_says(real_corpus: tuple[Path, Manifest]) -> None:
     store, manifest = real_corpus
     base = corpus_dir(store, manifest)
     for split in SPLITS:
-        info = manifest["splits"][split]
-        assert info["rows"] == sum(s["rows"] for s in info["shards"]) > 0
-        for shard in info["shards"]:
-            data = (base / shard["path"]).read_bytes()
-            assert hashlib.sha256(data).hexdigest() == shard["sha256"]
-            assert len(data) == shard["bytes"]
+        info = manifest.splits[split]
+        assert info.rows == sum(s.rows for s in info.shards) > 0
+        for shard in info.shards:
+            data = (base / shard.path).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == shard.sha256
+            assert len(data) == shard.bytes
             table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
             assert table.schema == CORPUS_SCHEMA
-            assert table.num_rows == shard["rows"]
-            assert sum(len(t.encode()) for t in table["text"].to_pylist()) == shard["text_bytes"]
+            assert table.num_rows == shard.rows
+            assert sum(len(t.encode()) for t in table["text"].to_pylist()) == shard.text_bytes
 
 
-def test_texts_are_clean_unique_and_split_by_their_key(real_corpus: tuple[Path, dict]) -> None:
+def test_texts_are_clean_unique_and_split_by_their_key(real_corpus: tuple[Path, Manifest]) -> None:
     store, manifest = real_corpus
     seen: set[str] = set()
     for index, split in enumerate(SPLITS):
@@ -88,10 +88,10 @@ def test_texts_are_clean_unique_and_split_by_their_key(real_corpus: tuple[Path, 
         _, lo = text_keys(table["text"].combine_chunks())
         assert (split_of(lo, CorpusConfig(split=(98, 1, 1)).fractions) == index).all()
     # 98:1:1 of ~39k unique reviews puts a few hundred in each held-out split.
-    assert 200 < manifest["splits"]["val"]["rows"] < 600
+    assert 200 < manifest.splits["val"].rows < 600
 
 
-def test_metadata_columns_are_read_from_all_three_releases(real_corpus: tuple[Path, dict]) -> None:
+def test_metadata_columns_are_read_from_all_three_releases(real_corpus: tuple[Path, Manifest]) -> None:
     store, manifest = real_corpus
     table = read_split(store, manifest, "train")
     rows = {r["category"]: r for r in table.to_pylist()}
@@ -114,12 +114,12 @@ def test_same_sources_give_the_same_bytes_however_the_work_is_cut(amazon_dir: Pa
     pieces = plan_corpus([str(plain)], SMALL_SPLIT.model_copy(update={"piece_mb": 1, "block_mb": 1})).pieces
     assert len(pieces) >= 12
     two = build([plain], tmp_path / "b", SMALL_SPLIT.model_copy(update={"piece_mb": 1, "block_mb": 1}))
-    assert one["corpus_id"] == two["corpus_id"]
+    assert one.corpus_id == two.corpus_id
     assert shard_digests(tmp_path / "a", one) == shard_digests(tmp_path / "b", two)
-    assert [s["records"] for s in one["sources"]] == [s["records"] for s in two["sources"]]
+    assert [s.records for s in one.sources] == [s.records for s in two.sources]
     # A different split is a different corpus.
     three = plan_corpus([str(plain)], CorpusConfig(split=(8, 1, 1)))
-    assert three.corpus_id != one["corpus_id"]
+    assert three.corpus_id != one.corpus_id
 
 
 def test_split_membership_does_not_change_when_sources_are_added(amazon_dir: Path, tmp_path: Path) -> None:
@@ -233,8 +233,8 @@ def test_bad_lines_are_rejected_with_file_line_and_reason(tmp_path: Path) -> Non
             "last good review",
         )
     }
-    (entry,) = manifest["sources"]
-    assert (entry["records"], entry["kept"], entry["rejected"]) == (10, 5, 5)
+    (entry,) = manifest.sources
+    assert (entry.records, entry.kept, entry.rejected) == (10, 5, 5)
     votes = pa.concat_tables(read_split(tmp_path / "store", manifest, s) for s in SPLITS).to_pylist()
     assert {r["helpful_votes"] for r in votes if "commas" in r["text"]} == {1024}
 
@@ -245,13 +245,13 @@ def test_a_truncated_gzip_keeps_what_it_has_and_says_where_it_ends(amazon_dir: P
     cut.parent.mkdir()
     cut.write_bytes(whole[: len(whole) // 2])
     manifest = build([cut], tmp_path / "store", SMALL_SPLIT)
-    (entry,) = manifest["sources"]
+    (entry,) = manifest.sources
     rows = rejected(tmp_path / "store", manifest)
     damage = [r for r in rows if r["reason"].startswith("truncated gzip")]
     assert len(damage) == 1
-    assert damage[0]["line"] == entry["records"]  # the last line read is the cut one
-    assert entry["records"] == entry["kept"] + entry["duplicates"] + entry["rejected"]
-    assert 1000 < entry["kept"] + entry["duplicates"] < 2972  # about half of the file's reviews
+    assert damage[0]["line"] == entry.records  # the last line read is the cut one
+    assert entry.records == entry.kept + entry.duplicates + entry.rejected
+    assert 1000 < entry.kept + entry.duplicates < 2972  # about half of the file's reviews
 
 
 def test_corrupt_gzip_data_is_reported(amazon_dir: Path, tmp_path: Path) -> None:
@@ -264,7 +264,7 @@ def test_corrupt_gzip_data_is_reported(amazon_dir: Path, tmp_path: Path) -> None
     manifest = build([bad], tmp_path / "store", SMALL_SPLIT)
     reasons = {r["reason"].split(" (")[0] for r in rejected(tmp_path / "store", manifest)}
     assert "corrupt gzip data" in reasons
-    assert manifest["sources"][0]["kept"] > 500
+    assert manifest.sources[0].kept > 500
 
 
 def test_multi_member_gzip_and_misnamed_files_read_whole(amazon_dir: Path, tmp_path: Path) -> None:
@@ -276,7 +276,7 @@ def test_multi_member_gzip_and_misnamed_files_read_whole(amazon_dir: Path, tmp_p
     # Gzip is recognised by its bytes, not its name.
     (raw / "Misnamed_5.json").write_bytes(second)
     manifest = build([raw], tmp_path / "store", SMALL_SPLIT)
-    records = {s["name"]: s["records"] for s in manifest["sources"]}
+    records = {s.name: s.records for s in manifest.sources}
     assert records == {"Both_5.json.gz": 2972 + 2277, "Misnamed_5.json": 2277}
 
 
@@ -328,7 +328,7 @@ def test_keys_are_xxh3_128_of_the_utf8_text() -> None:
     assert np.all(split_of(np.array([0, 2**64 - 1], dtype=np.uint64), (0.5, 0.25, 0.25)) == [0, 2])
 
 
-def test_the_work_folder_is_gone_after_publishing(real_corpus: tuple[Path, dict]) -> None:
+def test_the_work_folder_is_gone_after_publishing(real_corpus: tuple[Path, Manifest]) -> None:
     store, manifest = real_corpus
     assert not (corpus_dir(store, manifest) / "_work").exists()
     assert sorted(p.name for p in corpus_dir(store, manifest).iterdir()) == [
@@ -388,7 +388,7 @@ def test_the_first_copy_in_source_and_line_order_is_the_one_kept(tmp_path: Path)
     rows = pa.concat_tables(read_split(tmp_path / "store", manifest, s) for s in SPLITS).to_pylist()
     same = [r["product_id"] for r in rows if r["text"] == clean_text("Same words.")]
     assert same == ["a2"]  # a_5.json line 2: before its own line 3 (same cleaned text) and before b
-    counts = {Path(s["uri"]).name: (s["kept"], s["duplicates"]) for s in manifest["sources"]}
+    counts = {Path(s.uri).name: (s.kept, s.duplicates) for s in manifest.sources}
     assert counts == {"a_5.json": (2, 1), "b_5.json": (1, 1)}
 
 
@@ -421,8 +421,8 @@ def test_invalid_utf8_inside_a_review_is_rejected_and_every_shard_validates(tmp_
     kept = [t for s in SPLITS for t in read_split(tmp_path / "store", manifest, s)["text"].to_pylist()]
     assert sorted(kept) == sorted(clean_text(t) for t in ("fine words here", "more fine words"))
     for split in SPLITS:
-        for shard in manifest["splits"][split]["shards"]:
-            pa.ipc.open_file(corpus_dir(tmp_path / "store", manifest) / shard["path"]).read_all().validate(
+        for shard in manifest.splits[split].shards:
+            pa.ipc.open_file(corpus_dir(tmp_path / "store", manifest) / shard.path).read_all().validate(
                 full=True
             )
 
@@ -452,5 +452,30 @@ def test_one_build_of_a_corpus_at_a_time_and_a_dead_builds_lock_is_taken_over(tm
         alive.kill()
         alive.wait()
     manifest = build(sources, tmp_path / "store", SMALL_SPLIT)  # the holder is gone: taken over
-    assert manifest["corpus_id"] == plan.corpus_id and not lock.exists()
+    assert manifest.corpus_id == plan.corpus_id and not lock.exists()
     assert not (lock.parent / "_work").exists()
+
+
+def test_a_manifest_written_before_the_model_reads_and_writes_back_byte_for_byte(tmp_path: Path) -> None:
+    """The model is the JSON on disk: an old manifest reads by attribute and dumps to the same bytes."""
+    from tasks.corpus.manifest import read_manifest
+    from tasks.store import LocalStore
+
+    old = (Path(__file__).parent / "data" / "corpus-manifest-v1.json").read_bytes()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "manifest.json").write_bytes(old)
+    manifest = read_manifest(LocalStore(tmp_path), "m/manifest.json")
+    assert manifest.corpus_id == "477998ba3583113d" and manifest.totals.kept == 37
+    assert manifest.columns["text"] == "large_string" and manifest.config.split == (8, 1, 1)
+    assert manifest.to_json() == old
+
+
+def test_a_json_file_that_is_not_a_manifest_is_refused_naming_the_field(tmp_path: Path) -> None:
+    from tasks.corpus.manifest import ManifestError, read_manifest
+    from tasks.store import LocalStore
+
+    data = json.loads((Path(__file__).parent / "data" / "corpus-manifest-v1.json").read_text())
+    data["totals"]["kept"] = "many"
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"is not a corpus manifest: totals\.kept"):
+        read_manifest(LocalStore(tmp_path), "manifest.json")

@@ -52,7 +52,7 @@ def clean_build(raw_sources: str) -> dict[str, Any]:
     plan = plan_corpus([f"s3://{raw_sources}/raw/"], SPLIT)
     manifest = build_in_process(plan, S3Store(f"s3://{raw_sources}/clean"))
     assert len(plan.pieces) == 3 * NUM_SEEDS
-    return manifest
+    return manifest.model_dump(by_alias=True)  # as the JSON on disk
 
 
 def _objects(bucket: str, prefix: str) -> dict[str, bytes]:

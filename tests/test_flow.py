@@ -187,7 +187,7 @@ def test_a_killed_build_leaves_no_manifest_and_resumes(
     resumed = build([raw], store, config)
     assert set(parsed) == {p.piece_id for p in plan.pieces} - done_before
     clean = build([raw], tmp_path / "clean", config)
-    assert resumed["totals"] == clean["totals"]
+    assert resumed.totals == clean.totals
     assert shard_digests(store, resumed) == shard_digests(tmp_path / "clean", clean)
 
 

@@ -11,12 +11,13 @@ import pytest
 from corpus_helpers import build, corpus_dir, read_split
 
 from tasks.corpus.build import CorpusConfig
+from tasks.corpus.manifest import Manifest
 from tasks.corpus.sample import write_sample
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("stream")
     write_sample(root / "raw", num_reviews=1500)
     return root / "store", build([root / "raw"], root / "store", CorpusConfig(split=(8, 1, 1)))
@@ -26,13 +27,15 @@ def _joined(texts: list[str]) -> bytes:
     return "".join(texts).encode()
 
 
-def test_the_stream_is_the_split_texts_in_manifest_order(corpus: tuple[Path, dict], tmp_path: Path) -> None:
+def test_the_stream_is_the_split_texts_in_manifest_order(
+    corpus: tuple[Path, Manifest], tmp_path: Path
+) -> None:
     store, manifest = corpus
     uri = str(corpus_dir(store, manifest) / "manifest.json")
     for split in ("train", "val"):
         stream = open_split(uri, split, tmp_path)
         expected = _joined(read_split(store, manifest, split)["text"].to_pylist())
-        assert len(stream) == len(expected) == manifest["splits"][split]["text_bytes"]
+        assert len(stream) == len(expected) == manifest.splits[split].text_bytes
         assert stream.read(0, len(stream)).tobytes() == expected
 
 
@@ -68,7 +71,7 @@ def test_rows_carry_on_from_step_to_step_and_positions_are_pure() -> None:
     assert len(set(stream_data[plan.starts(3)])) == 8
 
 
-def test_ranks_split_the_global_batch(corpus: tuple[Path, dict], tmp_path: Path) -> None:
+def test_ranks_split_the_global_batch(corpus: tuple[Path, Manifest], tmp_path: Path) -> None:
     store, manifest = corpus
     stream = open_split(str(corpus_dir(store, manifest) / "manifest.json"), "train", tmp_path)
     whole = BatchPlan(stream_bytes=len(stream), batch_size=8, seq_len=32)
@@ -90,7 +93,7 @@ def test_bad_batch_settings_say_what_to_change() -> None:
 
 
 def test_a_split_on_s3_is_downloaded_once_and_checked(
-    corpus: tuple[Path, dict], s3_bucket: str, tmp_path: Path
+    corpus: tuple[Path, Manifest], s3_bucket: str, tmp_path: Path
 ) -> None:
     store, manifest = corpus
     base = corpus_dir(store, manifest)
@@ -103,7 +106,7 @@ def test_a_split_on_s3_is_downloaded_once_and_checked(
     assert stream.read(0, len(stream)).tobytes() == _joined(
         read_split(store, manifest, "train")["text"].to_pylist()
     )
-    assert len(list((tmp_path / "cache").rglob("*.arrow"))) == len(manifest["splits"]["train"]["shards"])
+    assert len(list((tmp_path / "cache").rglob("*.arrow"))) == len(manifest.shards("train"))
     with pytest.raises(StreamError, match="no corpus manifest at"):
         open_split(f"s3://{s3_bucket}/nothing/manifest.json", "train", tmp_path / "cache")
     with pytest.raises(StreamError, match="no split 'dev'"):

@@ -24,6 +24,7 @@ from tasks.corpus.config import CorpusConfig
 from tasks.settings import TaskRunnerName, WorkerOptions, get_settings
 
 if TYPE_CHECKING:
+    from tasks.corpus.manifest import Manifest
     from tasks.corpus.result import CorpusResult
 
 
@@ -117,7 +118,7 @@ def corpus_build(
     out.print(f"manifest: {summary.manifest_uri}", highlight=False)
 
 
-def _load_manifest(uri: str) -> dict[str, Any]:
+def _load_manifest(uri: str) -> Manifest:
     """The manifest at ``uri`` (or in the corpus folder ``uri``), or one line saying what is wrong."""
     from tasks.corpus.manifest import load_manifest
 
@@ -136,21 +137,19 @@ ManifestArgument = Annotated[
 def corpus_show(manifest_uri: ManifestArgument) -> None:
     """Print a corpus's splits and per-source counts."""
     manifest = _load_manifest(manifest_uri)
-    splits = Table(title=f"corpus {manifest['corpus_id']} · cleaning {manifest['cleaning']['name']}")
+    splits = Table(title=f"corpus {manifest.corpus_id} · cleaning {manifest.cleaning.name}")
     for column in ("split", "rows", "text MiB", "shards"):
         splits.add_column(column, justify="right")
-    for name, info in manifest["splits"].items():
-        splits.add_row(
-            name, f"{info['rows']:,}", f"{info['text_bytes'] / 2**20:,.1f}", str(len(info["shards"]))
-        )
+    for name, info in manifest.splits.items():
+        splits.add_row(name, f"{info.rows:,}", f"{info.text_bytes / 2**20:,.1f}", str(len(info.shards)))
     out.print(splits)
     sources = Table(title="sources")
     for column in ("source", "records", "kept", "duplicates", "rejected"):
         sources.add_column(column, justify="left" if column == "source" else "right")
-    for s in manifest["sources"]:
-        sources.add_row(s["name"], *(f"{s[k]:,}" for k in ("records", "kept", "duplicates", "rejected")))
+    for s in manifest.sources:
+        sources.add_row(s.name, *(f"{n:,}" for n in (s.records, s.kept, s.duplicates, s.rejected)))
     out.print(sources)
-    out.print(f"rejected records: {manifest['rejected_uri']}", highlight=False)
+    out.print(f"rejected records: {manifest.rejected_uri}", highlight=False)
 
 
 @app.command("rejected")
@@ -165,11 +164,11 @@ def corpus_rejected(
 
     manifest = _load_manifest(manifest_uri)
     settings = get_settings()
-    table = Table(title=f"rejected records of corpus {manifest['corpus_id']}")
+    table = Table(title=f"rejected records of corpus {manifest.corpus_id}")
     for column in ("source", "line", "reason", "raw"):
         table.add_column(column, overflow="fold")
     shown = 0
-    for uri in manifest["rejected_files"]:
+    for uri in manifest.rejected_files:
         store, key = split_object_uri(uri, endpoint_url=settings.s3_endpoint_url)
         rows = pa.ipc.open_file(pa.py_buffer(store.read_bytes(key))).read_all().to_pylist()
         for row in rows[: limit - shown]:
@@ -177,7 +176,7 @@ def corpus_rejected(
             table.add_row(row["source"].rpartition("/")[2], str(row["line"]), row["reason"], raw)
             shown += 1
     out.print(table)
-    out.print(f"{manifest['totals']['rejected']:,} rejected in all")
+    out.print(f"{manifest.totals.rejected:,} rejected in all")
 
 
 @app.command("sample")

@@ -35,6 +35,16 @@ from models.text import CLEANING, CLEANING_DESCRIPTION, END_PAD, FRONT_PAD
 from tasks.corpus.config import CorpusConfig
 from tasks.corpus.keys import bucket_of, split_of, text_keys
 from tasks.corpus.lock import building
+from tasks.corpus.manifest import (
+    BuildSettings,
+    Cleaning,
+    Manifest,
+    Shard,
+    SourceCounts,
+    Split,
+    Totals,
+    write_manifest,
+)
 from tasks.corpus.reviews import (
     CORPUS_SCHEMA,
     Rejects,
@@ -303,18 +313,9 @@ def _write_rejects(store: Store, key: str, source_uri: str, rejects: Rejects) ->
 
 
 @dataclass
-class ShardInfo:
-    path: str
-    rows: int
-    bytes: int
-    text_bytes: int
-    sha256: str
-
-
-@dataclass
 class BucketResult:
     bucket: int
-    shards: dict[str, list[ShardInfo]] = field(default_factory=dict)
+    shards: dict[str, list[Shard]] = field(default_factory=dict)
     kept: list[int] = field(default_factory=list)
     duplicates: list[int] = field(default_factory=list)
 
@@ -336,7 +337,7 @@ def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store, piece_ids: Iterab
     marker = plan.work_key("reduce", f"bucket-{bucket:05d}.json")
     if store.exists(marker):
         saved = json.loads(store.read_bytes(marker))
-        saved["shards"] = {s: [ShardInfo(**i) for i in infos] for s, infos in saved["shards"].items()}
+        saved["shards"] = {s: [Shard(**i) for i in infos] for s, infos in saved["shards"].items()}
         return BucketResult(**saved)
     # Piece order is (source, line) order: the first row of a key in this order is the one kept.
     inputs = [plan.work_key("map", piece_id, f"bucket-{bucket:05d}.arrow") for piece_id in sorted(piece_ids)]
@@ -373,14 +374,12 @@ def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store, piece_ids: Iterab
     return result
 
 
-def _write_shards(
-    store: Store, plan: CorpusPlan, split: str, bucket: int, table: pa.Table
-) -> list[ShardInfo]:
+def _write_shards(store: Store, plan: CorpusPlan, split: str, bucket: int, table: pa.Table) -> list[Shard]:
     if table.num_rows == 0:
         return []
     lengths = pc.binary_length(table["text"]).to_numpy()
     limit = plan.config.shard_mb * MiB
-    shards: list[ShardInfo] = []
+    shards: list[Shard] = []
     start = 0
     cumulative = np.cumsum(lengths)
     while start < table.num_rows:
@@ -402,7 +401,7 @@ def _write_shards(
             raw.flush()
             size, digest = sink.size, sink.sha256.hexdigest()
         shards.append(
-            ShardInfo(
+            Shard(
                 path=key.removeprefix(plan.prefix + "/"),
                 rows=part.num_rows,
                 bytes=size,
@@ -443,7 +442,7 @@ def _as_dict(result: BucketResult) -> dict[str, Any]:
         "bucket": result.bucket,
         "kept": result.kept,
         "duplicates": result.duplicates,
-        "shards": {s: [i.__dict__ for i in infos] for s, infos in result.shards.items()},
+        "shards": {s: [i.model_dump() for i in infos] for s, infos in result.shards.items()},
     }
 
 
@@ -453,7 +452,7 @@ def _as_dict(result: BucketResult) -> dict[str, Any]:
 
 def build_manifest(
     plan: CorpusPlan, store: Store, pieces: Iterable[PieceResult], buckets: Iterable[BucketResult]
-) -> dict[str, Any]:
+) -> Manifest:
     """The manifest: what the corpus holds and where every record of every source went."""
     pieces, buckets = list(pieces), sorted(buckets, key=lambda b: b.bucket)
     num_sources = len(plan.sources)
@@ -476,75 +475,73 @@ def build_manifest(
                 f"{duplicates[i]} duplicates, {rejected[i]} rejected"
             )
         sources.append(
-            {
-                "uri": source.uri,
-                "name": source.name,
-                "category": source.category,
-                "sha256": source.sha256,
-                "bytes": source.size,
-                "records": records[i],
-                "kept": kept[i],
-                "duplicates": duplicates[i],
-                "rejected": rejected[i],
-            }
+            SourceCounts(
+                uri=source.uri,
+                name=source.name,
+                category=source.category,
+                sha256=source.sha256,
+                bytes=source.size,
+                records=records[i],
+                kept=kept[i],
+                duplicates=duplicates[i],
+                rejected=rejected[i],
+            )
         )
-    splits = {}
-    for split in SPLITS:
-        shards = [s.__dict__ for b in buckets for s in b.shards.get(split, [])]
-        splits[split] = {
-            "rows": sum(s["rows"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "text_bytes": sum(s["text_bytes"] for s in shards),
-            "shards": shards,
-        }
-    return {
-        "format": FORMAT,
-        "corpus_id": plan.corpus_id,
-        "uri": store.url(plan.prefix),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cleaning": {
-            "name": CLEANING,
-            "description": CLEANING_DESCRIPTION,
-            "front_pad": FRONT_PAD,
-            "end_pad": END_PAD,
-        },
-        "dedupe": "exact cleaned text (XXH3-128 key); the first record in source and line order is kept",
-        "split_rule": "key_lo / 2**64 against the split fractions (stable across source sets)",
-        "config": plan.config.identity(),
-        "schema": {f.name: str(f.type) for f in CORPUS_SCHEMA},
-        "splits": splits,
-        "sources": sources,
-        "totals": {
-            "records": sum(records),
-            "kept": sum(kept),
-            "duplicates": sum(duplicates),
-            "rejected": sum(rejected),
-        },
-        "rejected_uri": store.url(f"{plan.prefix}/rejected/"),
-        "rejected_files": sorted(rejected_files),
+    splits = {
+        split: split_of_shards([s for b in buckets for s in b.shards.get(split, [])]) for split in SPLITS
     }
+    return Manifest(
+        format=FORMAT,
+        corpus_id=plan.corpus_id,
+        uri=store.url(plan.prefix),
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        cleaning=Cleaning(
+            name=CLEANING, description=CLEANING_DESCRIPTION, front_pad=FRONT_PAD, end_pad=END_PAD
+        ),
+        dedupe="exact cleaned text (XXH3-128 key); the first record in source and line order is kept",
+        split_rule="key_lo / 2**64 against the split fractions (stable across source sets)",
+        config=BuildSettings.model_validate(plan.config.identity()),
+        columns={f.name: str(f.type) for f in CORPUS_SCHEMA},
+        splits=splits,
+        sources=sources,
+        totals=Totals(
+            records=sum(records), kept=sum(kept), duplicates=sum(duplicates), rejected=sum(rejected)
+        ),
+        rejected_uri=store.url(f"{plan.prefix}/rejected/"),
+        rejected_files=sorted(rejected_files),
+    )
 
 
-def publish_manifest(plan: CorpusPlan, store: Store, manifest: dict[str, Any]) -> str:
+def split_of_shards(shards: list[Shard]) -> Split:
+    """A split's entry: its shards in order and their sums."""
+    return Split(
+        rows=sum(s.rows for s in shards),
+        bytes=sum(s.bytes for s in shards),
+        text_bytes=sum(s.text_bytes for s in shards),
+        shards=shards,
+    )
+
+
+def publish_manifest(plan: CorpusPlan, store: Store, manifest: Manifest) -> str:
     """Write the manifest last, then drop the work files. Returns the manifest URI.
 
     A corpus of no row is not published: its count would mean nothing, and the rejected lines say why.
     """
-    totals = manifest["totals"]
-    if totals["kept"] == 0:
+    totals = manifest.totals
+    if totals.kept == 0:
         store.delete_prefix(plan.work_key())
-        names = ", ".join(source["uri"] for source in manifest["sources"])
-        where = f"; the rejected lines are in {manifest['rejected_uri']}" if totals["rejected"] else ""
+        names = ", ".join(source.uri for source in manifest.sources)
+        where = f"; the rejected lines are in {manifest.rejected_uri}" if totals.rejected else ""
         raise SourceError(
-            f"no review could be read from {names}: {totals['records']} records, "
-            f"{totals['rejected']} rejected{where}; nothing was published"
+            f"no review could be read from {names}: {totals.records} records, "
+            f"{totals.rejected} rejected{where}; nothing was published"
         )
-    store.write_bytes(plan.manifest_key, json.dumps(manifest, indent=2, sort_keys=False).encode() + b"\n")
+    uri = write_manifest(store, plan.manifest_key, manifest)
     store.delete_prefix(plan.work_key())
-    return store.url(plan.manifest_key)
+    return uri
 
 
-def build_in_process(plan: CorpusPlan, store: Store) -> dict[str, Any]:
+def build_in_process(plan: CorpusPlan, store: Store) -> Manifest:
     """The corpus of a plan built and published in this process, piece after piece, without Prefect (a
     machine with no Prefect, a test); its manifest. The flow runs the same steps on a task runner."""
     with building(store, plan.prefix, plan.corpus_id):

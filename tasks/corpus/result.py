@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from tasks.corpus.manifest import Manifest
 
 
 class CorpusResult(BaseModel):
@@ -19,13 +22,13 @@ class CorpusResult(BaseModel):
     rejected: int
 
     @classmethod
-    def of(cls, manifest: dict[str, Any], manifest_uri: str) -> CorpusResult:
+    def of(cls, manifest: Manifest, manifest_uri: str) -> CorpusResult:
         """The result of a corpus from its manifest (built now, or found built)."""
-        totals = manifest["totals"]
+        totals = manifest.totals
         return cls(
-            corpus_id=manifest["corpus_id"],
+            corpus_id=manifest.corpus_id,
             manifest_uri=manifest_uri,
-            rows=totals["kept"],
-            duplicates=totals["duplicates"],
-            rejected=totals["rejected"],
+            rows=totals.kept,
+            duplicates=totals.duplicates,
+            rejected=totals.rejected,
         )

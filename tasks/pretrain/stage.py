@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from models.config import PRESETS
-from tasks.corpus.manifest import ManifestError, NoManifest, check_shards, load_manifest
+from tasks.corpus.manifest import Manifest, ManifestError, NoManifest, check_shards, load_manifest
 from tasks.jobs.config import flag_errors
 from tasks.jobs.environment import absolute_uri, job_environment
 from tasks.jobs.launchers.base import (
@@ -77,9 +77,9 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     from tasks.pretrain.stream import BatchPlan  # pyarrow: only once the manifest is read
 
     # BatchPlan raises for a batch that ranks cannot share, or a split too short for it.
-    plan = BatchPlan(manifest["splits"]["train"]["text_bytes"], params.batch_size, params.seq_len, world_size)
+    plan = BatchPlan(manifest.splits["train"].text_bytes, params.batch_size, params.seq_len, world_size)
     total_steps = params.total_steps or plan.steps_per_epoch
-    run = params.run or default_run_name(params.preset, manifest["corpus_id"])
+    run = params.run or default_run_name(params.preset, manifest.corpus_id)
     store_uri = absolute_uri(settings.resolved_store_uri)
     # The training settings pass through as they are; where the run lives is the flow's to fill in.
     settings_of_training = params.model_dump(include=set(TrainSettings.model_fields))
@@ -104,7 +104,7 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     )
     stop = min(total_steps, params.max_steps or total_steps)
     return Job(
-        config=config, spec=spec, stop_step=stop, total_steps=total_steps, corpus_id=manifest["corpus_id"]
+        config=config, spec=spec, stop_step=stop, total_steps=total_steps, corpus_id=manifest.corpus_id
     )
 
 
@@ -120,12 +120,12 @@ def resolve_corpus(uri: str, settings: Settings) -> str:
     return found
 
 
-def read_corpus_manifest(uri: str, **store_options: Any) -> dict[str, Any]:
+def read_corpus_manifest(uri: str, **store_options: Any) -> Manifest:
     """The corpus's manifest, with every train and val shard it names in the store: a job that would
     fail on a missing file is refused here, once, not launched and retried."""
     try:
         store, key, manifest = load_manifest(uri, **store_options)
-        if "train" not in manifest["splits"]:
+        if "train" not in manifest.splits:
             raise ManifestError("the manifest has no train split")
         check_shards(store, key, manifest, ("train", "val"))
     except (NoManifest, StoreError, OSError):

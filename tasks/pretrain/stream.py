@@ -10,13 +10,13 @@ segment holds; the next epoch starts over (and the training job resets the state
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from tasks.corpus.manifest import read_manifest, shard_key
 from tasks.corpus.reviews import string_buffers
 from tasks.store import LocalStore, Store, split_object_uri
 
@@ -118,24 +118,23 @@ class BatchPlan:
 def split_shards(store: Store, manifest_key: str, split: str, cache_dir: Path) -> list[Path]:
     """Local paths of a split's shards, in manifest order; S3 shards are downloaded once to the
     cache and checked against their sha256."""
-    manifest = json.loads(store.read_bytes(manifest_key))
-    if split not in manifest["splits"]:
-        raise StreamError(f"the corpus has no split {split!r}: it has {', '.join(manifest['splits'])}")
-    base = manifest_key.rpartition("/")[0]
+    manifest = read_manifest(store, manifest_key)
+    if split not in manifest.splits:
+        raise StreamError(f"the corpus has no split {split!r}: it has {', '.join(manifest.splits)}")
     paths = []
-    for shard in manifest["splits"][split]["shards"]:
-        key = f"{base}/{shard['path']}" if base else shard["path"]
+    for shard in manifest.shards(split):
+        key = shard_key(manifest_key, shard)
         if isinstance(store, LocalStore):
             paths.append(store.path(key))
             continue
-        target = cache_dir / manifest["corpus_id"] / shard["path"]
+        target = cache_dir / manifest.corpus_id / shard.path
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_suffix(".part")
             store.download(key, partial)
             with partial.open("rb") as stream:
                 digest = hashlib.file_digest(stream, "sha256").hexdigest()  # chunked, not read whole
-            if digest != shard["sha256"]:
+            if digest != shard.sha256:
                 partial.unlink()
                 raise StreamError(f"shard {key} does not match its sha256 in the manifest")
             partial.rename(target)

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from models.mlstm import MLSTM, State, preset
 from models.precision import autocast, resolve_precision
+from tasks.corpus.manifest import Manifest, read_manifest
 from tasks.jobs import checkpoint, joblog
 from tasks.jobs import sharding as shard
 from tasks.jobs.checkpointer import Checkpointer
@@ -57,7 +58,7 @@ class Trainer:
             max_attempts=settings.s3_max_attempts,
         )
         corpus_store, manifest_key = split_object_uri(config.corpus, endpoint_url=settings.s3_endpoint_url)
-        self.manifest: dict[str, Any] = json.loads(corpus_store.read_bytes(manifest_key))  # read once
+        self.manifest: Manifest = read_manifest(corpus_store, manifest_key)  # read once
         options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
         cache = settings.home.resolve() / "cache" / "shards"
         with world.local_rank_first():  # it downloads a split; the node's other ranks read its cache
@@ -153,7 +154,7 @@ class Trainer:
             "preset": self.config.preset,
             "config": self.config.model_dump(),
             "corpus": self.config.corpus,
-            "cleaning": self.manifest["cleaning"]["name"],
+            "cleaning": self.manifest.cleaning.name,
             "total_steps": self.total_steps,
             "skipped_steps": self.total_skipped_steps(),
             "loss": self.last_loss,
@@ -239,7 +240,7 @@ def start_tracker(trainer: Trainer) -> Tracker:
         run_name=config.run_name,
         run_id=trainer.mlflow_run_id,
         corpus=config.corpus,
-        corpus_id=trainer.manifest["corpus_id"],
+        corpus_id=trainer.manifest.corpus_id,
         params=params,
         world=trainer.world,
         dtype=trainer.dtype,
