@@ -19,10 +19,10 @@ from tasks.corpus.build import (
     bucket_inputs,
     build_manifest,
     parse_piece,
-    plan_corpus,
     publish_manifest,
     reduce_bucket,
 )
+from tasks.corpus.delta import DeltaRefused, plan_build
 from tasks.corpus.lock import BuildLock, building
 from tasks.corpus.manifest import Manifest, read_manifest
 from tasks.corpus.result import CorpusResult
@@ -38,10 +38,10 @@ from tasks.tracking import experiment_id, run_link
 
 
 # A missing or unreadable SOURCE stays so; network and store errors may pass.
-_worth_retrying = retry_unless(SourceError)
+_worth_retrying = retry_unless(SourceError, DeltaRefused)
 plan_corpus_task = task(
     name="plan corpus", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying
-)(plan_corpus)
+)(plan_build)
 parse_piece_task = task(
     name="parse piece", retries=2, retry_delay_seconds=5, task_run_name="parse {piece.piece_id}"
 )(parse_piece)
@@ -84,10 +84,13 @@ def build_corpus(
     plan = plan_corpus_task(
         sources,
         config,
+        target,
         s3_endpoint_url=settings.s3_endpoint_url,
         cache_path=settings.home / "cache" / "fingerprints.json",
     )
-    with building(target, plan.prefix, plan.corpus_id) as lock:  # one build of a corpus at a time
+    with building(
+        target, plan.prefix, plan.corpus_id, grows=plan.base_prefix
+    ) as lock:  # one build of a corpus at a time
         if target.exists(plan.manifest_key) and not force:
             target.delete_prefix(plan.work_key())  # what a build killed as it published left
             logger.info("corpus %s is already built: %s", plan.corpus_id, target.url(plan.manifest_key))
@@ -106,11 +109,12 @@ def _build(
     """Parse every piece, reduce every bucket, publish: the build itself, under its lock."""
     logger = get_run_logger()
     logger.info(
-        "corpus %s: %d sources, %d pieces, %d buckets",
+        "corpus %s: %d sources, %d pieces, %d buckets%s",
         plan.corpus_id,
         len(plan.sources),
         len(plan.pieces),
         plan.num_buckets,
+        f" (a delta on corpus {plan.base.corpus_id})" if plan.base else "",
     )
 
     sink = progress.current()
@@ -172,7 +176,17 @@ def _publish_artifacts(manifest: Manifest, manifest_uri: str, mlflow_run: str) -
             f"- {totals.records:,} records: {totals.kept:,} kept, "
             f"{totals.duplicates:,} duplicates, {totals.rejected:,} rejected "
             f"(kept under `{manifest.rejected_uri}`)\n"
-            f"- MLflow run: {mlflow_run}\n"
+            f"- MLflow run: {mlflow_run}\n" + _delta_line(manifest)
         ),
         description="The published corpus",
+    )
+
+
+def _delta_line(manifest: Manifest) -> str:
+    """A grown corpus says what it added to which corpus."""
+    if manifest.delta is None or manifest.parent is None:
+        return ""
+    return (
+        f"- delta of {manifest.delta.totals.kept:,} rows on corpus `{manifest.parent.corpus_id}` "
+        f"(from {', '.join(manifest.delta.sources)})\n"
     )

@@ -24,7 +24,7 @@ from flows.finetune import finetune
 from flows.pretrain import pretrain
 from flows.runtime import task_runner
 from flows.transfer import transfer
-from tasks.corpus.build import plan_corpus
+from tasks.corpus.delta import plan_build
 from tasks.corpus.manifest import read_manifest
 from tasks.corpus.result import CorpusResult
 from tasks.finetune.result import FinetuneResult
@@ -67,9 +67,10 @@ Keyed = TypeVar("Keyed", TransferResult, FinetuneResult)
 def corpus_key(params: PipelineParams) -> dict[str, str]:
     """The corpus id of the sources as they are now (fingerprints are cached by size and mtime)."""
     settings = get_settings()
-    plan = plan_corpus(
+    plan = plan_build(
         params.sources,
         params.corpus,
+        store_of(settings),
         s3_endpoint_url=settings.s3_endpoint_url,
         cache_path=settings.home / "cache" / "fingerprints.json",
     )

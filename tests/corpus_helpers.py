@@ -55,3 +55,22 @@ def saved_manifest(store_dir: Path, manifest: Manifest) -> Manifest:
     return Manifest.model_validate(
         json.loads((corpus_dir(store_dir, manifest) / "manifest.json").read_text())
     )
+
+
+def grow(
+    sources: list[str | Path], store_dir: Path, base: str, config: CorpusConfig | None = None
+) -> Manifest:
+    """``corpus build SOURCES --base BASE`` in this process: the grown corpus (the base if nothing is new)."""
+    from tasks.corpus.delta import plan_build
+    from tasks.corpus.manifest import read_manifest
+
+    store = LocalStore(store_dir)
+    config = (config or CorpusConfig()).model_copy(update={"base": base})
+    plan = plan_build([str(s) for s in sources], config, store)
+    if store.exists(plan.manifest_key):
+        return read_manifest(store, plan.manifest_key)
+    return build_in_process(plan, store)
+
+
+def manifest_uri(store_dir: Path, manifest: Manifest) -> str:
+    return str(corpus_dir(store_dir, manifest) / "manifest.json")

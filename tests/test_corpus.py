@@ -332,6 +332,7 @@ def test_the_work_folder_is_gone_after_publishing(real_corpus: tuple[Path, Manif
     store, manifest = real_corpus
     assert not (corpus_dir(store, manifest) / "_work").exists()
     assert sorted(p.name for p in corpus_dir(store, manifest).iterdir()) == [
+        "keys",
         "manifest.json",
         "rejected",
         "test",

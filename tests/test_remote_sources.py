@@ -364,6 +364,9 @@ def _check_published(bucket: str, summary: dict[str, Any]) -> dict[str, Any]:
     for uri in manifest["rejected_files"]:
         assert uri.startswith(f"s3://{bucket}/{corpus}/rejected/")
         listed.add(uri.removeprefix(f"s3://{bucket}/"))
+    for keys in manifest["keys"]:  # the key index a delta on this corpus reads
+        assert _sha256(objects[f"{corpus}/{keys['path']}"]) == keys["sha256"]
+        listed.add(f"{corpus}/{keys['path']}")
     # Nothing else: the _work/ staging prefix is gone.
     assert not [k for k in objects if "/_work/" in k]
     assert set(objects) == listed

@@ -47,7 +47,7 @@ def run_corpus_build(
     from flows.corpus import build_corpus
     from flows.runtime import prefect_api
     from flows.runtime import task_runner as make_task_runner
-    from tasks.corpus.build import plan_corpus
+    from tasks.corpus.delta import plan_build
     from tasks.corpus.manifest import read_manifest
     from tasks.corpus.result import CorpusResult
     from tasks.corpus.sources import expand_sources
@@ -64,7 +64,7 @@ def run_corpus_build(
         expand_sources(sources, s3_endpoint_url=settings.s3_endpoint_url)
     else:
         # Local sources are cheap to fingerprint again: a corpus already built needs no flow run.
-        plan = plan_corpus(sources, config, cache_path=settings.home / "cache" / "fingerprints.json")
+        plan = plan_build(sources, config, target, cache_path=settings.home / "cache" / "fingerprints.json")
         if target.exists(plan.manifest_key):
             return CorpusResult.of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
     flow = build_corpus.with_options(task_runner=make_task_runner(settings))
@@ -75,7 +75,7 @@ def run_corpus_build(
 
 # The build's settings as flags: each is declared once, in tasks/corpus/config.py (the build's) and
 # tasks/settings.py (the workers', shared with `score`).
-SETTINGS = ("split", "shard_mb", "bucket_mb", "piece_mb")
+SETTINGS = ("split", "shard_mb", "bucket_mb", "piece_mb", "base")
 WORKER_SETTINGS = tuple(WorkerOptions.model_fields)
 
 

@@ -33,11 +33,14 @@ import pyarrow.compute as pc
 
 from models.text import CLEANING, CLEANING_DESCRIPTION, END_PAD, FRONT_PAD
 from tasks.corpus.config import CorpusConfig
+from tasks.corpus.grow import grow_manifest
+from tasks.corpus.keyindex import BaseKeys, held_by_base, write_key_file
 from tasks.corpus.keys import bucket_of, split_of, text_keys
 from tasks.corpus.lock import building
 from tasks.corpus.manifest import (
     BuildSettings,
     Cleaning,
+    KeyFile,
     Manifest,
     Shard,
     SourceCounts,
@@ -85,10 +88,16 @@ class CorpusPlan:
     sources: tuple[Source, ...]
     pieces: tuple[Piece, ...]
     num_buckets: int
+    base: BaseKeys | None = None  # a delta's: the corpus it grows, deduplicated against its key index
 
     @property
     def manifest_key(self) -> str:
         return f"{self.prefix}/manifest.json"
+
+    @property
+    def base_prefix(self) -> str | None:
+        """A delta's base's folder (its lock is held while the delta builds)."""
+        return self.base.manifest_key.rpartition("/")[0] if self.base else None
 
     def work_key(self, *parts: str) -> str:
         return "/".join((self.prefix, "_work", *parts))
@@ -129,12 +138,19 @@ def plan_corpus(
     sources = tuple(sorted(sources, key=lambda s: (s.name, s.sha256, s.uri)))
     if cache is not None:
         cache.save()
-    identity = {
+    return plan_of(sources, config)
+
+
+def plan_of(sources: tuple[Source, ...], config: CorpusConfig, *, base: BaseKeys | None = None) -> CorpusPlan:
+    """The plan of fingerprinted ``sources``: a full build, or a delta on ``base`` (its id names the base)."""
+    identity: dict[str, Any] = {
         "format": FORMAT,
         "cleaning": CLEANING,
         "config": config.identity(),
         "sources": sorted([s.name, s.sha256] for s in sources),
     }
+    if base is not None:
+        identity["parent"] = base.corpus_id
     corpus_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     pieces = tuple(p for index, source in enumerate(sources) for p in pieces_of(index, source))
     estimated = sum(p.estimated_bytes for p in pieces)
@@ -146,6 +162,7 @@ def plan_corpus(
         sources=sources,
         pieces=pieces,
         num_buckets=num_buckets,
+        base=base,
     )
 
 
@@ -318,6 +335,7 @@ class BucketResult:
     shards: dict[str, list[Shard]] = field(default_factory=dict)
     kept: list[int] = field(default_factory=list)
     duplicates: list[int] = field(default_factory=list)
+    keys: KeyFile | None = None  # its file of the key index
 
 
 def bucket_inputs(pieces: Iterable[PieceResult], num_buckets: int) -> list[tuple[str, ...]]:
@@ -338,6 +356,7 @@ def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store, piece_ids: Iterab
     if store.exists(marker):
         saved = json.loads(store.read_bytes(marker))
         saved["shards"] = {s: [Shard(**i) for i in infos] for s, infos in saved["shards"].items()}
+        saved["keys"] = KeyFile(**saved["keys"]) if saved.get("keys") else None
         return BucketResult(**saved)
     # Piece order is (source, line) order: the first row of a key in this order is the one kept.
     inputs = [plan.work_key("map", piece_id, f"bucket-{bucket:05d}.arrow") for piece_id in sorted(piece_ids)]
@@ -356,12 +375,19 @@ def reduce_bucket(plan: CorpusPlan, bucket: int, store: Store, piece_ids: Iterab
         head[1:] = (sorted_hi[1:] != sorted_hi[:-1]) | (sorted_lo[1:] != sorted_lo[:-1])
         first = np.zeros(len(order), dtype=bool)
         first[order[head]] = True
+        if plan.base is not None:  # a delta: a key its base holds is a duplicate of the base's row
+            firsts = np.flatnonzero(first)
+            first[firsts[held_by_base(store, plan.base, key_hi[firsts], key_lo[firsts])]] = False
+        kept_in_key_order = order[head][first[order[head]]]
+        name = f"keys/bucket-{bucket:05d}.arrow"
+        keys = write_key_file(store, plan.prefix, name, key_hi[kept_in_key_order], key_lo[kept_in_key_order])
         source_index = table["source_index"].to_numpy()
         num_sources = len(plan.sources)
         result = BucketResult(
             bucket=bucket,
             kept=np.bincount(source_index[first], minlength=num_sources).tolist(),
             duplicates=np.bincount(source_index[~first], minlength=num_sources).tolist(),
+            keys=keys,
         )
         splits = split_of(key_lo, plan.config.fractions)
         rows = table.select(CORPUS_SCHEMA.names)
@@ -443,6 +469,7 @@ def _as_dict(result: BucketResult) -> dict[str, Any]:
         "kept": result.kept,
         "duplicates": result.duplicates,
         "shards": {s: [i.model_dump() for i in infos] for s, infos in result.shards.items()},
+        "keys": result.keys.model_dump() if result.keys else None,
     }
 
 
@@ -487,10 +514,8 @@ def build_manifest(
                 rejected=rejected[i],
             )
         )
-    splits = {
-        split: split_of_shards([s for b in buckets for s in b.shards.get(split, [])]) for split in SPLITS
-    }
-    return Manifest(
+    splits = {split: Split.of([s for b in buckets for s in b.shards.get(split, [])]) for split in SPLITS}
+    manifest = Manifest(
         format=FORMAT,
         corpus_id=plan.corpus_id,
         uri=store.url(plan.prefix),
@@ -509,17 +534,10 @@ def build_manifest(
         ),
         rejected_uri=store.url(f"{plan.prefix}/rejected/"),
         rejected_files=sorted(rejected_files),
+        keys=[b.keys for b in buckets if b.keys is not None],
     )
-
-
-def split_of_shards(shards: list[Shard]) -> Split:
-    """A split's entry: its shards in order and their sums."""
-    return Split(
-        rows=sum(s.rows for s in shards),
-        bytes=sum(s.bytes for s in shards),
-        text_bytes=sum(s.text_bytes for s in shards),
-        shards=shards,
-    )
+    # A delta's manifest lists its base's shards, then its own.
+    return grow_manifest(manifest, plan.base, store, plan.prefix) if plan.base else manifest
 
 
 def publish_manifest(plan: CorpusPlan, store: Store, manifest: Manifest) -> str:
@@ -544,7 +562,7 @@ def publish_manifest(plan: CorpusPlan, store: Store, manifest: Manifest) -> str:
 def build_in_process(plan: CorpusPlan, store: Store) -> Manifest:
     """The corpus of a plan built and published in this process, piece after piece, without Prefect (a
     machine with no Prefect, a test); its manifest. The flow runs the same steps on a task runner."""
-    with building(store, plan.prefix, plan.corpus_id):
+    with building(store, plan.prefix, plan.corpus_id, grows=plan.base_prefix):
         pieces = [parse_piece(plan, piece, store) for piece in plan.pieces]
         inputs = bucket_inputs(pieces, plan.num_buckets)
         buckets = [reduce_bucket(plan, bucket, store, inputs[bucket]) for bucket in range(plan.num_buckets)]

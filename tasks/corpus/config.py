@@ -30,6 +30,14 @@ class CorpusConfig(BaseModel):
     )
     piece_mb: int = Field(default=64, ge=1, description="Plain files are parsed in pieces of this many MiB.")
     block_mb: int = Field(default=8, ge=1, description="Lines parsed at once within a piece.")
+    # Not in the corpus's identity: a delta's id names its base's corpus id instead.
+    base: str | None = Field(
+        default=None,
+        description=(
+            "Grow this corpus (its manifest URI, or newest: the one published last in the store) by the "
+            "SOURCES it does not hold; refused if one of its sources is missing or changed."
+        ),
+    )
 
     @field_validator("split", mode="before")
     @classmethod

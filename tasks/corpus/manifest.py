@@ -9,12 +9,13 @@ same bytes the dict-built manifest had, so manifests written before the model re
 from __future__ import annotations
 
 import json
+import posixpath
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks.store import Store, split_object_uri
+from tasks.store import Store, open_store, split_object_uri
 
 # What a manifest has that a user's other JSON files don't.
 MANIFEST_KEYS = ("corpus_id", "splits", "sources", "totals")
@@ -65,6 +66,16 @@ class Split(_Part):
     text_bytes: int
     shards: list[Shard]
 
+    @classmethod
+    def of(cls, shards: list[Shard]) -> Split:
+        """A split's entry: its shards in order and their sums."""
+        return cls(
+            rows=sum(s.rows for s in shards),
+            bytes=sum(s.bytes for s in shards),
+            text_bytes=sum(s.text_bytes for s in shards),
+            shards=shards,
+        )
+
 
 class SourceCounts(_Part):
     """One source and where each of its records went: records = kept + duplicates + rejected."""
@@ -87,6 +98,44 @@ class Totals(_Part):
     rejected: int
 
 
+class KeyFile(_Part):
+    """One file of the key index (``keyindex.py``): the sorted keys of one bucket's kept rows, all
+    splits. ``lo`` and ``hi`` are the lowest and highest ``key_hi`` in it (uint64 as JSON numbers)."""
+
+    path: str
+    rows: int
+    lo: int
+    hi: int
+    sha256: str
+
+
+class Parent(_Part):
+    """The corpus a grown corpus grew from."""
+
+    corpus_id: str
+    manifest_uri: str
+
+
+class DeltaSplit(_Part):
+    """What a delta added to one split: its rows, their text bytes, and its shards (the split's last)."""
+
+    rows: int
+    text_bytes: int
+    shards: int
+
+
+class Delta(_Part):
+    """What a grown corpus added to its parent: the new sources' names, per split, and their counts."""
+
+    sources: list[str]
+    splits: dict[str, DeltaSplit]
+    totals: Totals
+
+
+# Written only where set: a full build's manifest has no parent or delta.
+_OPTIONAL = ("keys", "parent", "delta")
+
+
 class Manifest(_Part):
     """What a corpus holds: its id, cleaning, settings, splits with their shards, and every source's counts."""
 
@@ -107,14 +156,34 @@ class Manifest(_Part):
     totals: Totals
     rejected_uri: str
     rejected_files: list[str]
+    # The key index, one file per bucket (none in a manifest written before deltas).
+    keys: list[KeyFile] | None = None
+    # A grown corpus (``corpus build --base``): the corpus it grew from, and what the delta added.
+    parent: Parent | None = None
+    delta: Delta | None = None
 
     def to_json(self) -> bytes:
         """The bytes written to the store: the same layout as every manifest before this model."""
-        return json.dumps(self.model_dump(mode="json", by_alias=True), indent=2).encode() + b"\n"
+        unset = {name for name in _OPTIONAL if getattr(self, name) is None}
+        dumped = self.model_dump(mode="json", by_alias=True, exclude=unset)
+        return json.dumps(dumped, indent=2).encode() + b"\n"
 
     def shards(self, split: str) -> list[Shard]:
         """The shards of ``split`` in manifest order (none if the corpus has no such split)."""
         return self.splits[split].shards if split in self.splits else []
+
+    def delta_shards(self, split: str) -> list[Shard]:
+        """The shards a delta added to ``split`` (the split's last); all of them if the corpus did not grow."""
+        if self.delta is None:
+            return self.shards(split)
+        added = self.delta.splits[split].shards if split in self.delta.splits else 0
+        return self.shards(split)[len(self.shards(split)) - added :]
+
+    def parent_shards(self, split: str) -> list[Shard]:
+        """The shards ``split`` has from the parent corpus (its first); none if the corpus did not grow."""
+        if self.delta is None:
+            return []
+        return self.shards(split)[: len(self.shards(split)) - len(self.delta_shards(split))]
 
 
 def write_manifest(store: Store, key: str, manifest: Manifest) -> str:
@@ -141,32 +210,52 @@ def read_manifest(store: Store, key: str) -> Manifest:
         raise ManifestError(f"{where} is not a corpus manifest: {field}: {first['msg']}") from None
 
 
+def locate(uri: str, **store_options: Any) -> tuple[Store, str]:
+    """The store and key of a manifest's URI, the store rooted where its corpus's is
+    (``…/corpora/<id>/manifest.json``), so the paths a grown corpus names into its base resolve; any
+    other manifest (a copy elsewhere), its folder's."""
+    head, corpora, tail = uri.rpartition("/corpora/")
+    if corpora and head and tail.count("/") == 1 and tail.endswith("/manifest.json"):
+        return open_store(head, **store_options), f"corpora/{tail}"
+    return split_object_uri(uri, **store_options)
+
+
 def load_manifest(uri: str, **store_options: Any) -> tuple[Store, str, Manifest]:
     """The store, key and manifest of ``uri``: a manifest.json, or a corpus folder holding one."""
     if "://" not in uri and Path(uri).is_dir():
         if not (Path(uri) / "manifest.json").is_file():
             raise ManifestError(f"{uri} is a folder without a manifest.json: pass a corpus's manifest.json")
         uri = str(Path(uri) / "manifest.json")
-    store, key = split_object_uri(uri, **store_options)
+    store, key = locate(uri, **store_options)
     if not store.exists(key):
         raise NoManifest(f"no corpus manifest at {uri}")
     return store, key, read_manifest(store, key)
 
 
-def shard_key(manifest_key: str, shard: Shard) -> str:
-    """The store key of ``shard`` of the manifest at ``manifest_key``."""
+def shard_key(manifest_key: str, path: str) -> str:
+    """The store key of a file the manifest at ``manifest_key`` names by ``path``, relative to its folder
+    (a grown corpus names its base's shards ``../<base id>/…``); a path that leaves the store is refused."""
     base = manifest_key.rpartition("/")[0]
-    return f"{base}/{shard.path}" if base else shard.path
+    key = posixpath.normpath(f"{base}/{path}" if base else path)
+    if key.startswith(("../", "/")) or key == "..":
+        raise ManifestError(f"the manifest at {manifest_key} names {path}, which is outside its store")
+    return key
 
 
 def check_shards(store: Store, key: str, manifest: Manifest, splits: tuple[str, ...]) -> None:
     """Every shard of ``splits`` is in the store beside the manifest: a manifest copied elsewhere (MLflow
     keeps one as an artifact) names shards that are not there, found before any process starts."""
     base = key.rpartition("/")[0]
-    present = set(store.list(base))  # one listing, not a request per shard
+    present: set[str] = set()
+    listed: set[str] = set()
     for split in splits:
         for shard in manifest.shards(split):
-            if shard_key(key, shard) not in present:
+            wanted = shard_key(key, shard.path)
+            folder = wanted.rsplit("/", 2)[0]  # the corpus folder holding it (a grown corpus's base's)
+            if folder not in listed:  # one listing a corpus, not a request per shard
+                present.update(store.list(folder))
+                listed.add(folder)
+            if wanted not in present:
                 raise ManifestError(
                     f"{store.url(key)} names {split} shard {shard.path}, which is not in {store.url(base)}: "
                     "pass the manifest in the store its corpus was built into"
@@ -174,10 +263,18 @@ def check_shards(store: Store, key: str, manifest: Manifest, splits: tuple[str, 
 
 
 def newest_manifest(store: Store) -> str | None:
-    """The URI of the corpus published last in the store."""
-    newest: tuple[str, str] | None = None
-    for key in store.list("corpora"):
-        if key.endswith("/manifest.json") and key.count("/") == 2:
-            candidate = (read_manifest(store, key).created_at, store.url(key))
-            newest = max(newest, candidate) if newest else candidate
-    return newest[1] if newest else None
+    """The URI of the corpus published last in the store: the latest ``created_at`` (UTC, to the
+    second); of corpora published in the same second, one grown from another is the newer, then the
+    greatest URI."""
+    found = {
+        key: read_manifest(store, key)
+        for key in store.list("corpora")
+        if key.endswith("/manifest.json") and key.count("/") == 2
+    }
+    if not found:
+        return None
+    latest = max(manifest.created_at for manifest in found.values())
+    tied = {key: manifest for key, manifest in found.items() if manifest.created_at == latest}
+    parents = {manifest.parent.corpus_id for manifest in tied.values() if manifest.parent}
+    newest = [key for key, manifest in tied.items() if manifest.corpus_id not in parents] or list(tied)
+    return store.url(max(newest))

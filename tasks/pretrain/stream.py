@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from tasks.corpus.manifest import read_manifest, shard_key
+from tasks.corpus.manifest import locate, read_manifest, shard_key
 from tasks.corpus.reviews import string_buffers
-from tasks.store import LocalStore, Store, split_object_uri
+from tasks.store import LocalStore, Store
 
 
 class StreamError(ValueError):
@@ -123,11 +123,14 @@ def split_shards(store: Store, manifest_key: str, split: str, cache_dir: Path) -
         raise StreamError(f"the corpus has no split {split!r}: it has {', '.join(manifest.splits)}")
     paths = []
     for shard in manifest.shards(split):
-        key = shard_key(manifest_key, shard)
+        key = shard_key(manifest_key, shard.path)
         if isinstance(store, LocalStore):
             paths.append(store.path(key))
             continue
-        target = cache_dir / manifest.corpus_id / shard.path
+        # By the corpus holding the shard (a grown corpus's base's shards are its base's).
+        target = cache_dir / (
+            key.removeprefix("corpora/") if key.startswith("corpora/") else f"{manifest.corpus_id}/{key}"
+        )
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_suffix(".part")
@@ -144,7 +147,7 @@ def split_shards(store: Store, manifest_key: str, split: str, cache_dir: Path) -
 
 def open_split(manifest_uri: str, split: str, cache_dir: Path, **store_options: object) -> ByteStream:
     """The byte stream of one split of a corpus, by its manifest URI."""
-    store, key = split_object_uri(manifest_uri, **store_options)
+    store, key = locate(manifest_uri, **store_options)
     if not store.exists(key):
         raise StreamError(
             f"no corpus manifest at {manifest_uri}: build one with `mlstm-sentiment corpus build`"
