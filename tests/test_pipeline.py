@@ -350,8 +350,9 @@ def test_newest_checkpoint_and_manifest(tmp_path: Path) -> None:
         )
         store.write_bytes(f"runs/{run}/checkpoints/step-0000001/meta.json", b"{}")
     assert newest_checkpoint(store) == "b"
+    real = json.loads((Path(__file__).parent / "data" / "corpus-manifest-v1.json").read_text())
     for corpus, created in (("x", "2026-05-01T00:00:00Z"), ("y", "2026-04-01T00:00:00Z")):
-        manifest = {"corpus_id": corpus, "created_at": created, "splits": {}, "sources": [], "totals": {}}
+        manifest = {**real, "corpus_id": corpus, "created_at": created}
         store.write_bytes(f"corpora/{corpus}/manifest.json", json.dumps(manifest).encode())
     assert newest_manifest(store) == store.url("corpora/x/manifest.json")
 
