@@ -141,6 +141,43 @@ def test_cli_errors_are_one_clear_line(cli_env: dict[str, str], tmp_path: Path) 
     assert manifest.returncode == 2 and "no corpus manifest at" in manifest.stderr
 
 
+@pytest.mark.slow
+def test_cli_grows_a_corpus_by_a_delta_and_refuses_a_removed_source(
+    cli_env: dict[str, str], amazon_dir: Path
+) -> None:
+    gift, appliances, fashion = (
+        str(amazon_dir / name)
+        for name in ("Gift_Cards_5.json.gz", "Appliances_5.json.gz", "AMAZON_FASHION_5.json.gz")
+    )
+    first = _cli("corpus", "build", gift, appliances, "--split", "98:1:1", "--json", env=cli_env)
+    assert first.returncode == 0, first.stderr
+    grown = _cli(
+        "corpus", "build", gift, appliances, fashion, "--split", "98:1:1", "--base", "newest", "--json",
+        env=cli_env,
+    )  # fmt: skip
+    assert grown.returncode == 0, grown.stderr
+    summary = json.loads(grown.stdout)
+    manifest = json.loads(Path(summary["manifest_uri"]).read_text())
+    assert manifest["parent"]["corpus_id"] == json.loads(first.stdout)["corpus_id"]
+    assert manifest["delta"]["sources"] == ["AMAZON_FASHION_5.json.gz"]
+    assert summary["rows"] == manifest["totals"]["kept"] > manifest["delta"]["totals"]["kept"] > 0
+    _, artifacts = asyncio.run(_flow_runs_and_artifacts())
+    said = [str(a.data) for a in artifacts if a.key == "corpus-manifest"]
+    assert any(f"delta of {manifest['delta']['totals']['kept']:,} rows on corpus" in text for text in said)
+
+    shown = _cli("corpus", "show", summary["manifest_uri"], env=cli_env)
+    parent = manifest["parent"]["corpus_id"]
+    assert f"delta of {manifest['delta']['totals']['kept']:,} rows on corpus {parent}" in shown.stdout
+
+    refused = _cli(
+        "corpus", "build", appliances, fashion, "--split", "98:1:1", "--base", summary["manifest_uri"],
+        env=cli_env,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "Gift_Cards_5.json.gz" in refused.stderr and "is not among the SOURCES" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
 def test_settings_come_from_the_environment(cli_env: dict[str, str]) -> None:
     env = {**cli_env, "MLSTM_STORE_URI": "s3://bucket/prefix", "MLSTM_TASK_RUNNER": "thread"}
     shown = json.loads(_cli("settings", env=env).stdout)

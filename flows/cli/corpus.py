@@ -67,6 +67,10 @@ def run_corpus_build(
         plan = plan_build(sources, config, target, cache_path=settings.home / "cache" / "fingerprints.json")
         if target.exists(plan.manifest_key):
             return CorpusResult.of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+        if len(plan.pieces) <= 1 and settings.task_runner == "process":
+            # One piece and one bucket: nothing to run side by side, and starting the pool's worker
+            # processes (each importing pyarrow and Prefect) was most of such a build (benchmarks/corpus_delta.py).
+            settings = settings.model_copy(update={"task_runner": "thread"})
     flow = build_corpus.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar(show=show_progress)
     with stoppable(), prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):
@@ -150,6 +154,12 @@ def corpus_show(manifest_uri: ManifestArgument) -> None:
         sources.add_row(s.name, *(f"{n:,}" for n in (s.records, s.kept, s.duplicates, s.rejected)))
     out.print(sources)
     out.print(f"rejected records: {manifest.rejected_uri}", highlight=False)
+    if manifest.parent is not None and manifest.delta is not None:
+        out.print(
+            f"delta of {manifest.delta.totals.kept:,} rows on corpus {manifest.parent.corpus_id} "
+            f"({', '.join(manifest.delta.sources)})",
+            highlight=False,
+        )
 
 
 @app.command("rejected")
