@@ -109,6 +109,40 @@ def corpus_tables(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def corpus_delta_tables(results: dict[str, Any]) -> str:
+    source = results["input"]
+    lines = [
+        f"Input: {source['base_bytes'] / 1e6:,.1f} MB base + {source['delta_bytes'] / 1e6:,.1f} MB delta "
+        f"(plain JSON lines, {source['files']} files).",
+        "",
+    ]
+    rows = [
+        [row["name"], num(row["seconds"]), str(row["pieces"]), str(row["buckets"]), f"{row['peak_rss_tree'] / 2**30:.2f} GiB"]
+        for row in results["rows"]
+    ]  # fmt: skip
+    lines.append(table(["row", "seconds", "pieces", "buckets", "peak RSS tree"], rows))
+    goal = results["goal"]
+    kept = results["rows_kept"]
+    lines += [
+        "",
+        f"Delta build against full build: {goal['delta_vs_full_time']:.1%} of the time (goal "
+        f"{goal['time_goal']:.0%}), {goal['delta_vs_full_peak_rss']:.2f}× the peak RSS; rows kept "
+        f"{kept['grown']:,} grown, {kept['full']:,} full ({results['delta_rows']:,} from the delta); checks "
+        f"failed: {len(results['checks_failed'])}.",
+        "",
+        "One 73 KB file (Appliances_5.json.gz):",
+        "",
+        table(
+            ["case", "seconds", "runs"],
+            [
+                [c["name"], num(c["seconds"]), ", ".join(f"{r:g}" for r in c["runs"])]
+                for c in results["fixed_cost"]
+            ],
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def pretrain_tables(results: dict[str, Any]) -> str:
     peaks = ", ".join(
         f"{name} {flops / 1e9:,.1f} GFLOP/s" for name, flops in results["matmul_peak_flops"].items()
@@ -781,6 +815,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "cli": cli_tables,
     "baseline": baseline_tables,
     "corpus": corpus_tables,
+    "corpus_delta": corpus_delta_tables,
     "pretrain": pretrain_tables,
     "sharding": sharding_tables,
     "features": features_tables,
