@@ -236,3 +236,28 @@ def test_newest_is_the_latest_published_and_a_child_over_its_parent_in_the_same_
     path = corpus_dir(store, grown) / "manifest.json"
     path.write_bytes(grown.model_copy(update={"created_at": first.created_at}).to_json())
     assert newest_manifest(LocalStore(store)) == str(path)  # the same second: the child
+
+
+def test_the_command_refuses_a_removed_source_in_one_line_and_shows_a_delta(
+    base: tuple[Path, list[Path], Manifest], tmp_path: Path
+) -> None:
+    """``corpus build --base`` refuses before any flow run (so in this process, no Prefect API), and
+    ``corpus show`` says what a grown corpus added to which corpus."""
+    from conftest import cli_in_process
+
+    root, sources, first = base
+    store = _grown_store(root, first, tmp_path)
+    gift_cards = next(s for s in sources if s.name.startswith("Gift"))
+    delta = _delta_file(tmp_path / "new", "zz_Gift_Cards_5.json", gift_cards, 2)
+    given = [str(s) for s in [*sources, delta] if s != gift_cards]
+    env: dict[str, str | None] = {"MLSTM_HOME": str(tmp_path / "home"), "MLSTM_STORE_URI": str(store)}
+    refused = cli_in_process(["corpus", "build", *given, "--split", "6:2:2", "--base", "newest"], env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert f"source {gift_cards.name}" in refused.stderr and "is not among the SOURCES" in refused.stderr
+
+    grown = grow([*sources, delta], store, "newest", SPLIT)
+    assert grown.delta is not None
+    shown = cli_in_process(["corpus", "show", manifest_uri(store, grown)], env)
+    said = f"delta of {grown.delta.totals.kept:,} rows on corpus {first.corpus_id} ({delta.name})"
+    assert shown.returncode == 0 and said in shown.stdout
