@@ -22,11 +22,12 @@ from flows import names, progress
 from flows.corpus import build_corpus
 from flows.finetune import finetune
 from flows.pretrain import pretrain
-from flows.runtime import task_runner
+from flows.runtime import retry_unless, task_runner
 from flows.transfer import transfer
-from tasks.corpus.delta import plan_build
+from tasks.corpus.delta import DeltaRefused, plan_build
 from tasks.corpus.manifest import read_manifest
 from tasks.corpus.result import CorpusResult
+from tasks.corpus.sources import SourceError
 from tasks.finetune.result import FinetuneResult
 from tasks.pipeline import (
     PipelineParams,
@@ -63,7 +64,14 @@ from tasks.transfer.stage import accuracy_beside_baseline, checkpoints_loaded_on
 Keyed = TypeVar("Keyed", TransferResult, FinetuneResult)
 
 
-@task(name="fingerprint sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+# A missing source or a refused delta stays so on a retry; a network or store error may pass.
+@task(
+    name="fingerprint sources",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless(SourceError, DeltaRefused),
+)
 def corpus_key(params: PipelineParams) -> dict[str, str]:
     """The corpus id of the sources as they are now (fingerprints are cached by size and mtime)."""
     settings = get_settings()
