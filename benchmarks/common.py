@@ -241,6 +241,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "baseline": ("tasks/transfer/baseline.py",),
     "cli": ("flows/cli/",),
     "corpus": ("tasks/corpus/",),
+    "corpus_delta": ("tasks/corpus/",),
     "features": ("models/features.py", "models/mlstm.py", "models/recurrence.py", "tasks/transfer/serve.py"),
     "finetune": ("tasks/finetune/", "models/finetuned.py"),
     "finetune-select": ("tasks/finetune/", "models/finetuned.py"),
