@@ -33,7 +33,7 @@ from tasks.corpus.result import CorpusResult
 from tasks.finetune.config import FinetuneParams
 from tasks.finetune.result import FinetuneResult
 from tasks.jobs.config import run_identity
-from tasks.pretrain.config import PretrainParams
+from tasks.pretrain.config import PretrainParams, run_key
 from tasks.pretrain.result import PretrainResult
 from tasks.secrets import hide
 from tasks.settings import Flag, Settings
@@ -186,11 +186,12 @@ def transfer_params(stage: TransferStage, checkpoint_uri: str) -> TransferParams
     return TransferParams.model_validate({**stage.model_dump(), "checkpoint": checkpoint_uri})
 
 
-def pretrain_key(params: PretrainParams, corpus_id: str) -> str:
+def pretrain_key(params: PretrainParams, corpus_id: str, parent_digest: str | None = None) -> str:
     """What a training run's weights depend on: the corpus and the settings marked as changing them
     (tasks/pretrain/config.py), a later one only once it differs from its neutral value, so that the runs
-    trained before it keep their keys; where, how wide and how often it reports leave the key as it is."""
-    return digest({"corpus_id": corpus_id, **run_identity(params)})
+    trained before it keep their keys; where, how wide and how often it reports leave the key as it is.
+    A continued run's parent counts by its checkpoint's digest (``tasks.pretrain.config.run_key``)."""
+    return run_key(params, corpus_id, parent_digest)
 
 
 def pretrain_run_name(params: PretrainParams, corpus_id: str, *, force: bool) -> str:

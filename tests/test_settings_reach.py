@@ -37,6 +37,9 @@ CHANGED: dict[str, Any] = {
     "precision": "fp32",
     "clip": 0.5,
     "seed": 7,
+    "init_from": "reach-parent",  # a run's name: resolved to its latest checkpoint (made by _parent)
+    "init_optimizer": True,
+    "replay": 0.25,
     "sharding": "optimizer",
     "gpu_memory": 40.0,
     "checkpoint_every": 5,
@@ -61,20 +64,36 @@ def test_every_setting_has_a_changed_value_here() -> None:
     assert unchanged == ["gpus_per_node"]
 
 
-def _check_reached(job: Job, manifest: str) -> None:
+def _parent(manifest: str, home: Path) -> str:
+    """The checkpoint ``--init-from reach-parent`` names: a small model's, at step 0, on the same corpus."""
+    from tasks.jobs.world import World
+    from tasks.pretrain.train import Trainer
+
+    config = TrainConfig(
+        corpus=manifest, preset="small", run_name="reach-parent", store=str(home / "store"), batch_size=16,
+        seq_len=48, tracking="off",
+    )  # fmt: skip
+    uri = Trainer(config, World(), get_settings(home=home)).save()
+    assert uri is not None
+    return uri
+
+
+def _check_reached(job: Job, manifest: str, parent: str) -> None:
     config = TrainConfig.from_args(list(job.spec.args))  # what the trainer parses from its command line
     assert config == job.config
     for name, value in CHANGED.items():
-        if name not in LAUNCH_ONLY:
+        if name not in LAUNCH_ONLY | {"init_from"}:
             assert getattr(config, name) == value, name
+    assert config.init_from == parent  # the run's name, resolved to the step folder it names
     assert config.run_name == "reach" and config.corpus == str(Path(manifest).resolve())
     assert (job.spec.nodes, job.spec.nproc_per_node, job.spec.gpus_per_node) == (1, 2, 0)
     assert job.stop_step == 7 and job.total_steps == 9
 
 
 def test_every_pretrain_setting_reaches_the_trainers_config(sample_manifest: str, home: Path) -> None:
+    parent = _parent(sample_manifest, home)
     params = PretrainParams(corpus=sample_manifest, **CHANGED)
-    _check_reached(plan_job(params, get_settings()), sample_manifest)
+    _check_reached(plan_job(params, get_settings()), sample_manifest, parent)
 
 
 def test_every_pretrain_flag_reaches_the_trainers_config(
@@ -84,6 +103,7 @@ def test_every_pretrain_flag_reaches_the_trainers_config(
     import flows.cli.pretrain
     from flows.cli import app
 
+    parent = _parent(sample_manifest, home)
     planned: list[Job] = []
 
     def plan_only(params: PretrainParams, **_: Any) -> PretrainResult:
@@ -94,11 +114,16 @@ def test_every_pretrain_flag_reaches_the_trainers_config(
         )
 
     monkeypatch.setattr(flows.cli.pretrain, "run_pretrain", plan_only)
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in CHANGED.items()]
+    flags = [
+        f"--{name.replace('_', '-')}={value}"
+        if not isinstance(value, bool)
+        else f"--{'' if value else 'no-'}{name.replace('_', '-')}"  # typer's --x/--no-x
+        for name, value in CHANGED.items()
+    ]
     done = CliRunner().invoke(app, ["pretrain", "--corpus", sample_manifest, *flags, "--json"])
     assert done.exit_code == 0, done.output
     assert len(planned) == 1
-    _check_reached(planned[0], sample_manifest)
+    _check_reached(planned[0], sample_manifest, parent)
 
 
 def test_the_pipelines_training_key_follows_exactly_the_settings_marked_as_changing_the_weights() -> None:
@@ -113,4 +138,5 @@ def test_the_pipelines_training_key_follows_exactly_the_settings_marked_as_chang
     assert changes_key == set(weight_settings()) & set(CHANGED)
     # The ones a user would name: the model, the data's shape, the optimiser, its schedule and seed.
     assert {"preset", "batch_size", "lr", "lr_base_batch", "clip", "seed", "total_steps"} <= changes_key
+    assert {"init_from", "init_optimizer", "replay"} <= changes_key  # a continued run is another run
     assert not changes_key & {"max_steps", "sharding", "log_every", "recurrence", "gpu_memory", "nproc"}

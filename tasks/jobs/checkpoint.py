@@ -354,6 +354,39 @@ def load_intact(
     )
 
 
+def read_meta(uri: str, **store_options: Any) -> tuple[str, dict[str, Any]]:
+    """A checkpoint's URI and its ``meta.json`` (HMAC checked), without loading its tensors: a step
+    folder, or a run folder or its ``latest.json`` (then the step ``latest.json`` names)."""
+    uri = uri.rstrip("/").removesuffix(f"/{LATEST}")
+    store = open_store(uri, **store_options)
+    if not _STEP_DIR.search(uri):
+        if not store.exists(LATEST):
+            raise StoreError(
+                f"{uri} is neither a checkpoint folder (…/checkpoints/step-NNNNNNN) nor a run with a {LATEST}"
+            )
+        latest = json.loads(store.read_bytes(LATEST))
+        uri, store = (
+            store.url(latest["checkpoint"]),
+            open_store(store.url(latest["checkpoint"]), **store_options),
+        )
+    if not store.exists("meta.json"):
+        raise StoreError(f"{uri} is not a checkpoint: it has no meta.json")
+    meta: dict[str, Any] = json.loads(store.read_bytes("meta.json"))
+    _check_meta(meta, store.url("meta.json"))
+    return uri, meta
+
+
+def checkpoint_digest(meta: dict[str, Any]) -> str:
+    """A checkpoint's identity by content: the sha256 of the file digests its ``meta.json`` records
+    (weights and Adam's state, whole or as DCP shares), read without loading a tensor."""
+    if not meta.get("sha256"):
+        raise DamagedCheckpoint(
+            f"checkpoint {meta.get('run')} step {meta.get('step')} records no sha256 of its files (saved "
+            "before they were): continue from a newer checkpoint"
+        )
+    return hashlib.sha256(json.dumps(meta["sha256"], sort_keys=True).encode()).hexdigest()
+
+
 def load_checkpoint(
     uri: str, *, map_location: str | torch.device = "cpu", **store_options: Any
 ) -> Checkpoint:

@@ -178,6 +178,23 @@ class Checkpointer:
         log(self.world, joblog.resumed_line(self.run, saved.step, saved.uri, seconds))
         return saved
 
+    def start_from(self, parent: checkpoint.Checkpoint, *, optimizer: bool) -> None:
+        """Another run's weights as this new run's start (with ``optimizer``, Adam's moments and step
+        counts too). Its learning rates, Adam's settings, the schedule, the scaler and the carried state
+        stay this run's own: a continued run re-warms and re-decays on a schedule of its own."""
+        if not optimizer:
+            shard.load_full_weights(self.model, parent.state["model"])
+            return
+        own = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+        self._load_weights_and_adam(parent)
+        for group, settings, lr in zip(self.optimizer.param_groups, own, lrs, strict=True):
+            group.update(settings)  # a captured step's lr is the same tensor again: filled with this run's
+            if isinstance(group["lr"], Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+
     def _check_same_run(
         self, saved: checkpoint.Checkpoint, mismatched: dict[str, tuple[Any, Any]], total_steps: int
     ) -> None:

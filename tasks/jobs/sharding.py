@@ -92,6 +92,14 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     return model.state_dict(), optimizer.state_dict()
 
 
+def load_full_weights(model: nn.Module, weights: dict[str, Any]) -> None:
+    """Load consolidated weights alone (Adam keeps its own, empty state) into a model of any sharding."""
+    if isinstance(model, FSDPModule):
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        return
+    model.load_state_dict(weights)
+
+
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, Any], state: dict[str, Any]
 ) -> None:

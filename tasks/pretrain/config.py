@@ -21,10 +21,12 @@ without loading torch.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from models.config import PRESETS, Recurrence, preset
 from tasks.jobs.config import (
@@ -33,9 +35,11 @@ from tasks.jobs.config import (
     OptimizerSettings,
     Precision,
     Sharding,
+    Weights,
     checked_run_name,
     job_args,
     parse_job_args,
+    run_identity,
     weight_marks,
 )
 
@@ -65,6 +69,10 @@ class TrainSettings(OptimizerSettings):
     precision: Annotated[Precision, WEIGHTS] = Field(default="auto", description="auto (bf16 or fp16 on GPUs, fp32 on CPU), bf16, fp16 or fp32.")
     clip: Annotated[float, WEIGHTS] = Field(default=1.0, gt=0, description="Gradient norm clip, on unscaled gradients.")
     seed: Annotated[int, WEIGHTS] = Field(default=0, description="Seed of the initial weights.")
+    # A continued run (docs/pretrain.md): the parent's weights stand in for the seed's; its own schedule.
+    init_from: Annotated[str | None, Weights(neutral=None)] = Field(default=None, description="Start from these weights, with a schedule of its own: a checkpoint URI, a run's name, or champion (the checkpoint behind the registered champion).")
+    init_optimizer: Annotated[bool, Weights(neutral=False)] = Field(default=False, description="With --init-from: take the parent's Adam moments too, not only its weights.")
+    replay: Annotated[float, Weights(neutral=0.0)] = Field(default=0.0, ge=0, lt=1, description="With --init-from: the share of the batch's rows read from the parent's corpus; the rest read the corpus's new shards.")
     # How the state is spread over ranks, not what it is: a resume may change it.
     sharding: Sharding = Field(default="none", description="none (DDP), optimizer (ZeRO-1) or full (FSDP2, ZeRO-3).")
     checkpoint_every: int = Field(default=1000, ge=1, description="Steps between checkpoints.")
@@ -82,6 +90,17 @@ class TrainSettings(OptimizerSettings):
     def _known_preset(cls, name: str) -> str:
         preset(name)  # raises with the list of names
         return name
+
+    @model_validator(mode="after")
+    def _continuing(self) -> TrainSettings:
+        if self.init_from is None:
+            for name, flag in (("replay", self.replay), ("init_optimizer", self.init_optimizer)):
+                if flag:
+                    raise ValueError(
+                        f"--{name.replace('_', '-')} continues a run: it needs --init-from (a checkpoint, a "
+                        "run's name or champion)"
+                    )
+        return self
 
 
 class RunTarget(BaseModel):
@@ -108,6 +127,18 @@ class PretrainParams(LaunchSettings, TrainSettings, RunTarget):
                 "GPU, give only --gpus-per-node"
             )
         return self.gpus_per_node or self.nproc or 1
+
+
+def run_key(settings: TrainSettings, corpus_id: str, parent_digest: str | None = None) -> str:
+    """What a training run's weights depend on, as a key: the corpus and the settings marked ``WEIGHTS``
+    (a later one only once it differs from its neutral value, so older runs keep their keys). A continued
+    run's parent counts by its checkpoint's digest (``parent_digest``), not by the name it was given
+    (``champion`` moves; a run's name or a URI may name the same weights)."""
+    identity = run_identity(settings)
+    if parent_digest is not None:
+        identity["init_from"] = parent_digest
+    values = {"corpus_id": corpus_id, **identity}
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def weight_settings() -> frozenset[str]:

@@ -133,11 +133,13 @@ class Tracker:
         corpus: str,
         corpus_id: str,
         params: dict[str, Any],
+        tags: dict[str, str],
         world: World,
         dtype: torch.dtype,
     ) -> None:
         """Open (or reopen) the run: ``run_id`` a flow's or a resumed run's; ``run_name`` the job's
-        ``--run-name``; ``params`` the settings its numbers depend on, logged once."""
+        ``--run-name``; ``params`` the settings its numbers depend on, logged once; ``tags`` besides the
+        stage's own (a continued run's parent)."""
         try:
             import mlflow
         except ImportError as error:
@@ -154,7 +156,13 @@ class Tracker:
             settings,
             run_id=run_id,
             run_name=f"pretrain-{run_name}",
-            tags={"stage": "pretrain", "run": run_name, "corpus_id": corpus_id, "manifest_uri": corpus},
+            tags={
+                "stage": "pretrain",
+                "run": run_name,
+                "corpus_id": corpus_id,
+                "manifest_uri": corpus,
+                **tags,
+            },
         )
         with contextlib.suppress(self.mlflow.exceptions.MlflowException):  # same values on a resume
             self.mlflow.log_params({**params, "corpus_id": corpus_id}, run_id=self.run_id)

@@ -22,8 +22,9 @@ from tasks.jobs.launchers.base import (
     JobSpec,
     LaunchError,
 )
-from tasks.pretrain.config import PretrainParams, TrainConfig, TrainSettings
+from tasks.pretrain.config import PretrainParams, TrainConfig, TrainSettings, run_key
 from tasks.pretrain.memory import plan as plan_memory
+from tasks.pretrain.parent import Parent, find_parent
 from tasks.pretrain.result import PretrainResult
 from tasks.settings import Settings
 from tasks.store import StoreError, open_store, store_of
@@ -42,6 +43,7 @@ class Job(BaseModel):
     stop_step: int
     total_steps: int
     corpus_id: str
+    parent: Parent | None = None  # a continued run's: the checkpoint --init-from named
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -71,21 +73,41 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     store_options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
     corpus = resolve_corpus(params.corpus, settings)
     manifest = read_corpus_manifest(corpus, **store_options)
+    parent = find_parent(params.init_from, settings) if params.init_from else None
+    if parent is not None and parent.preset != params.preset:
+        raise ValueError(
+            f"--init-from {params.init_from} is a {parent.preset} checkpoint ({parent.checkpoint_uri}): "
+            f"continue it with --preset {parent.preset}, not {params.preset}"
+        )
     # The checkpoints' store fails now, not at the first checkpoint after minutes of training (and after
     # the corpus: a refused launch leaves no folder behind).
     store_of(settings).check_writable()
-    from tasks.pretrain.stream import BatchPlan  # pyarrow: only once the manifest is read
+    from tasks.pretrain.mix import RowPlan, replay_rows, train_sources  # pyarrow: once the manifest is read
 
-    # BatchPlan raises for a batch that ranks cannot share, or a split too short for it.
-    plan = BatchPlan(manifest.splits["train"].text_bytes, params.batch_size, params.seq_len, world_size)
+    # These raise for a batch that ranks cannot share, a split too short for it, or a replay share that
+    # is no row or every row.
+    reads = train_sources(params, manifest, parent, **store_options)
+    rows = replay_rows(params.batch_size, params.replay, params.seed)
+    plan = RowPlan(reads.fresh_bytes, reads.replay_bytes, params.batch_size, params.seq_len, rows, world_size)
     total_steps = params.total_steps or plan.steps_per_epoch
-    run = params.run or default_run_name(params.preset, manifest.corpus_id)
+    corpus_id = manifest.corpus_id
+    if params.run:
+        run = params.run
+    elif parent is not None:  # named by its identity: the same parent, corpus and settings find this run
+        run = f"{params.preset}-{corpus_id[:8]}-{run_key(params, corpus_id, parent.digest)[:8]}"
+    else:
+        run = default_run_name(params.preset, corpus_id)
     store_uri = absolute_uri(settings.resolved_store_uri)
     # The training settings pass through as they are; where the run lives is the flow's to fill in.
     settings_of_training = params.model_dump(include=set(TrainSettings.model_fields))
     try:
         config = TrainConfig(
-            **{**settings_of_training, "total_steps": total_steps},
+            **{
+                **settings_of_training,
+                "total_steps": total_steps,
+                # The step folder the name resolved to: a resume refuses a run whose parent moved (champion).
+                **({"init_from": parent.checkpoint_uri} if parent else {}),
+            },
             corpus=absolute_uri(corpus),
             run_name=run,
             store=store_uri,
@@ -104,7 +126,7 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     )
     stop = min(total_steps, params.max_steps or total_steps)
     return Job(
-        config=config, spec=spec, stop_step=stop, total_steps=total_steps, corpus_id=manifest.corpus_id
+        config=config, spec=spec, stop_step=stop, total_steps=total_steps, corpus_id=corpus_id, parent=parent
     )
 
 

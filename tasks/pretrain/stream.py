@@ -115,14 +115,19 @@ class BatchPlan:
         return np.stack([stream.read(int(s), self.seq_len + 1) for s in self.starts(step)])
 
 
-def split_shards(store: Store, manifest_key: str, split: str, cache_dir: Path) -> list[Path]:
-    """Local paths of a split's shards, in manifest order; S3 shards are downloaded once to the
-    cache and checked against their sha256."""
+def split_shards(
+    store: Store, manifest_key: str, split: str, cache_dir: Path, keep: frozenset[str] | None = None
+) -> list[Path]:
+    """Local paths of a split's shards, in manifest order (only those whose sha256 is in ``keep``, when
+    given: a continued run's new shards); S3 shards are downloaded once to the cache and checked
+    against their sha256."""
     manifest = read_manifest(store, manifest_key)
     if split not in manifest.splits:
         raise StreamError(f"the corpus has no split {split!r}: it has {', '.join(manifest.splits)}")
     paths = []
     for shard in manifest.shards(split):
+        if keep is not None and shard.sha256 not in keep:
+            continue
         key = shard_key(manifest_key, shard.path)
         if isinstance(store, LocalStore):
             paths.append(store.path(key))
@@ -145,11 +150,18 @@ def split_shards(store: Store, manifest_key: str, split: str, cache_dir: Path) -
     return paths
 
 
-def open_split(manifest_uri: str, split: str, cache_dir: Path, **store_options: object) -> ByteStream:
-    """The byte stream of one split of a corpus, by its manifest URI."""
+def open_split(
+    manifest_uri: str,
+    split: str,
+    cache_dir: Path,
+    *,
+    keep: frozenset[str] | None = None,
+    **store_options: object,
+) -> ByteStream:
+    """The byte stream of one split of a corpus, by its manifest URI (``keep``: as in ``split_shards``)."""
     store, key = locate(manifest_uri, **store_options)
     if not store.exists(key):
         raise StreamError(
             f"no corpus manifest at {manifest_uri}: build one with `mlstm-sentiment corpus build`"
         )
-    return ByteStream(split_shards(store, key, split, cache_dir))
+    return ByteStream(split_shards(store, key, split, cache_dir, keep))

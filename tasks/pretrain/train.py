@@ -34,6 +34,8 @@ from tasks.jobs.world import Preempted, World, log
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep, graph_supported
 from tasks.pretrain.metrics import Report, Throughput, Tracker
+from tasks.pretrain.mix import RowPlan, replay_rows, train_sources
+from tasks.pretrain.parent import Parent, read_parent
 from tasks.pretrain.result import FitResult
 from tasks.pretrain.step import optimizer_step
 from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, open_split
@@ -59,13 +61,32 @@ class Trainer:
         )
         corpus_store, manifest_key = split_object_uri(config.corpus, endpoint_url=settings.s3_endpoint_url)
         self.manifest: Manifest = read_manifest(corpus_store, manifest_key)  # read once
-        options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
+        options: dict[str, Any] = {
+            "endpoint_url": settings.s3_endpoint_url,
+            "max_attempts": settings.s3_max_attempts,
+        }
         cache = settings.home.resolve() / "cache" / "shards"
+        # A continued run: its parent (meta.json only; the weights load in resume) and what it reads.
+        self.parent = read_parent(config.init_from, **options) if config.init_from else None
+        self.sources = train_sources(config, self.manifest, self.parent, **options)
         with world.local_rank_first():  # it downloads a split; the node's other ranks read its cache
-            self.train = open_split(config.corpus, "train", cache, **options)
+            self.train = open_split(config.corpus, "train", cache, keep=self.sources.fresh, **options)
+        self.replay: ByteStream | None = None
+        if self.sources.replay_bytes:
+            assert self.parent is not None
+            with world.local_rank_first():
+                self.replay = open_split(self.parent.corpus, "train", cache, **options)
         with world.local_rank_first():
             self.val = open_split(config.corpus, "val", cache, **options)
-        self.plan = BatchPlan(len(self.train), config.batch_size, config.seq_len, world.size, world.rank)
+        self.plan = RowPlan(
+            len(self.train),
+            len(self.replay) if self.replay is not None else 0,
+            config.batch_size,
+            config.seq_len,
+            replay_rows(config.batch_size, config.replay, config.seed),
+            world.size,
+            world.rank,
+        )
         self.total_steps = config.total_steps or self.plan.steps_per_epoch
         self.dtype = resolve_precision(config.precision, world.device)
 
@@ -133,6 +154,8 @@ class Trainer:
             self.config.run_settings(), self.total_steps, neutral=neutral_values(type(self.config))
         )
         if saved is None:
+            if self.parent is not None:
+                self.start_from_parent(self.parent)
             return False
         rows = self.plan.rows
         h, c = (saved.state[name][rows.start : rows.stop].to(self.world.device) for name in ("h", "c"))
@@ -141,6 +164,29 @@ class Trainer:
         self.last_loss, self.last_val_bpc = saved.meta["loss"], saved.meta["val_bpc"]
         self.mlflow_run_id = self.mlflow_run_id or saved.meta.get("mlflow_run_id")
         return True
+
+    def start_from_parent(self, parent: Parent) -> None:
+        """A new continued run: the parent's weights (and with --init-optimizer its Adam state), checked
+        to be the checkpoint the run is known by and of this run's model."""
+        saved = checkpoint.load_checkpoint(
+            parent.checkpoint_uri,
+            endpoint_url=self.settings.s3_endpoint_url,
+            max_attempts=self.settings.s3_max_attempts,
+        )
+        if checkpoint.checkpoint_digest(saved.meta) != parent.digest:
+            raise ValueError(
+                f"--init-from {parent.checkpoint_uri} changed while the run started: launch again"
+            )
+        if saved.model_config != self.model.config:
+            raise ValueError(
+                f"--init-from {parent.checkpoint_uri} is a {parent.preset} checkpoint; this run's --preset "
+                f"{self.config.preset} is another model: continue with --preset {parent.preset}"
+            )
+        self.checkpoints.start_from(saved, optimizer=self.config.init_optimizer)
+        log(
+            self.world,
+            f"run {self.config.run_name}: starts from {parent.checkpoint_uri} (step {parent.step})",
+        )
 
     def save(self) -> str | None:
         """A checkpoint of this step, written by rank 0 (each rank its share of a sharded state); its
@@ -161,10 +207,15 @@ class Trainer:
             "val_bpc": self.last_val_bpc,
             "world_size": self.world.size,
             "mlflow_run_id": self.mlflow_run_id,
+            "parent": self.parent.model_dump() if self.parent else None,
+            "replay_rows": len(self.plan.replay),
         }
 
     def batch(self, plan: BatchPlan, stream: ByteStream, step: int) -> tuple[Tensor, Tensor]:
-        rows = torch.from_numpy(plan.batch(stream, step).astype(np.int64))
+        return self.on_device(plan.batch(stream, step))
+
+    def on_device(self, batch: np.ndarray) -> tuple[Tensor, Tensor]:
+        rows = torch.from_numpy(batch.astype(np.int64))
         if self.world.device.type == "cuda":
             # From page-locked memory the copy is asynchronous: the host goes on to the next step's launch.
             rows = rows.pin_memory().to(self.world.device, non_blocking=True)
@@ -177,12 +228,17 @@ class Trainer:
 
     def train_step(self) -> Tensor:
         step = self.step
-        if step and self.plan.epoch_of(step) != self.plan.epoch_of(step - 1):
-            self.state = self.model.zero_state(len(self.plan.rows))  # a new epoch starts each row over
+        restarts = self.plan.restarts(step)
+        if restarts.any():  # a row whose stream starts a new epoch starts over
+            if restarts.all():
+                self.state = self.model.zero_state(len(self.plan.rows))
+            else:
+                keep = torch.from_numpy(~restarts).to(self.world.device)[:, None]
+                self.state = (self.state[0] * keep, self.state[1] * keep)
             if self.graph_step is not None:
                 self.graph_step.set_state(self.state)
                 self.state = self.graph_step.state
-        inputs, targets = self.batch(self.plan, self.train, step)
+        inputs, targets = self.on_device(self.plan.batch(self.train, self.replay, step))
         on = (self.ddp, self.optimizer, self.scaler)
         if self.graphed:
             if self.graph_step is None:
@@ -235,6 +291,8 @@ def start_tracker(trainer: Trainer) -> Tracker:
         "hidden_size": model_config.hidden_size,
         "num_params": model_config.num_params,
     }
+    if trainer.parent is not None:
+        params["replay_rows"] = len(trainer.plan.replay)
     tracker = Tracker(
         trainer.settings,
         run_name=config.run_name,
@@ -242,6 +300,7 @@ def start_tracker(trainer: Trainer) -> Tracker:
         corpus=config.corpus,
         corpus_id=trainer.manifest.corpus_id,
         params=params,
+        tags=trainer.parent.tags() if trainer.parent else {},
         world=trainer.world,
         dtype=trainer.dtype,
     )
