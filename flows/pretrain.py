@@ -56,6 +56,17 @@ def train(job: Job, launcher: Launcher) -> PretrainResult:
     return job_result(job, get_settings())
 
 
+def continued_from(job: Job) -> str:
+    """The artifact's line on a continued run's parent (none for a run from its own seed)."""
+    if job.parent is None:
+        return ""
+    parent = job.parent
+    replay = (
+        f", replaying {job.config.replay:.0%} of its corpus `{parent.corpus}`" if job.config.replay else ""
+    )
+    return f"- continued from checkpoint `{parent.checkpoint_uri}` (run {parent.run}, step {parent.step}){replay}\n"
+
+
 @flow(name="pretrain", flow_run_name=names.pretrain_name)
 def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> PretrainResult:
     """Train the mLSTM on a corpus: local torchrun, Slurm or Kubernetes; resumable by run name.
@@ -73,6 +84,7 @@ def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> Pretra
         "corpus_id": job.corpus_id,
         "manifest_uri": job.config.corpus,
         "prefect_flow_run_id": flow_run_id,
+        **(job.parent.tags() if job.parent else {}),  # a continued run's lineage
     }
     job = job.tracked_by(open_mlflow_run(job, settings, tags, parent_run_id))
     progress.current().stage(f"training {job.config.preset}", total=job.stop_step)
@@ -86,6 +98,7 @@ def pretrain(params: PretrainParams, parent_run_id: str | None = None) -> Pretra
             f"# Pretraining run `{result.run}`\n\n"
             f"- step {result.steps} of {result.total_steps}, loss {result.final_loss:.4f}, "
             f"val bpc {result.val_bpc}\n- checkpoint: `{result.checkpoint_uri}`\n"
+            f"{continued_from(job)}"
             f"- MLflow run: {run_link(settings, experiment_id(settings), str(result.run_id))}\n"
         ),
         description="Where the checkpoint and the MLflow run are",

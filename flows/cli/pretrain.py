@@ -64,6 +64,8 @@ def pretrain(store: StoreOption = None, as_json: JsonOption = False, **settings:
         sep="",
     )
     out.print(f"checkpoint: {result.checkpoint_uri}", highlight=False)
+    if params.init_from:
+        out.print(f"continued from: {params.init_from}", highlight=False)
     out.print(f"MLflow run: {result.run_id}", highlight=False)
 
 
