@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Continued pretraining against training anew, in one run: what a week's delta costs.
+
+The corpus is the shared Amazon files: the *base* is every file but ``--delta`` (about 95% of the bytes),
+the *delta* that file (a category the base lacks), the *grown* corpus a manifest listing the base's
+shards and the delta's, as ``corpus build --base`` makes one. The base run trains tiny from its seed for
+``--steps`` on the base; then, each from that point:
+
+- (a) scratch: from its seed on the grown corpus, ``--steps`` steps (what a weekly rebuild pays today);
+- (b) continued: from the base run's checkpoint on the delta with ``--replay`` of the base, ``--share``
+  of (a)'s steps, warm-up a tenth of them (``pretrain --init-from … --replay …``);
+- (c) continued without replay: as (b), every row on the delta.
+
+Each is scored in bits per byte on three val splits read whole from a zero state: the grown corpus's
+(``full val``), the delta's alone and the base's alone (where (c) forgets). Seconds are each run's wall
+time in this process, comparable within the run only. The goal (issue 52): (b) within 2% of (a)'s bits
+per byte on the full val split at no more than 15% of (a)'s steps.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/continue.py                  # a few minutes on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/continue.py --steps 60 --batch 8   # a smoke run
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import add_record_option, machine, new_parser, record, say  # the working tree on the path
+from torch.nn import functional as F
+
+from models.mlstm import MLSTM
+from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
+from tasks.jobs.checkpoint import load_checkpoint
+from tasks.jobs.world import World
+from tasks.pretrain.config import TrainConfig
+from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
+from tasks.pretrain.train import fit
+from tasks.settings import get_settings
+from tasks.store import LocalStore
+
+AMAZON = Path(__file__).resolve().parents[2] / "shared" / "data" / "amazon"
+
+
+def build(sources: list[Path], store: Path) -> str:
+    manifest = build_in_process(
+        plan_corpus([str(s) for s in sources], CorpusConfig(split=(98, 1, 1))), LocalStore(store)
+    )
+    return str(store / "corpora" / manifest["corpus_id"] / "manifest.json")
+
+
+def grown(base_uri: str, delta_uri: str, out: Path) -> str:
+    """A manifest listing the base's shards (the same files' bytes) and the delta's, in a folder of its own."""
+    base, delta = (json.loads(Path(uri).read_text()) for uri in (base_uri, delta_uri))
+    manifest = copy.deepcopy(base)
+    manifest["corpus_id"] = f"{base['corpus_id'][:8]}{delta['corpus_id'][:8]}"
+    for split, entry in manifest["splits"].items():
+        entry["shards"] = []
+        for origin, uri, source in (("base", base_uri, base), ("delta", delta_uri, delta)):
+            for shard in source["splits"][split]["shards"]:
+                (out / origin / shard["path"]).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(Path(uri).parent / shard["path"], out / origin / shard["path"])
+                entry["shards"].append({**shard, "path": f"{origin}/{shard['path']}"})
+        for total in ("rows", "bytes", "text_bytes"):
+            entry[total] = sum(shard[total] for shard in entry["shards"])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return str(out / "manifest.json")
+
+
+@torch.no_grad()
+def bits_per_byte(model: MLSTM, stream: ByteStream, rows: int, seq_len: int) -> float:
+    """Next-byte cross-entropy in bits over the whole stream, rows carried from a zero state."""
+    plan = BatchPlan(len(stream), min(rows, len(stream) // (seq_len + 1)), seq_len)
+    state = model.zero_state(len(plan.rows))
+    nats, count = 0.0, 0
+    for step in range(plan.steps_per_epoch):
+        batch = torch.from_numpy(plan.batch(stream, step).astype(np.int64))
+        logits, state, _ = model(batch[:, :-1], state)
+        nats += F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return nats / count / math.log(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = new_parser(__doc__ or "", raw=True)
+    parser.add_argument(
+        "--delta", default="AMAZON_FASHION_5.json.gz", help="The Amazon file that is the delta."
+    )
+    parser.add_argument("--steps", type=int, default=400, help="Steps of the base run and of (a).")
+    parser.add_argument("--share", type=float, default=0.15, help="(b) and (c)'s steps, a share of --steps.")
+    parser.add_argument("--replay", type=float, default=0.05, help="(b)'s replay share.")
+    parser.add_argument("--batch", type=int, default=64, help="Rows a step (--replay needs ≥ 0.5 / it).")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.003)
+    add_record_option(parser)
+    args = parser.parse_args(argv)
+    files = sorted(AMAZON.glob("*.gz"))
+    delta_file = AMAZON / args.delta
+    base_files = [f for f in files if f != delta_file]
+    shares = {"base": sum(f.stat().st_size for f in base_files), "delta": delta_file.stat().st_size}
+    continued_steps = max(1, round(args.share * args.steps))
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="bench-continue-") as scratch:
+        root = Path(scratch)
+        settings = get_settings(home=root / "home")
+        say(f"building the base ({len(base_files)} files) and the delta ({args.delta})")
+        base = build(base_files, root / "base")
+        delta = build([delta_file], root / "delta")
+        full = grown(base, delta, root / "grown")
+        common = {
+            "preset": "tiny", "batch_size": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+            "store": str(root / "runs"), "tracking": "off", "checkpoint_every": 10**6, "val_every": 10**6,
+            "val_steps": 1, "log_every": 10**6,
+        }  # fmt: skip
+        cases = {
+            "base": {"corpus": base, "total_steps": args.steps},
+            "(a) scratch": {"corpus": full, "total_steps": args.steps},
+            "(b) continued, replay": {"corpus": full, "total_steps": continued_steps, "replay": args.replay},
+            "(c) continued, no replay": {"corpus": full, "total_steps": continued_steps},
+        }
+        vals = {
+            name: open_split(uri, "val", root / "cache")
+            for name, uri in (("full", full), ("delta", delta), ("base", base))
+        }
+        rows = []
+        parent = None
+        handler = signal.getsignal(signal.SIGTERM)
+        for name, settings_of in cases.items():
+            if name.startswith("(b)") or name.startswith("(c)"):
+                settings_of = {
+                    **settings_of,
+                    "init_from": parent,
+                    "warmup_steps": max(1, continued_steps // 10),
+                }
+            config = TrainConfig(run_name=name.split()[0].strip("()"), **common, **settings_of)
+            say(f"training {name}: {config.total_steps} steps")
+            started = time.perf_counter()
+            try:
+                result = fit(config, World(), settings)
+            finally:
+                signal.signal(signal.SIGTERM, handler)
+            seconds = time.perf_counter() - started
+            if name == "base":
+                parent = result.checkpoint_uri
+            model = load_checkpoint(str(result.checkpoint_uri)).model()
+            bits = {
+                split: bits_per_byte(model, stream, args.batch, args.seq_len)
+                for split, stream in vals.items()
+            }
+            rows.append({"case": name, "steps": result.steps, "seconds": seconds, "val_bpb": bits})
+            say(f"  {name}: {result.steps} steps in {seconds:.1f} s, val bpb {bits}")
+        sizes = {name: len(stream) for name, stream in vals.items()}
+    scratch_row, replay_row = rows[1], rows[2]
+    results = {
+        "settings": {**vars(args), "continued_steps": continued_steps, "source_bytes": shares},
+        "val_bytes": sizes,
+        "rows": rows,
+        "goal": {
+            "bpb_ratio": replay_row["val_bpb"]["full"] / scratch_row["val_bpb"]["full"],
+            "steps_ratio": replay_row["steps"] / scratch_row["steps"],
+        },
+        "machine": machine(torch.device("cpu")),
+    }
+    print(json.dumps(results, indent=2))
+    record("continue", args.record, results, argv=argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
