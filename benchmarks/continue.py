@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import signal
 import tempfile
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import add_record_option, machine, new_parser, record, say  # the working tree on the path
+from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
 from torch.nn import functional as F
 
 from models.mlstm import MLSTM
@@ -46,7 +47,8 @@ from tasks.pretrain.train import fit
 from tasks.settings import get_settings
 from tasks.store import LocalStore
 
-AMAZON = Path(__file__).resolve().parents[2] / "shared" / "data" / "amazon"
+# The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
+AMAZON = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) / "data" / "amazon"
 
 
 def build(sources: list[Path], store: Path) -> str:
