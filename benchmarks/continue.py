@@ -51,9 +51,9 @@ from tasks.store import LocalStore
 AMAZON = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) / "data" / "amazon"
 
 
-def build(sources: list[Path], store: Path) -> str:
+def build(sources: list[Path], store: Path, split: tuple[int, int, int]) -> str:
     manifest = build_in_process(
-        plan_corpus([str(s) for s in sources], CorpusConfig(split=(98, 1, 1))), LocalStore(store)
+        plan_corpus([str(s) for s in sources], CorpusConfig(split=split)), LocalStore(store)
     )
     return str(store / "corpora" / manifest["corpus_id"] / "manifest.json")
 
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="Rows a step (--replay needs ≥ 0.5 / it).")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.003)
+    # A val split large enough to score the delta alone on (at 98/1/1 the delta's is about 1 KB).
+    parser.add_argument("--split", default="90,5,5", help="The corpora's train,val,test shares.")
     add_record_option(parser)
     args = parser.parse_args(argv)
     files = sorted(AMAZON.glob("*.gz"))
@@ -113,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(scratch)
         settings = get_settings(home=root / "home")
         say(f"building the base ({len(base_files)} files) and the delta ({args.delta})")
-        base = build(base_files, root / "base")
-        delta = build([delta_file], root / "delta")
+        split = tuple(int(part) for part in args.split.split(","))
+        assert len(split) == 3, "--split: train,val,test"
+        base = build(base_files, root / "base", split)  # type: ignore[arg-type]
+        delta = build([delta_file], root / "delta", split)  # type: ignore[arg-type]
         full = grown(base, delta, root / "grown")
         common = {
             "preset": "tiny", "batch_size": args.batch, "seq_len": args.seq_len, "lr": args.lr,

@@ -809,7 +809,43 @@ def finetune_select_tables(results: dict[str, Any]) -> str:
     )
 
 
+def continue_tables(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    first = {row["case"]: row for row in rows}
+    base, scratch = rows[0], rows[1]
+    body = [
+        [r["case"], str(r["steps"]), num(r["seconds"], 1), ratio(r["seconds"] / scratch["seconds"]),
+         f"{r['val_bpb']['full']:.4f}", f"{r['val_bpb']['delta']:.4f}", f"{r['val_bpb']['base']:.4f}"]
+        for r in rows
+    ]  # fmt: skip
+    goal = results["goal"]
+    met = goal["bpb_ratio"] <= 1.02 and goal["steps_ratio"] <= 0.15
+    forgets = [
+        f"{r['case']} {r['val_bpb']['base'] - base['val_bpb']['base']:+.3f}"
+        for name, r in first.items()
+        if name.startswith(("(b)", "(c)"))
+    ]
+    settings = results["settings"]
+    return (
+        f"tiny, {settings['batch']} rows × {settings['seq_len']} bytes, lr {settings['lr']:g}; the delta is "
+        f"`{settings['delta']}` ({settings['source_bytes']['delta'] / sum(settings['source_bytes'].values()):.1%} "
+        f"of the sources' bytes). Val splits read whole: full {results['val_bytes']['full']:,} bytes, delta "
+        f"{results['val_bytes']['delta']:,}, base {results['val_bytes']['base']:,}.\n\n"
+        + table(
+            ["run", "steps", "seconds", "× (a)'s seconds", "full val bpb", "delta val bpb", "base val bpb"],
+            body,
+        )
+        + f"\n\n(b) against (a) on the full val split: {goal['bpb_ratio']:.4f} × its bits per byte at "
+        f"{goal['steps_ratio']:.0%} of its steps (goal: ≤ 1.02 at ≤ 15%): {'met' if met else 'not met'}. "
+        f"On the base's val split, against the base run: {', '.join(forgets)} bits per byte; without replay "
+        f"{rows[3]['val_bpb']['base'] - rows[2]['val_bpb']['base']:+.4f} against with it (what (c) forgets). "
+        f"On the delta's: {rows[2]['val_bpb']['delta'] - scratch['val_bpb']['delta']:+.3f} and "
+        f"{rows[3]['val_bpb']['delta'] - scratch['val_bpb']['delta']:+.3f} against (a).\n"
+    )
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "continue": continue_tables,
     "finetune": finetune_tables,
     "finetune-select": finetune_select_tables,
     "cli": cli_tables,
