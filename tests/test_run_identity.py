@@ -130,3 +130,17 @@ def test_a_fine_tuning_checkpoint_saved_before_a_setting_existed_resumes_at_its_
         Trainer(later(**common, weight_decay=0.01), World(), settings).resume()
     with pytest.raises(ValueError, match=r"--weight-decay was None, now 0\.0"):
         Trainer(added(FinetuneConfig, ALWAYS)(**common), World(), settings).resume()
+
+
+def test_a_continued_runs_key_is_its_parents_digest_not_the_name_it_was_given() -> None:
+    """``--init-from champion`` and the step folder it resolves to are one parent when their checkpoint's
+    digest is one; other weights behind the same name are another run. At their neutral values the
+    continuing settings leave today's key."""
+    by_name = pretrain_key(PretrainParams(corpus="c", init_from="champion"), "corpus-id", parent_digest="d1")
+    by_uri = pretrain_key(
+        PretrainParams(corpus="c", init_from="s3://b/runs/x"), "corpus-id", parent_digest="d1"
+    )
+    moved = pretrain_key(PretrainParams(corpus="c", init_from="champion"), "corpus-id", parent_digest="d2")
+    assert by_name == by_uri != moved
+    neutral = PretrainParams(corpus="c", init_from=None, init_optimizer=False, replay=0.0)
+    assert pretrain_key(neutral, "corpus-id") == PRETRAIN_KEY
