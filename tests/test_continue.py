@@ -224,6 +224,11 @@ def test_a_continued_run_is_known_by_its_parents_digest_so_a_rerun_finds_it(
         rerun = fit(again.config.model_copy(update={"tracking": "off"}), World(), settings)
     assert rerun.steps == done.steps == 4 and rerun.checkpoint_uri == done.checkpoint_uri
 
+    from flows.pretrain import continued_from  # the flow's artifact line
+
+    line = continued_from(first)
+    assert f"continued from checkpoint `{lineage['parent']}` (run parent, step 6)" in line and "25%" in line
+
 
 @pytest.mark.slow  # MLflow's first database here: about 30 s on two busy cores
 def test_a_run_continued_from_the_champion_records_its_parent_in_meta_json_and_mlflow(
