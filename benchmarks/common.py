@@ -242,6 +242,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "cli": ("flows/cli/",),
     "corpus": ("tasks/corpus/",),
     "corpus_delta": ("tasks/corpus/",),
+    "continue": ("tasks/pretrain/mix.py", "tasks/pretrain/parent.py"),
     "features": ("models/features.py", "models/mlstm.py", "models/recurrence.py", "tasks/transfer/serve.py"),
     "finetune": ("tasks/finetune/", "models/finetuned.py"),
     "finetune-select": ("tasks/finetune/", "models/finetuned.py"),
