@@ -272,13 +272,12 @@ UNTYPED_ON_PURPOSE = {
     ("tasks/pipeline.py", "finished_run"),  # the job runtime's latest.json
     # A scored piece's record, from one of the score stage's own tasks to its manifest.
     ("flows/score.py", "score_piece_task"),
-    # The corpus manifest: a stored document every later stage reads; not a model yet.
-    ("tasks/pretrain/stage.py", "read_corpus_manifest"),
 }
 
 
-def untyped_boundaries(paths: list[Path]) -> list[str]:
-    """Public functions of ``paths`` that take or return ``dict[str, Any]``, as ``path: name``."""
+def untyped_boundaries(paths: list[Path], *, listed: bool = False) -> list[str]:
+    """Public functions of ``paths`` that take or return ``dict[str, Any]``, as ``path: name``: those not in
+    ``UNTYPED_ON_PURPOSE``, or (``listed``) those in it."""
     found = []
     for path in paths:
         relative = path.relative_to(ROOT).as_posix()
@@ -290,7 +289,7 @@ def untyped_boundaries(paths: list[Path]) -> list[str]:
                 [node.returns] if node.returns else []
             )
             untyped = any("dict[str, Any]" in ast.unparse(a) for a in annotations)
-            if untyped and (relative, node.name) not in UNTYPED_ON_PURPOSE:
+            if untyped and ((relative, node.name) in UNTYPED_ON_PURPOSE) == listed:
                 found.append(f"{relative}: {node.name}")
     return found
 
@@ -300,6 +299,10 @@ def test_no_stage_result_crosses_a_boundary_as_a_dict() -> None:
     # The 7 flow modules, the steps of the three stages that plan a stage.py, the pipeline's bookkeeping.
     assert len(BOUNDARY_MODULES) == 11, BOUNDARY_MODULES
     assert untyped_boundaries(BOUNDARY_MODULES) == []
+    # The list shrinks as its entries become models: one that no longer passes a dict leaves it.
+    assert sorted(untyped_boundaries(BOUNDARY_MODULES, listed=True)) == sorted(
+        f"{path}: {name}" for path, name in UNTYPED_ON_PURPOSE
+    )
 
 
 def flow_returns() -> dict[str, str]:
