@@ -75,7 +75,7 @@ def check_folder(folder: Path, uri: str) -> None:
 
 def resolve(uri: str | None, settings: Settings) -> RegisteredModel:
     """The classifier ``uri`` names (default: the champion), its files downloaded: a registered version
-    once into ``<home>/cache/models/NAME-vN``, any other MLflow URI or folder afresh into
+    once into ``<home>/cache/models/NAME-vN-HASH`` (HASH: the registry and the version's source), any other MLflow URI or folder afresh into
     ``<home>/cache/models/uri-HASH``. Raises ``ModelNotFound`` in one line."""
     from mlflow.exceptions import MlflowException
 
@@ -100,7 +100,14 @@ def resolve(uri: str | None, settings: Settings) -> RegisteredModel:
             if match["version"]
             else client.get_model_version_by_alias(name, match["alias"])
         )
-        root = _cache(settings) / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-v{version.version}"
+        # Named by the version and what it is (registry, source, creation): a new registry or a model
+        # deleted and registered again reuses NAME and N for other files, never served from this cache.
+        identity = "\n".join(
+            map(str, (settings.shown_mlflow_tracking_uri, name, version.version, version.source,
+                      version.run_id, version.creation_timestamp))
+        )  # fmt: skip
+        digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+        root = _cache(settings) / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)}-v{version.version}-{digest}"
         if not (root / "MLmodel").exists():
             _download(f"models:/{name}/{version.version}", root)
         return RegisteredModel(

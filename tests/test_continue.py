@@ -74,7 +74,7 @@ def lineage(sample_manifest: str, tmp_path_factory: pytest.TempPathFactory) -> d
     root = tmp_path_factory.mktemp("continue")
     files = write_sample(root / "raw", num_reviews=900, seed=1)
     delta = build(files, root / "delta", CorpusConfig(split=(18, 1, 1)))
-    delta_uri = str(root / "delta" / "corpora" / delta["corpus_id"] / "manifest.json")
+    delta_uri = str(root / "delta" / "corpora" / delta.corpus_id / "manifest.json")
     grown = grown_corpus(sample_manifest, delta_uri, root / "store")
     config = TrainConfig(
         corpus=sample_manifest, run_name="parent", store=str(root / "store"), total_steps=6,

@@ -156,7 +156,7 @@ def manifest(tmp_path_factory: pytest.TempPathFactory) -> str:
     built = build(
         write_sample(root / "raw", num_reviews=1500), root / "store", CorpusConfig(split=(18, 1, 1))
     )
-    return str(root / "store" / "corpora" / built["corpus_id"] / "manifest.json")
+    return str(root / "store" / "corpora" / built.corpus_id / "manifest.json")
 
 
 @pytest.mark.slow

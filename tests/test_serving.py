@@ -294,10 +294,12 @@ def test_predict_reads_in_the_asked_precision_a_model_logged_before_it_was_a_par
     signature = infer_signature(
         frame, pd.DataFrame({"label": ["a"], "probability": [0.5]}), params={"batch_size": 64}
     )
+    data = probe.save(tmp_path / "classifier")
+    registered.sign_folder(data)  # as the registry signs what it logs
     mlflow.pyfunc.save_model(
         tmp_path / "model",
         loader_module=mlflow_loader.__name__,
-        data_path=str(probe.save(tmp_path / "classifier")),
+        data_path=str(data),
         signature=signature,
     )
     loaded = mlflow.pyfunc.load_model(str(tmp_path / "model"))
