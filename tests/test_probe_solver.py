@@ -807,3 +807,24 @@ def test_an_exact_step_on_a_float32_matrix_indefinite_past_its_ridge_is_damped_n
     assert quadratic.orthant_step(hessian, g, w, lam, u, hd)
     assert quadratic.model_value(u, hd, g, w, lam) < before
     np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9, atol=1e-6)
+
+
+def test_an_exact_step_on_near_low_rank_features_solves_its_system_to_rounding() -> None:
+    # A near-low-rank Gram matrix (rank-16 latent through tanh, noise 0.05, log-normal scales), as the
+    # large-C end of a near-low-rank sweep gives, on a subset of its coordinates: the step solves
+    # (H_SS + ridge) step = -slope, whose ridge is the smallest tried. A factor applied wrongly (read
+    # as its transpose) solves another system.
+    rng = np.random.default_rng(0)
+    latent = rng.standard_normal((2000, 16))
+    X = np.tanh(latent @ rng.standard_normal((16, 300)) / 4) + 0.05 * rng.standard_normal((2000, 300))
+    X *= rng.lognormal(0.0, 1.0, 300)
+    hessian = (X.T @ X / 8).astype(np.float32)
+    S = np.sort(rng.choice(300, 200, replace=False))
+    slope = rng.standard_normal(S.size)
+    step = quadratic._newton_on_signs(hessian, S, slope)
+    assert step is not None
+    H_SS = hessian[np.ix_(S, S)].astype(np.float64)
+    H_SS += 1e-7 * np.trace(H_SS) / S.size * np.eye(S.size)
+    # The residual, not the distance to another solver's step: the matrix spans about 10⁸.
+    residual = np.abs(H_SS @ step + slope).max()
+    assert residual <= 1e-8 * np.abs(H_SS).max() * np.abs(step).max()
