@@ -828,3 +828,29 @@ def test_an_exact_step_on_near_low_rank_features_solves_its_system_to_rounding()
     # The residual, not the distance to another solver's step: the matrix spans about 10⁸.
     residual = np.abs(H_SS @ step + slope).max()
     assert residual <= 1e-8 * np.abs(H_SS).max() * np.abs(step).max()
+
+
+def test_an_exact_step_runs_torch_on_one_thread_and_gives_the_callers_threads_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the shared 2-core machine two threads made each exact step 3 to 12 times slower; the caller's
+    # own products (the Hessian, the gradients) keep their threads.
+    seen: list[int] = []
+    factorise = torch.linalg.cholesky_ex
+
+    def watched(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(torch.get_num_threads())
+        return factorise(A)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", watched)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        hessian = np.eye(5, dtype=np.float32) * 2
+        step = quadratic._newton_on_signs(hessian, np.arange(5), np.ones(5))
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    assert step is not None
+    np.testing.assert_allclose(step, -0.5, rtol=1e-6)
+    assert seen == [1] and after == 2

@@ -18,6 +18,9 @@ has the measurements behind each choice.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numba
 import numpy as np
 import torch
@@ -157,15 +160,29 @@ def _newton_on_signs(hessian: np.ndarray, S: np.ndarray, slope_S: np.ndarray) ->
     ridge = 1e-7 * float(np.trace(H_SS)) / S.size + 1e-300
     diagonal = np.diag_indices_from(H_SS)
     H_SS[diagonal] += ridge
-    for _ in range(RIDGE_TRIES):
-        # torch's LAPACK, not scipy's: scipy's OpenBLAS threads spin against torch's OpenMP threads on
-        # few cores, many times slower (docs/benchmarks.md, Probe).
-        factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
-        if not info:
-            return -torch.cholesky_solve(torch.from_numpy(slope_S)[:, None], factor)[:, 0].numpy()
-        H_SS[diagonal] += 9 * ridge
-        ridge *= 10
+    with one_thread():
+        for _ in range(RIDGE_TRIES):
+            # torch's LAPACK, not scipy's: scipy's OpenBLAS threads spin against torch's OpenMP threads
+            # on few cores, many times slower (docs/benchmarks.md, Probe).
+            factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
+            if not info:
+                return -torch.cholesky_solve(torch.from_numpy(slope_S)[:, None], factor)[:, 0].numpy()
+            H_SS[diagonal] += 9 * ridge
+            ridge *= 10
     return None
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread within: on the 2-core machine, shared, an exact step on 900 coordinates took
+    about 22 ms on one thread and 70 to 275 ms on two, most of it in ``cholesky_solve`` (3.5 ms
+    against 30 to 180), whose threads wait on each other for a core (docs/benchmarks.md, Probe)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def active_set_minimiser(
