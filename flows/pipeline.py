@@ -25,11 +25,13 @@ from flows.pretrain import pretrain
 from flows.runtime import retry_unless, task_runner
 from flows.transfer import transfer
 from tasks.corpus.delta import DeltaRefused, plan_build
-from tasks.corpus.manifest import read_manifest
+from tasks.corpus.manifest import newest_manifest, read_manifest
 from tasks.corpus.result import CorpusResult
 from tasks.corpus.sources import SourceError
 from tasks.finetune.result import FinetuneResult
+from tasks.jobs.checkpoint import read_latest
 from tasks.pipeline import (
+    Incremental,
     PipelineParams,
     PipelineResult,
     Stage,
@@ -50,6 +52,7 @@ from tasks.pipeline import (
     transfer_params,
     transfer_record_key,
 )
+from tasks.pretrain.parent import Parent, champion_checkpoint, read_parent
 from tasks.pretrain.result import PretrainResult
 from tasks.pretrain.stage import read_corpus_manifest, resolve_corpus
 from tasks.settings import Settings, get_settings
@@ -120,13 +123,21 @@ def pipeline(params: PipelineParams) -> PipelineResult:
         "stages %s (forced: %s); MLflow parent run %s at %s",
         ", ".join(params.stages), ", ".join(params.force) or "none", run_id, settings.shown_mlflow_tracking_uri,
     )  # fmt: skip
+    weekly = Incremental() if params.incremental else None
+    champion: Parent | None = None  # an incremental run's parent checkpoint
     try:
+        if weekly is not None:
+            champion, weekly = _champion(settings, weekly)
+            if "corpus" in params.stages and params.corpus.base is None:
+                params, weekly = _grown(params, settings, champion, weekly)
         # A run reads each checkpoint from the store once: the transfer's key, features and registry share it.
         with checkpoints_loaded_once():
             manifest_uri = resolve_corpus(params.manifest_uri, settings) if params.manifest_uri else None
             if "corpus" in params.stages:
                 records["corpus"] = corpus = _corpus(params, settings, run_id)
                 manifest_uri = corpus.result.manifest_uri
+                if weekly is not None and params.corpus.base is not None:
+                    weekly = _delta_of(weekly, corpus, settings)
             checkpoint_uri = (
                 resolve_checkpoint(params.checkpoint_uri, settings) if params.checkpoint_uri else None
             )
@@ -136,7 +147,12 @@ def pipeline(params: PipelineParams) -> PipelineResult:
                 checkpoint_uri, manifest_uri = best.checkpoint_uri, manifest_uri or best.manifest_uri
             if "pretrain" in params.stages:
                 assert manifest_uri is not None  # PipelineParams checks it
-                records["pretrain"] = trained = _pretrain(params, settings, manifest_uri, run_id)
+                records["pretrain"] = trained = _pretrain(params, settings, manifest_uri, run_id, champion)
+                if champion is not None and weekly is not None:
+                    continued = trained.result.run != champion.run  # else it had trained on this corpus
+                    weekly = weekly.model_copy(
+                        update={"checkpoint": champion.checkpoint_uri, "continued": continued}
+                    )
                 checkpoint_uri = trained.result.checkpoint_uri
             lineage = (
                 lineage | stage_lineage(records) | ({"manifest_uri": manifest_uri} if manifest_uri else {})
@@ -163,7 +179,10 @@ def pipeline(params: PipelineParams) -> PipelineResult:
         pretrain=trained.result if trained else None,
         transfer=transferred.result if transferred else None,
         finetune=finetuned.result if finetuned else None,
+        incremental=weekly,
     )
+    if weekly is not None:
+        lineage = lineage | {"incremental": incremental_line(weekly)}
     metrics = pipeline_metrics(result.corpus, result.pretrain, result.transfer, result.finetune)
     summary = _summary(settings, result, lineage)
     close_pipeline_run(
@@ -180,6 +199,73 @@ def _from_sweep(sweep_id: str, settings: Settings) -> BestTrial:
         "from sweep %s: trial %s (%s), val bpc %.4f", sweep_id, best.trial, best.run, best.value
     )
     return best
+
+
+def incremental_line(weekly: Incremental) -> str:
+    """An incremental run in one line (``status``, the summary): "delta of N rows on corpus X; continued
+    from checkpoint Y", or what was found unchanged, and what ran in full instead, and why."""
+    said = []
+    if weekly.corpus:
+        delta = f"delta of {weekly.delta_rows:,} rows on corpus {weekly.corpus}"
+        said.append(f"corpus unchanged ({delta}, built before)" if weekly.found else delta)
+    elif weekly.found:
+        said.append("corpus unchanged")
+    if weekly.checkpoint:
+        said.append(
+            f"{'continued from' if weekly.continued else 'nothing new since'} checkpoint {weekly.checkpoint}"
+        )
+    return "; ".join([*said, *weekly.full])
+
+
+def _grown(
+    params: PipelineParams, settings: Settings, champion: Parent | None, weekly: Incremental
+) -> tuple[PipelineParams, Incremental]:
+    """An incremental run's corpus: a delta on the champion's corpus (what the model has not read yet;
+    a corpus built since, by ``corpus-refresh`` in full, is no base for it), else on the newest corpus in
+    the store, else a full build, said in one line: no corpus yet, or a base source removed or changed."""
+    store = store_of(settings)
+    base = champion.corpus if champion is not None else "newest" if newest_manifest(store) else None
+    if base is None:
+        why = f"incremental: no corpus in {store.url('')} to grow: the corpus is built in full"
+        get_run_logger().info("%s", why)
+        return params, weekly.model_copy(update={"full": (*weekly.full, why)})
+    grown = params.model_copy(update={"corpus": params.corpus.model_copy(update={"base": base})})
+    try:
+        plan_build(
+            grown.sources,
+            grown.corpus,
+            store,
+            s3_endpoint_url=settings.s3_endpoint_url,
+            cache_path=settings.home / "cache" / "fingerprints.json",
+        )
+    except DeltaRefused as error:
+        why = f"incremental: {error}; the corpus is built in full"
+        get_run_logger().warning("%s", why)
+        return params, weekly.model_copy(update={"full": (*weekly.full, why)})
+    return grown, weekly
+
+
+def _delta_of(weekly: Incremental, corpus: StageRecord[CorpusResult], settings: Settings) -> Incremental:
+    """The rows the corpus's delta added to its base, and whether the stage found it built before."""
+    manifest = read_corpus_manifest(corpus.result.manifest_uri, endpoint_url=settings.s3_endpoint_url)
+    found = corpus.state == "skipped"
+    if manifest.parent is None or manifest.delta is None:
+        return weekly.model_copy(update={"found": found})
+    rows = manifest.delta.totals.kept
+    return weekly.model_copy(update={"corpus": manifest.parent.corpus_id, "delta_rows": rows, "found": found})
+
+
+def _champion(settings: Settings, weekly: Incremental) -> tuple[Parent | None, Incremental]:
+    """The checkpoint behind the registered champion, which an incremental run continues from; none
+    yet: pretraining starts from its own seed, said in one line."""
+    try:
+        uri = champion_checkpoint(settings)
+    except ValueError:
+        why = f"incremental: no {settings.model_name}@champion yet: pretraining starts from scratch"
+        get_run_logger().info("%s", why)
+        return None, weekly.model_copy(update={"full": (*weekly.full, why)})
+    options = {"endpoint_url": settings.s3_endpoint_url, "max_attempts": settings.s3_max_attempts}
+    return read_parent(uri, **options), weekly
 
 
 def _corpus(params: PipelineParams, settings: Settings, run_id: str) -> StageRecord[CorpusResult]:
@@ -211,12 +297,26 @@ def _corpus(params: PipelineParams, settings: Settings, run_id: str) -> StageRec
 
 
 def _pretrain(
-    params: PipelineParams, settings: Settings, manifest_uri: str, run_id: str
+    params: PipelineParams, settings: Settings, manifest_uri: str, run_id: str, parent: Parent | None
 ) -> StageRecord[PretrainResult]:
+    """The pretraining subflow, skipped when its run is done; ``parent`` (an incremental run's champion)
+    continues on the corpus, or is the result itself when the champion was trained on this very corpus."""
     stage = pretrain_params(params.pretrain, manifest_uri)
     corpus_id = read_corpus_manifest(manifest_uri, endpoint_url=settings.s3_endpoint_url).corpus_id
     forced = "pretrain" in params.force
-    stage = stage.model_copy(update={"run": pretrain_run_name(stage, corpus_id, force=forced)})
+    if parent is not None:
+        parent_corpus = read_corpus_manifest(parent.corpus, endpoint_url=settings.s3_endpoint_url)
+        latest = read_latest(store_of(settings), parent.run)
+        if parent_corpus.corpus_id == corpus_id and latest is not None and not forced:
+            _skipped("pretrain")  # nothing new since the champion's corpus
+            done = PretrainResult.from_latest(
+                parent.run, {**latest, "checkpoint_uri": parent.checkpoint_uri, "step": parent.step}
+            )
+            return StageRecord(state="skipped", key=parent.run, result=done, run_id=done.run_id)
+        stage = stage.model_copy(update={"init_from": parent.checkpoint_uri, "replay": params.replay})
+    digest = parent.digest if parent is not None else None
+    run = pretrain_run_name(stage, corpus_id, force=forced, parent=digest)
+    stage = stage.model_copy(update={"run": run})
     assert stage.run is not None
     # Already done? From the run's latest.json alone: the flow plans the job, once, when it runs.
     finished = None if forced else finished_run(store_of(settings), stage.run, stage.max_steps)
@@ -315,6 +415,8 @@ def _summary(settings: Settings, result: PipelineResult, lineage: dict[str, str]
     for stage, info in result.stages.items():
         link = run_link(settings, experiment, info.run_id) if info.run_id else "-"
         lines.append(f"- **{stage}**: {info.state} · MLflow run {link}")
+    if result.incremental is not None:
+        lines.append(f"- incremental: {incremental_line(result.incremental)}")
     if result.corpus is not None:
         lines.append(f"- corpus: `{result.corpus.manifest_uri}` ({result.corpus.rows:,} rows)")
     if (p := result.pretrain) is not None:

@@ -104,6 +104,8 @@ class PipelineParams(BaseModel):
         description="A sweep id: its best trial's checkpoint is the one probed and registered "
         "(the pretraining stage does not run).",
     )
+    incremental: bool = Field(default=False, description="Grow the newest corpus, continue the champion.")
+    replay: float = Field(default=0.05, ge=0, lt=1, description="Incremental: pretraining's replay share.")
 
     @field_validator("sources")
     @classmethod
@@ -194,12 +196,14 @@ def pretrain_key(params: PretrainParams, corpus_id: str, parent_digest: str | No
     return run_key(params, corpus_id, parent_digest)
 
 
-def pretrain_run_name(params: PretrainParams, corpus_id: str, *, force: bool) -> str:
+def pretrain_run_name(
+    params: PretrainParams, corpus_id: str, *, force: bool, parent: str | None = None
+) -> str:
     """The user's run name, else one derived from the key (the same inputs find the same run, which
     resumes or is already done); a forced run gets a fresh name and trains from scratch."""
     if params.run:
         return params.run
-    name = f"{params.preset}-{corpus_id[:8]}-{pretrain_key(params, corpus_id)[:8]}"
+    name = f"{params.preset}-{corpus_id[:8]}-{pretrain_key(params, corpus_id, parent)[:8]}"
     return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}" if force else name
 
 
@@ -260,6 +264,19 @@ class StageRecord(Generic[StageResult]):
         return {key: value for key, value in ids.items() if value}
 
 
+class Incremental(BaseModel):
+    """What an incremental run grew and continued from; one line per part that ran in full, and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    corpus: str | None = None  # the corpus id the delta grew (or found unchanged)
+    delta_rows: int = 0
+    found: bool = False  # the corpus stage found the corpus built (by an earlier run or corpus-refresh)
+    checkpoint: str | None = None  # the champion's: continued from, or found trained on the corpus
+    continued: bool = False
+    full: tuple[str, ...] = ()
+
+
 class PipelineResult(BaseModel):
     """A pipeline run: its MLflow parent run, each stage's summary and each result of a stage that ran
     or was found done. A run read back from MLflow (a deployment's) has the summaries only."""
@@ -272,6 +289,7 @@ class PipelineResult(BaseModel):
     pretrain: PretrainResult | None = None
     transfer: TransferResult | None = None
     finetune: FinetuneResult | None = None
+    incremental: Incremental | None = None
 
     def shown(self) -> dict[str, Any]:
         """What ``pipeline --json`` prints: the stages, the corpus and training results, and the transfer's
@@ -286,6 +304,8 @@ class PipelineResult(BaseModel):
             shown["pretrain"] = self.pretrain.model_dump()
         if self.transfer is not None:
             shown["transfer"] = self.transfer.model_dump(include={"run_id", "datasets", "registered"})
+        if self.incremental is not None:
+            shown["incremental"] = self.incremental.model_dump()
         return shown
 
 
@@ -539,6 +559,7 @@ def recent_pipelines(settings: Settings, limit: int) -> list[dict[str, Any]]:
             "metrics": dict(run.data.metrics),
             "vs_baseline": probe_vs_baseline(run.data.metrics),
             "model_version": run.data.tags.get("model_version"),
+            "incremental": run.data.tags.get("incremental"),
             "prefect_flow_run_id": run.data.tags.get("prefect_flow_run_id"),
         }
         for run in runs

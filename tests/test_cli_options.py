@@ -59,9 +59,10 @@ def test_every_setting_of_a_command_is_its_models_field_with_its_help_and_defaul
 
 
 def test_the_pipelines_stage_flags_are_the_stages_fields() -> None:
-    """``pipeline --preset``/``--dataset``… are the stages' own fields; its other flags set what only the
-    pipeline has (which stages, from a sweep) or edit any field (``--set``)."""
-    from flows.cli.pipeline import STAGE_FLAGS
+    """``pipeline --preset``/``--dataset``… are the stages' own fields, ``--incremental`` the pipeline's;
+    its other flags set what only the pipeline has (which stages, from a sweep) or edit any field
+    (``--set``)."""
+    from flows.cli.pipeline import OWN_FLAGS, STAGE_FLAGS
     from tasks.pipeline import PipelineParams
 
     options = {p.name: p for p in _command(("pipeline",)).params if p.param_type_name == "option"}
@@ -70,7 +71,7 @@ def test_the_pipelines_stage_flags_are_the_stages_fields() -> None:
         name: stages[stage].model_fields[name]  # type: ignore[union-attr]
         for stage, names in STAGE_FLAGS.items()
         for name in names
-    }
+    } | {name: PipelineParams.model_fields[name] for name in OWN_FLAGS}
     assert set(options) - OWN == set(fields) | {"force", "from_sweep", "finetune", "set_"}
     _flags_are_the_fields(options, fields)
 

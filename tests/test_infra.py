@@ -43,3 +43,13 @@ def test_the_nightly_transfer_reads_the_newest_checkpoint() -> None:
     nightly = next(d for d in PREFECT_FILE["deployments"] if d["name"] == "transfer-nightly")
     params = PipelineParams.model_construct(**nightly["parameters"]["params"])
     assert params.stages == ["transfer"] and params.checkpoint_uri == "newest"
+
+
+def test_the_weekly_pipeline_runs_incrementally() -> None:
+    """The Monday run grows the champion's corpus and continues its checkpoint (tests/test_weekly.py)."""
+    from tasks.pipeline import PipelineParams
+
+    weekly = next(d for d in PREFECT_FILE["deployments"] if d["name"] == "pipeline-weekly")
+    params = PipelineParams.model_validate(weekly["parameters"]["params"])
+    assert params.incremental and params.replay == 0.05
+    assert "pretrain" in params.stages and "corpus" in params.stages

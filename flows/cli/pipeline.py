@@ -20,11 +20,11 @@ from flows.cli.common import (
     styled,
     user_errors,
 )
-from tasks.pipeline import PretrainStage, TransferStage
+from tasks.pipeline import PipelineParams, PretrainStage, TransferStage
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
-    from tasks.pipeline import PipelineParams, PipelineResult
+    from tasks.pipeline import PipelineResult
     from tasks.pretrain.result import PretrainResult
 
 app = typer.Typer()
@@ -33,8 +33,6 @@ PANEL = "Pipeline"
 
 def pipeline_values(**flags: Any) -> dict[str, Any]:
     """Default pipeline parameters as a plain dict, for flags and ``--set`` to change."""
-    from tasks.pipeline import PipelineParams
-
     return PipelineParams.model_construct().model_dump(mode="json") | flags
 
 
@@ -56,9 +54,11 @@ def run_pipeline(params: PipelineParams, *, show_progress: bool = True) -> Pipel
 # The stages' settings the pipeline takes as flags (the rest through --set), each declared once, in the
 # stage's model: the pipeline's stages override only what they fill in themselves.
 STAGE_FLAGS = {"transfer": ("datasets",), "pretrain": ("preset", "launcher", "max_steps")}
+OWN_FLAGS = ("incremental",)  # the pipeline's own settings taken as flags
 
 
 @app.command("pipeline", rich_help_panel=PANEL)
+@options_from(PipelineParams, OWN_FLAGS)
 @options_from(PretrainStage, STAGE_FLAGS["pretrain"])
 @options_from(TransferStage, STAGE_FLAGS["transfer"])
 def pipeline_command(
@@ -98,6 +98,7 @@ def pipeline_command(
         if not from_sweep and not sources:
             raise ValueError("SOURCES: give raw review files or URLs, or --from-sweep SWEEP")
         values = pipeline_values(sources=sources or [], force=force or [])
+        values.update({name: settings[name] for name in OWN_FLAGS})
         if from_sweep:
             values.update(from_sweep=from_sweep, stages=["transfer"])
         if finetune:
@@ -275,6 +276,7 @@ def status(
         "probe vs baseline",
         "model",
         "MLflow run",
+        "incremental",
     ):
         table.add_column(column, overflow="fold")
     for run in runs:
@@ -290,6 +292,6 @@ def status(
         table.add_row(
             run["started"].replace("T", " ").removesuffix("+00:00"), run["status"],
             *run["stages"].values(), metrics or "-", versus or "-", f"v{run['model_version']}" if run["model_version"] else "-",
-            run["run_id"],
+            run["run_id"], run["incremental"] or "-",
         )  # fmt: skip
     out.print(table)
