@@ -1,6 +1,6 @@
 """The weekly run (``pipeline --incremental``): with no champion it is a full run and says so; the next
 week grows the champion's corpus by the new source and continues pretraining from the champion's
-checkpoint; a week with nothing new skips every stage. Real Prefect (the test harness's API), MLflow on
+checkpoint; a week with nothing new skips every stage, whether the challenger beat the champion or not. Real Prefect (the test harness's API), MLflow on
 a SQLite file and torchrun, in this process, on the tiny preset."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _params(sources: list[Path], labelled: Path) -> PipelineParams:
     )
 
 
-@pytest.mark.long  # three whole pipeline runs, two training tiny for 6 steps: 135 s on 2 busy cores
+@pytest.mark.long  # four whole pipeline runs, two training tiny for 6 steps: 135 s (three) on 2 busy cores
 def test_weekly_runs_grow_the_champions_corpus_continue_its_checkpoint_and_skip_when_nothing_is_new(
     home: Path, prefect_api_url: str, tmp_path: Path
 ) -> None:
@@ -35,6 +35,8 @@ def test_weekly_runs_grow_the_champions_corpus_continue_its_checkpoint_and_skip_
 
     from flows.cli.pipeline import run_pipeline
     from tasks.pretrain.stage import read_corpus_manifest
+    from tasks.settings import get_settings
+    from tasks.transfer.registry import promote
 
     old = write_sample(tmp_path / "old", num_reviews=1200, seed=1)
     # A new file of the week (a name of its own: a base source's name with other bytes is a changed one).
@@ -77,3 +79,16 @@ def test_weekly_runs_grow_the_champions_corpus_continue_its_checkpoint_and_skip_
     )
     # The champion is the first run's checkpoint or the challenger that beat it: either way, found done.
     assert third.incremental is not None and third.incremental.found and third.incremental.delta_rows > 0
+
+    # The other outcome of the registry's verdict, whichever the tiny models gave: last week's
+    # challenger as the champion, trained on this very corpus, is the pretraining; nothing runs.
+    challenger = second.transfer.registered if second.transfer is not None else None
+    assert challenger is not None
+    if not challenger.promoted:
+        promote(challenger.version, get_settings(), reason="the other verdict")
+    fourth = run_pipeline(_params([*old, Path(new)], labelled), show_progress=False)
+    assert {stage: info.state for stage, info in fourth.stages.items()} == dict.fromkeys(
+        ("corpus", "pretrain", "transfer"), "skipped"
+    )
+    assert fourth.pretrain is not None and fourth.pretrain.run == second.pretrain.run
+    assert fourth.incremental is not None and not fourth.incremental.continued
