@@ -5,10 +5,12 @@ a SQLite file and torchrun, in this process, on the tiny preset."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+from conftest import cli_in_process
 
 from tasks.corpus.manifest import Manifest
 from tasks.corpus.sample import write_labelled_sample, write_sample
@@ -92,3 +94,11 @@ def test_weekly_runs_grow_the_champions_corpus_continue_its_checkpoint_and_skip_
     )
     assert fourth.pretrain is not None and fourth.pretrain.run == second.pretrain.run
     assert fourth.incremental is not None and not fourth.incremental.continued
+
+    # `status` says it, newest first: the week with nothing new, then the one that grew and continued.
+    shown = cli_in_process(["status", "--json"])
+    lines = [json.loads(line)["incremental"] for line in shown.stdout.splitlines()]
+    assert lines[0].startswith("corpus unchanged (delta of") and "nothing new since checkpoint" in lines[0]
+    assert lines[2].startswith(
+        f"delta of {grown.delta.totals.kept:,} rows on corpus {first.corpus.corpus_id};"
+    )
