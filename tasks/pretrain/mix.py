@@ -23,7 +23,7 @@ import numpy as np
 from tasks.corpus.manifest import Manifest, ManifestError, NoManifest, check_shards, load_manifest
 from tasks.pretrain.config import TrainSettings
 from tasks.pretrain.parent import Parent
-from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError
+from tasks.pretrain.stream import BatchPlan, ByteStream, StreamError, check_world
 from tasks.store import StoreError
 
 
@@ -108,13 +108,7 @@ class RowPlan:
     _rows: tuple[tuple[int, int], ...] = field(init=False, repr=False)  # (stream, row in it) per row
 
     def __post_init__(self) -> None:
-        if self.batch_size % self.world_size:
-            raise StreamError(
-                f"batch size {self.batch_size} is not divisible by {self.world_size} ranks: "
-                "choose a batch size that is a multiple of the number of processes"
-            )
-        if not 0 <= self.rank < self.world_size:
-            raise StreamError(f"rank {self.rank} is outside a world of {self.world_size}")
+        check_world(self.batch_size, self.world_size, self.rank)
         # Each raises for a stream too short for its rows.
         fresh = BatchPlan(self.fresh_bytes, self.batch_size - len(self.replay), self.seq_len)
         streams = [fresh]

@@ -63,6 +63,17 @@ class ByteStream:
         return out
 
 
+def check_world(batch_size: int, world_size: int, rank: int) -> None:
+    """A global batch the ranks can share, and a rank inside its world: a StreamError naming them."""
+    if batch_size % world_size:
+        raise StreamError(
+            f"batch size {batch_size} is not divisible by {world_size} ranks: "
+            "choose a batch size that is a multiple of the number of processes"
+        )
+    if not 0 <= rank < world_size:
+        raise StreamError(f"rank {rank} is outside a world of {world_size}")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Which bytes a rank reads at a step: B rows of T + 1 bytes (inputs and next-byte targets)."""
@@ -74,13 +85,7 @@ class BatchPlan:
     rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.batch_size % self.world_size:
-            raise StreamError(
-                f"batch size {self.batch_size} is not divisible by {self.world_size} ranks: "
-                "choose a batch size that is a multiple of the number of processes"
-            )
-        if not 0 <= self.rank < self.world_size:
-            raise StreamError(f"rank {self.rank} is outside a world of {self.world_size}")
+        check_world(self.batch_size, self.world_size, self.rank)
         if self.steps_per_epoch < 1:
             raise StreamError(
                 f"a stream of {self.stream_bytes:,} bytes gives each of {self.batch_size} rows "
