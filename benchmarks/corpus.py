@@ -730,13 +730,18 @@ def _isolate(run_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    workdir = args.workdir.resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="mlstm-bench-"))
+    return in_workdir(parse_args(argv), _benchmark, prefix="mlstm-bench-")
+
+
+def in_workdir(args: Any, benchmark: Callable[[Any, Path, Path], int], *, prefix: str) -> int:
+    """``benchmark(args, workdir, run_dir)`` with its input kept in ``args.workdir`` (a temporary folder
+    when not given, removed after) and a fresh, isolated run folder inside it, removed after."""
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
     _isolate(run_dir)
     try:
-        return _benchmark(args, workdir, run_dir)
+        return benchmark(args, workdir, run_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         if not args.workdir:

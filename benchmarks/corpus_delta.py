@@ -28,7 +28,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -155,16 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     add_record_option(parser)
     args = parser.parse_args(argv)
     args.partial, args.gzip = True, False  # corpus.py's input: every file, plain JSON lines
-    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="mlstm-delta-"))).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
-    full_bench._isolate(run_dir)
-    try:
-        return _benchmark(args, workdir, run_dir)
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+    return full_bench.in_workdir(args, _benchmark, prefix="mlstm-delta-")
 
 
 def _benchmark(args: Any, workdir: Path, run_dir: Path) -> int:
