@@ -22,9 +22,12 @@ TEST_WORKERS ?= 2
 
 # uv resolves and installs the packages beside torch several times faster than pip (the newcomer's first
 # command waits on it); torch itself and uv come through pip, whose index settings find the CPU build.
-# pip stays the fallback where uv cannot reach an index that pip can.
+# pip stays the fallback where uv cannot reach an index that pip can. uv writes no bytecode unless asked
+# (pip does): where PYTHONDONTWRITEBYTECODE is set, as on these machines, every process then compiled
+# MLflow, Prefect and scikit-learn from source again: importing them with torch and pyarrow took 13.3 s
+# instead of 5.8 s in every CLI, rank and worker (compiling them once at install: about 50 s).
 UV := uv==0.13.9
-FAST_INSTALL = $(VENV)/bin/uv pip install -q --python $(VENV)/bin/python \
+FAST_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(VENV)/bin/python \
 	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -c constraints.txt
 
 $(RUNTIME): pyproject.toml constraints.txt
