@@ -20,28 +20,37 @@ consolidated on first use (``consolidate``, in one process) and cached beside it
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from tasks.jobs.config import OptimizerSettings, Sharding
-from tasks.jobs.dcp_reader import load_into, read_whole
 from tasks.jobs.optim import OptimizerPath, build_optimizer
+
+# FSDP2, DCP and ZeRO are imported where a sharded launch uses them: together about 1.2 s of every rank's
+# start (DTensor's import pulls in sympy), which an unsharded launch (DDP or one rank) never needs.
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by ``fully_shard``: never, if this process has not imported FSDP."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def _zero(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer | None:
+    """The ZeRO optimizer ``optimizer`` is, or None (always, if this process has not imported ZeRO)."""
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer
+    return None
 
 
 def wrap(
@@ -74,6 +83,8 @@ def wrap(
             "--sharding full needs a process group, even on one rank: launch it through torchrun"
         )
     if sharding == "full":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         # bf16/fp16 weights in compute, fp32 master weights and reductions: autocast's numbers.
         policy = MixedPrecisionPolicy(
             param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
@@ -94,7 +105,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 def load_full_weights(model: nn.Module, weights: dict[str, Any]) -> None:
     """Load consolidated weights alone (Adam keeps its own, empty state) into a model of any sharding."""
-    if isinstance(model, FSDPModule):
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
         return
     model.load_state_dict(weights)
@@ -104,7 +117,13 @@ def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, Any], state: dict[str, Any]
 ) -> None:
     """Load a consolidated checkpoint into a model and optimizer of any sharding and world size."""
-    if isinstance(model, FSDPModule):
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, weights, options=options)
         set_optimizer_state_dict(model, optimizer, _by_name(state, _names(model)), options=options)
@@ -115,7 +134,7 @@ def load_full_state(
 
 def is_sharded(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     """Whether no rank holds the whole state: its checkpoint is then saved sharded, through DCP."""
-    return isinstance(optimizer, ZeroRedundancyOptimizer) or isinstance(model, FSDPModule)
+    return _zero(optimizer) is not None or _is_fsdp(model)
 
 
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
@@ -123,11 +142,13 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     and Adam's state by parameter name (under ``optimizer``, only the parameters this rank updates);
     and this rank's param groups (by name), which stay out of the files: they differ between ranks
     under ZeRO, and the hyperparameters come from the launch (lr from the schedule)."""
-    if isinstance(model, FSDPModule):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if _is_fsdp(model):
         # The root keeps its weights gathered after a forward without backward (a validation):
         # shard them again, or the state dict holds whole tensors instead of DTensors.
-        model.reshard()
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        model.reshard()  # type: ignore[operator]
+    inner = zero.optim if (zero := _zero(optimizer)) else optimizer
     adam = get_optimizer_state_dict(model, inner)  # allocates Adam's state (zeros) if there is none yet
     groups: list[Any] = list(adam["param_groups"])
     return {"model": get_model_state_dict(model), "optimizer": adam["state"]}, groups
@@ -136,6 +157,8 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Every rank writes its share into ``directory`` (one per rank, or shared); rank 0 also the
     ``.metadata`` that says where every piece is. Every rank must call this."""
+    import torch.distributed.checkpoint as dcp
+
     state, _ = _sharded_state(model, optimizer)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
 
@@ -143,10 +166,14 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Load DCP files saved at any world size and sharding into this launch's model and optimizer.
     Every rank must call this."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from tasks.jobs.dcp_reader import load_into
+
     state, groups = _sharded_state(model, optimizer)
     load_into(state, directory)  # the index and any stored bytes read as data only
     set_model_state_dict(model, state["model"])
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = zero.optim if (zero := _zero(optimizer)) else optimizer
     set_optimizer_state_dict(model, inner, {"state": state["optimizer"], "param_groups": groups})
 
 
@@ -167,6 +194,8 @@ def optimizer_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 def consolidate(directory: Path, run_state: dict[str, Any]) -> dict[str, Any]:
     """A sharded checkpoint's DCP files and ``run_state.pt`` as one ``state.pt``'s state (no process
     group: one process reads every file)."""
+    from tasks.jobs.dcp_reader import read_whole
+
     saved = read_whole(directory)  # DCP's own dcp_to_torch_save reads the index with a plain pickle
     names = run_state["param_names"]  # the model's order, which plain Adam's indices follow
     weights = {name: saved["model"][name] for name in names}
@@ -177,7 +206,7 @@ def consolidate(directory: Path, run_state: dict[str, Any]) -> dict[str, Any]:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (a sharded tensor counts its local shard only)."""
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = zero.optim if (zero := _zero(optimizer)) else optimizer
     total = 0
     for values in inner.state.values():
         for value in values.values():
