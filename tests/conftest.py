@@ -59,6 +59,10 @@ for name in _MLFLOW_STATE:
 # size their own threads (tasks/jobs/threads.py).
 if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(thread_share(cores=usable_cores(), sharers=workers)))
+# One worker process for a flow's process pool (a corpus build's pieces, a score run's): each worker imports
+# Prefect, torch and the stage's code (3-8 s of CPU) before its first task, and the suite's own workers
+# keep the cores busy anyway. The tests of several workers at once set their own.
+os.environ["MLSTM_MAX_WORKERS"] = "1"
 # Every process the suite starts inherits this, so the session's end finds any that outlived it.
 _SESSION_TOKEN = uuid.uuid4().hex
 os.environ[SESSION_VARIABLE] = _SESSION_TOKEN

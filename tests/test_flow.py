@@ -67,6 +67,7 @@ def test_flow_builds_publishes_artifacts_and_logs_to_mlflow(
 
     monkeypatch.setattr(parse_piece_task, "map", spy("parse", parse_piece_task.map))
     monkeypatch.setattr(reduce_bucket_task, "map", spy("reduce", reduce_bucket_task.map))
+    monkeypatch.setenv("MLSTM_MAX_WORKERS", "2")  # two worker processes write pieces and buckets at once
     sources = [str(amazon_dir / "Gift_Cards_5.json.gz"), str(amazon_dir / "Appliances_5.json.gz")]
     summary = run_corpus_build(sources, store=None, config=SMALL_SPLIT, show_progress=False).model_dump()
     assert sent["parse"][0].pieces == sent["reduce"][0].pieces == ()

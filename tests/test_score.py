@@ -37,11 +37,11 @@ PIECE_ROWS = 64  # four pieces, the last one short
 
 @pytest.fixture(scope="module")
 def scoring_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """MLSTM_HOME for the module: its MLflow database holds the champion."""
+    """MLSTM_HOME for the module: its MLflow database holds the champion. A run has one worker process
+    (conftest); the test of every row once takes two."""
     home = tmp_path_factory.mktemp("score-home")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLSTM_HOME", str(home))
-        patch.setenv("MLSTM_MAX_WORKERS", "2")
         yield home
 
 
@@ -108,8 +108,33 @@ def _parts(output: str, prefix: str = "part-") -> pa.Table:
     return pa.concat_tables(pq.read_table(io.BytesIO(store.read_bytes(k))) for k in keys)
 
 
+@pytest.fixture(scope="module")
+def scored(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """One run of the score flow on the slice with two worker processes, shared by the tests that read
+    what it wrote or sent: its summary, the plans its piece task was mapped with, its flow run."""
+    from prefect.client.orchestration import get_client
+
+    from flows.score import score_piece_task
+
+    mapped: list[Any] = []
+    real = score_piece_task.map
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            score_piece_task,
+            "map",
+            lambda plan, pieces, **kw: mapped.append(plan) or real(plan, pieces, **kw),
+        )
+        output = tmp_path_factory.mktemp("scored") / "out"
+        summary = _score([str(imdb_slice)], str(output), id_columns=["id"], workers=2)
+    with get_client(sync_client=True) as prefect:
+        flow_run = prefect.read_flow_runs(sort="START_TIME_DESC", limit=1)[0]
+    return {"summary": summary, "output": str(output), "mapped": mapped, "flow_run": flow_run}
+
+
 def test_every_row_once_labels_agree_with_predict_checksums_verify(
-    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+    champion: dict[str, Any], imdb_slice: Path, scored: dict[str, Any]
 ) -> None:
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -117,7 +142,7 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
     from flows.cli.common import load_registered
     from tasks.score.scoring import verify
 
-    summary = _score([str(imdb_slice)], str(tmp_path / "out"), id_columns=["id"])
+    summary = scored["summary"]
     assert summary["rows_in"] == summary["rows_out"] == SLICE_ROWS, summary
     assert summary["rejected"] == 0 and summary["pieces_scored"] == 4, summary
     assert summary["model_version"] == champion["version"]
@@ -164,7 +189,7 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
 
     # A rerun finds the published output and scores nothing; so does the flow run alone, as a
     # deployment runs it, describing its inputs itself (the CLI describes them before Prefect starts).
-    again = _score([str(imdb_slice)], str(tmp_path / "out"), id_columns=["id"])
+    again = _score([str(imdb_slice)], scored["output"], id_columns=["id"])
     assert again["output"] == summary["output"] and again["pieces_scored"] == 0
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -175,7 +200,7 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
 
     with prefect_api(get_settings()):
         alone = score(
-            inputs=[str(imdb_slice)], output=str(tmp_path / "out"), id_columns=["id"], piece_rows=PIECE_ROWS
+            inputs=[str(imdb_slice)], output=scored["output"], id_columns=["id"], piece_rows=PIECE_ROWS
         )
         # Describing shows on the flow run's page, as a piece does (minutes for 40 GB).
         with get_client(sync_client=True) as prefect:
@@ -186,33 +211,17 @@ def test_every_row_once_labels_agree_with_predict_checksums_verify(
     assert described and {a.data for a in described} == {100.0}, described
 
 
-def test_each_piece_s_task_takes_the_plan_without_every_piece(
-    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_each_piece_s_task_takes_the_plan_without_every_piece(scored: dict[str, Any]) -> None:
     """The flow maps its pieces with ``Plan.for_pieces()``: a task's arguments stay the same size
     however many pieces the run has (``test_score_inputs.py`` measures them)."""
-    from flows.score import score_piece_task
-
-    mapped: list[Any] = []
-    real = score_piece_task.map
-    monkeypatch.setattr(
-        score_piece_task, "map", lambda plan, pieces, **kw: mapped.append(plan) or real(plan, pieces, **kw)
-    )
-    summary = _score([str(imdb_slice)], str(tmp_path / "out"))
-    assert summary["rows_out"] == SLICE_ROWS and len(mapped) == 1
-    assert mapped[0].pieces == () and mapped[0].files == ()
+    assert scored["summary"]["rows_out"] == SLICE_ROWS and len(scored["mapped"]) == 1
+    assert scored["mapped"][0].pieces == () and scored["mapped"][0].files == ()
 
 
-def test_the_flow_run_s_parameters_do_not_hold_the_inputs_offsets(
-    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
-) -> None:
+def test_the_flow_run_s_parameters_do_not_hold_the_inputs_offsets(scored: dict[str, Any]) -> None:
     """Prefect refuses a flow run whose parameters pass 512 KB, and the described inputs' row offsets
     of the 2014 corpus (82M reviews) are 1 MB of JSON: the CLI hands them over as a file."""
-    from prefect.client.orchestration import get_client
-
-    _score([str(imdb_slice)], str(tmp_path / "out"))
-    with get_client(sync_client=True) as prefect:
-        run = prefect.read_flow_runs(sort="START_TIME_DESC", limit=1)[0]
+    run = scored["flow_run"]
     parameters = json.dumps(run.parameters)
     assert run.name.startswith("score-") and "offsets" not in parameters and len(parameters) < 2048, (
         parameters
