@@ -183,22 +183,6 @@ def test_ctrl_c_on_pretrain_checkpoints_stops_everything_and_a_rerun_resumes(
 
 
 @pytest.mark.slow
-def test_sigterm_to_pretrain_alone_checkpoints_and_stops_everything(
-    cli: Callable[..., Command], manifest: str
-) -> None:
-    """SIGTERM to the CLI process alone (a process manager's stop): 143, one line, no process left."""
-    command = cli(["pretrain", "--corpus", manifest, *FAST, "--run", "termed"], own_api=True)
-    command.wait_until(lambda: "progress step=" in command.job_log(), "first step")
-    seconds = command.signal(signal.SIGTERM, group=False)
-    assert command.process.returncode == 143, command.output
-    line = assert_one_line(command, "terminated")
-    assert_nothing_left(command.home)
-    latest = read_latest(LocalStore(command.home / "store"), "termed")
-    assert latest is not None and f"checkpointed at step {latest['step']};" in line, line
-    print(f"stopped in {seconds:.1f} s")
-
-
-@pytest.mark.slow
 def test_a_cli_killed_outright_takes_its_job_with_it(cli: Callable[..., Command], manifest: str) -> None:
     """SIGKILL to the CLI alone: torchrun and the temporary Prefect API (each in a session of its own)
     and the rank still stop, within seconds, the rank checkpointing first; the rendezvous file the CLI
@@ -238,19 +222,20 @@ def test_ctrl_c_on_finetune_checkpoints_and_stops_everything(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sig", "group", "code", "word"),
-    [(signal.SIGINT, True, 130, "interrupted"), (signal.SIGTERM, False, 143, "terminated")],
+    ("sig", "group", "code", "word", "own_api"),
+    [(signal.SIGINT, True, 130, "interrupted", False), (signal.SIGTERM, False, 143, "terminated", True)],
 )
 def test_pipeline_stops_on_ctrl_c_and_sigterm(
-    cli: Callable[..., Command], tmp_path: Path, sig: int, group: bool, code: int, word: str
+    cli: Callable[..., Command], tmp_path: Path, sig: int, group: bool, code: int, word: str, own_api: bool
 ) -> None:
     """The pipeline signalled in its pretraining stage: the stage's job checkpoints, the pipeline's flow
-    runs end, nothing is left."""
+    runs end, nothing is left. SIGTERM goes to the CLI process alone (a process manager's stop), with
+    its own temporary Prefect API, which must stop with it although the signal never reached it."""
     sample = write_sample(tmp_path / "sample", num_reviews=1500)[0].parent
     labelled = write_labelled_sample(tmp_path / "labelled", num_reviews=300)
     command = cli(
         ["pipeline", str(sample), "--dataset", f"sample={labelled}", "--set", "pretrain.batch_size=8",
-         "--set", "pretrain.seq_len=32", "--set", "pretrain.log_every=1"],
+         "--set", "pretrain.seq_len=32", "--set", "pretrain.log_every=1"], own_api=own_api,
     )  # fmt: skip
     command.wait_until(lambda: "progress step=" in command.job_log(), "first step")
     command.signal(sig, group=group)

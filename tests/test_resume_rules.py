@@ -1,5 +1,5 @@
 """What a resume restores and what it refuses, on one CPU rank (the 2-rank, bit-for-bit version is
-test_pretrain.py::test_resuming_reproduces_the_uninterrupted_run, marked slow).
+test_pretrain.py::test_two_ranks_equal_one_rank_and_a_resumed_run_the_uninterrupted_one, marked slow).
 
 The rules (tasks/jobs/checkpointer.py, ``Checkpointer.resume``; ``TrainConfig.run_settings``):
 relaunching a run by its name continues from its newest checkpoint with the weights, Adam's state, the
