@@ -238,7 +238,7 @@ def test_a_real_run_resumes_from_the_previous_step_when_the_newest_is_cut_short(
 ) -> None:
     store = home / "store"
     args = ["--corpus", sample_manifest, "--store", str(store), *FAST, "--run-name", "cut"]
-    args += ["--checkpoint-every", "4", "--val-every", "100"]
+    args += ["--checkpoint-every", "4", "--val-every", "100", "--tracking", "off"]
     first = run_job([*args, "--max-steps", "8"], home, name="cut")
     assert first["steps"] == 8
     newest = store / step_prefix("cut", 8) / "state.pt"

@@ -30,7 +30,20 @@ from tasks.pretrain.config import PretrainParams
 from tasks.store import LocalStore, Store, open_store
 from tasks.sweep.spec import parse_spec
 
-FAST = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--lr", "0.003", "--log-every", "1"]
+FAST = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--lr",
+    "0.003",
+    "--log-every",
+    "1",
+    "--tracking",
+    "off",
+]  # no test here reads an MLflow run
 
 
 def run(args: list[str], home: Path, *, nproc: int, name: str) -> tuple[list[dict[str, float]], str]:
