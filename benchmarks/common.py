@@ -249,7 +249,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "gpu-check": ("models/", "tasks/pretrain/", "tasks/transfer/solvers/"),
     "job": ("tasks/jobs/checkpoint.py", "tasks/jobs/checkpointer.py", "tasks/jobs/world.py"),
     "neuron": ("tasks/transfer/explain.py", "models/neuron.py"),
-    "pipeline": ("tasks/pipeline.py", "flows/pipeline.py"),
+    "pipeline": ("tasks/pipeline/", "flows/pipeline.py"),
     "pretrain": (
         "models/mlstm.py",
         "models/recurrence.py",

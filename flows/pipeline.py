@@ -7,8 +7,10 @@ tags back to its corpus manifest, its training run and checkpoint, and every Pre
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,26 +33,29 @@ from tasks.corpus.sources import SourceError
 from tasks.finetune.result import FinetuneResult
 from tasks.jobs.checkpoint import read_latest
 from tasks.pipeline import (
-    Incremental,
     PipelineParams,
-    PipelineResult,
     Stage,
-    StageRecord,
-    close_pipeline_run,
-    ended_states,
     finetune_key,
     finetune_params,
     finetune_record_key,
     finished_run,
-    open_pipeline_run,
-    pipeline_metrics,
     pretrain_params,
     pretrain_run_name,
-    registered_lineage,
-    stage_lineage,
     transfer_key,
     transfer_params,
     transfer_record_key,
+)
+from tasks.pipeline.record import (
+    Incremental,
+    PipelineResult,
+    StageRecord,
+    close_pipeline_run,
+    ended_states,
+    open_pipeline_run,
+    pipeline_metrics,
+    registered_lineage,
+    stage_lineage,
+    stage_seconds,
 )
 from tasks.pretrain.parent import Parent, champion_checkpoint, read_parent
 from tasks.pretrain.result import PretrainResult
@@ -65,6 +70,8 @@ from tasks.transfer.stage import accuracy_beside_baseline, checkpoints_loaded_on
 
 # The results of the stages found by a content key (their records in the store).
 Keyed = TypeVar("Keyed", TransferResult, FinetuneResult)
+# A stage's own result model.
+Result = TypeVar("Result")
 
 
 # A missing source or a refused delta stays so on a retry; a network or store error may pass.
@@ -125,19 +132,23 @@ def pipeline(params: PipelineParams) -> PipelineResult:
     )  # fmt: skip
     weekly = Incremental() if params.incremental else None
     champion: Parent | None = None  # an incremental run's parent checkpoint
+    planning = 0.0  # seconds an incremental run spent planning its delta: the corpus stage's
     try:
         if weekly is not None:
             champion, weekly = _champion(settings, weekly)
             if "corpus" in params.stages and params.corpus.base is None:
+                started = time.perf_counter()
                 params, weekly = _grown(params, settings, champion, weekly)
+                planning = time.perf_counter() - started
         # A run reads each checkpoint from the store once: the transfer's key, features and registry share it.
         with checkpoints_loaded_once():
             manifest_uri = resolve_corpus(params.manifest_uri, settings) if params.manifest_uri else None
             if "corpus" in params.stages:
-                records["corpus"] = corpus = _corpus(params, settings, run_id)
+                corpus = _timed(lambda: _corpus(params, settings, run_id), spent=planning)
                 manifest_uri = corpus.result.manifest_uri
                 if weekly is not None and params.corpus.base is not None:
                     weekly = _delta_of(weekly, corpus, settings)
+                records["corpus"] = corpus
             checkpoint_uri = (
                 resolve_checkpoint(params.checkpoint_uri, settings) if params.checkpoint_uri else None
             )
@@ -147,7 +158,10 @@ def pipeline(params: PipelineParams) -> PipelineResult:
                 checkpoint_uri, manifest_uri = best.checkpoint_uri, manifest_uri or best.manifest_uri
             if "pretrain" in params.stages:
                 assert manifest_uri is not None  # PipelineParams checks it
-                records["pretrain"] = trained = _pretrain(params, settings, manifest_uri, run_id, champion)
+                stage_manifest = manifest_uri
+                records["pretrain"] = trained = _timed(
+                    lambda: _pretrain(params, settings, stage_manifest, run_id, champion)
+                )
                 if champion is not None and weekly is not None:
                     continued = trained.result.run != champion.run  # else it had trained on this corpus
                     weekly = weekly.model_copy(
@@ -160,16 +174,19 @@ def pipeline(params: PipelineParams) -> PipelineResult:
             if "transfer" in params.stages:
                 assert checkpoint_uri is not None
                 lineage = lineage | {"checkpoint_uri": checkpoint_uri}
-                records["transfer"] = transferred = _transfer(
-                    params, settings, checkpoint_uri, run_id, lineage
+                probed, known = checkpoint_uri, lineage
+                records["transfer"] = transferred = _timed(
+                    lambda: _transfer(params, settings, probed, run_id, known)
                 )
                 lineage = lineage | registered_lineage(transferred.result)
             if "finetune" in params.stages:
                 assert checkpoint_uri is not None
-                records["finetune"] = finetuned = _finetune(params, settings, checkpoint_uri, run_id)
+                tuned = checkpoint_uri
+                records["finetune"] = finetuned = _timed(lambda: _finetune(params, settings, tuned, run_id))
     except BaseException:
         ended = (corpus.result if corpus else None, trained.result if trained else None)
         metrics = pipeline_metrics(*ended, transferred.result if transferred else None, None)
+        metrics |= stage_seconds(records)
         close_pipeline_run(run_id, ended_states(params.stages, records), lineage, metrics, failed=True)
         raise
     result = PipelineResult(
@@ -184,12 +201,21 @@ def pipeline(params: PipelineParams) -> PipelineResult:
     if weekly is not None:
         lineage = lineage | {"incremental": incremental_line(weekly)}
     metrics = pipeline_metrics(result.corpus, result.pretrain, result.transfer, result.finetune)
+    metrics |= stage_seconds(records)
     summary = _summary(settings, result, lineage)
     close_pipeline_run(
         run_id, ended_states(params.stages, records), lineage, metrics, failed=False, note=summary
     )
     _publish_artifacts(result, summary)
     return result
+
+
+def _timed(run: Callable[[], StageRecord[Result]], spent: float = 0.0) -> StageRecord[Result]:
+    """The stage's record with its wall seconds here (key, skip check and subflow), plus ``spent``
+    on it before (an incremental run's delta planning)."""
+    started = time.perf_counter()
+    record = run()
+    return dataclasses.replace(record, seconds=spent + time.perf_counter() - started)
 
 
 def _from_sweep(sweep_id: str, settings: Settings) -> BestTrial:
@@ -414,7 +440,8 @@ def _summary(settings: Settings, result: PipelineResult, lineage: dict[str, str]
     lines = [f"# Pipeline run {run_link(settings, experiment, result.run_id)}", ""]
     for stage, info in result.stages.items():
         link = run_link(settings, experiment, info.run_id) if info.run_id else "-"
-        lines.append(f"- **{stage}**: {info.state} · MLflow run {link}")
+        took = f" in {info.seconds:.1f} s" if info.seconds is not None else ""
+        lines.append(f"- **{stage}**: {info.state}{took} · MLflow run {link}")
     if result.incremental is not None:
         lines.append(f"- incremental: {incremental_line(result.incremental)}")
     if result.corpus is not None:
@@ -449,6 +476,7 @@ def _publish_artifacts(result: PipelineResult, summary: str) -> None:
                 "stage": stage,
                 "state": info.state,
                 "key": info.key,
+                "seconds": round(info.seconds, 1) if info.seconds is not None else "-",
                 "mlflow_run_id": info.run_id,
                 "prefect_flow_run_id": info.flow_run_id or "-",
             }

@@ -193,7 +193,7 @@ def test_a_pipeline_that_trained_without_validation_prints_its_result(
     path's brackets print as typed."""
     from flows.cli.pipeline import print_pipeline
     from tasks.corpus.result import CorpusResult
-    from tasks.pipeline import PipelineResult, StageSummary
+    from tasks.pipeline.record import PipelineResult, StageSummary
     from tasks.pretrain.result import PretrainResult
 
     result = PipelineResult(

@@ -127,7 +127,7 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path: Path, content: bytes, p
 
 
 def test_the_report_the_model_card_and_status_show_the_probe_beside_the_baseline() -> None:
-    from tasks.pipeline import probe_vs_baseline
+    from tasks.pipeline.record import probe_vs_baseline
     from tasks.transfer.registry import model_card, report_markdown
     from tasks.transfer.result import BaselineReport, ProbeReport
 

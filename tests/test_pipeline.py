@@ -91,6 +91,11 @@ def test_pipeline_runs_skips_reruns_and_keeps_lineage(inputs: dict[str, Path], e
     assert parent.data.metrics["reviews_test_accuracy"] > 0.5 + 3 * math.sqrt(0.25 / num_test)
     assert {parent.data.tags[f"stage.{s}"] for s in ("corpus", "pretrain", "transfer")} == {"ran"}
     assert parent.data.params["sources"] == str(inputs["sample"])
+    # Each stage's wall seconds, in the result and as the parent run's metric, within the run's.
+    seconds = {stage: info["seconds"] for stage, info in result["stages"].items()}
+    assert all(value > 0 for value in seconds.values())
+    assert {s: parent.data.metrics[f"{s}_seconds"] for s in seconds} == pytest.approx(seconds)
+    assert sum(seconds.values()) <= (parent.info.end_time - parent.info.start_time) / 1000 + 0.002
     assert "pipeline_run_id" not in parent.data.tags  # its own ids are lineage for the model, not for it
 
     # The registered version leads back to the corpus, the training run, the checkpoint, the flow runs.
@@ -417,3 +422,39 @@ def test_a_pipeline_run_plans_the_job_once_and_reads_the_checkpoint_once(
         "transfer": "skipped",
     }
     assert calls == {"plan_job": 0, "load_checkpoint": 1}  # the transfer's key: the weights' fingerprint
+
+
+@pytest.mark.slow  # two corpus-only pipeline runs in this process: about 20 s
+def test_each_stage_records_its_seconds_within_the_runs_wall_time(
+    home: Path, prefect_api_url: str, tmp_path: Path
+) -> None:
+    """A stage's wall seconds (its key and skip check included) are in the result (`--json`), the
+    summary and the MLflow parent run (a metric per stage), read back as they were, and the stages' sum
+    fits in the run's wall time from MLflow's own start and end; a skipped stage is timed too."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.cli.pipeline import run_pipeline
+    from tasks.pipeline.record import pipeline_result_of
+    from tasks.settings import get_settings
+    from tasks.tracking import connect
+
+    sample = write_sample(tmp_path / "sample", num_reviews=300)[0].parent
+    params = PipelineParams(sources=[str(sample)], stages=["corpus"])
+    settings = get_settings()
+    for state in ("ran", "skipped"):
+        result = run_pipeline(params, show_progress=False)
+        corpus = result.stages["corpus"]
+        assert corpus.state == state
+        assert corpus.seconds is not None and corpus.seconds > 0
+        assert result.shown()["stages"]["corpus"]["seconds"] == corpus.seconds
+        connect(settings)
+        run = MlflowClient().get_run(result.run_id)
+        assert run.data.metrics["corpus_seconds"] == pytest.approx(corpus.seconds)
+        assert f"**corpus**: {state} in {corpus.seconds:.1f} s" in run.data.tags["mlflow.note.content"]
+        assert run.info.end_time is not None
+        wall = (run.info.end_time - run.info.start_time) / 1000
+        assert sum(s.seconds or 0 for s in result.stages.values()) <= wall + 0.002  # MLflow keeps ms
+        flow_run_id = run.data.tags["prefect_flow_run_id"]
+        assert pipeline_result_of(flow_run_id, settings).stages["corpus"].seconds == pytest.approx(
+            corpus.seconds
+        )

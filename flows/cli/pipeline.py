@@ -24,7 +24,7 @@ from tasks.pipeline import PipelineParams, PretrainStage, TransferStage
 from tasks.settings import get_settings
 
 if TYPE_CHECKING:
-    from tasks.pipeline import PipelineResult
+    from tasks.pipeline.record import PipelineResult
     from tasks.pretrain.result import PretrainResult
 
 app = typer.Typer()
@@ -197,7 +197,7 @@ def run_stage(
 
 def _rerun_values(stage: str, origin: str | None) -> dict[str, Any]:
     """The parameters a rerun starts from: a past pipeline run's (the newest by default) or a URI's."""
-    from tasks.pipeline import pipeline_params_of, recent_pipelines
+    from tasks.pipeline.record import pipeline_params_of, recent_pipelines
     from tasks.tracking import nothing_tracked
 
     settings = get_settings()
@@ -222,7 +222,7 @@ def run_through_deployment(name: str, params: PipelineParams) -> PipelineResult:
     """Create a run of a pipeline deployment, follow its state and logs until it ends; its result is
     read back from the MLflow run it made."""
     from flows.runtime import configured_api_url, follow_flow_run, prefect_api, submit_deployment
-    from tasks.pipeline import pipeline_result_of
+    from tasks.pipeline.record import pipeline_result_of
 
     settings = get_settings()
     if not configured_api_url(settings):
@@ -255,7 +255,7 @@ def status(
                 f"no pipeline runs yet ({settings.shown_mlflow_tracking_uri}): `mlstm-sentiment demo` runs one"
             )
         return
-    from tasks.pipeline import recent_pipelines
+    from tasks.pipeline.record import recent_pipelines
 
     try:
         runs = recent_pipelines(settings, limit)
