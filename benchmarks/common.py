@@ -262,6 +262,14 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "sharding": ("tasks/jobs/sharding.py", "tasks/pretrain/step.py"),
     "sweep": ("tasks/sweep/",),
     "threads": ("tasks/jobs/threads.py", "models/mlstm.py", "models/recurrence.py"),
+    "weekly": (
+        "tasks/pipeline/",
+        "flows/pipeline.py",
+        "tasks/corpus/delta.py",
+        "tasks/corpus/grow.py",
+        "tasks/pretrain/mix.py",
+        "tasks/pretrain/parent.py",
+    ),
 }
 
 

@@ -51,6 +51,11 @@ GENERATED = (
     "edit those, not this page. -->"
 )
 MIB = 2**20
+# Pages beside this one whose prose quotes a record's figure, written in place as
+# ``<!-- {= NAME PATH | FORMAT =} -->VALUE<!-- /= -->``: the renderer rewrites VALUE (and --check checks it),
+# so a figure in an operator's page is the record's, never typed in.
+PAGES = (REPO / "docs" / "operations.md",)
+QUOTED = re.compile(r"(?P<open><!-- (?P<figure>\{=.*?=\}) -->)(?P<value>.*?)(?P<close><!-- /= -->)")
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -317,6 +322,32 @@ def pipeline_tables(results: dict[str, Any]) -> str:
             f"A {settings['reviews']:,}-review sample, tiny mLSTM {settings['steps']} steps.",
             "",
             table(["run", "seconds", "first ÷ run", "stages"], rows),
+        ]
+    )
+
+
+def weekly_tables(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    rows = [
+        [row["stage"], num(row["full_s"]), num(row["weekly_s"]), f"{row['ratio']:.2f}×"]
+        for row in results["stages"]
+    ]
+    weekly = results["runs"][1]
+    trained = [
+        [run["run"], f"{run['rows']:,}", str(run["steps"]), "" if run["val_bpc"] is None else f"{run['val_bpc']:.3f}"]
+        for run in results["runs"]
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            f"Base: {', '.join(f'`{name}`' for name in settings['base'])}; the week's new file: "
+            f"`{settings['new']}`, a delta of {results['delta_rows']:,} rows of {weekly['rows']:,}. Tiny, "
+            f"{settings['steps']} steps from scratch against {settings['continued_steps']} continued "
+            f"(replay {settings['replay']:g}); the weekly home's set-up run took "
+            f"{num(results['setup_seconds'])} s. {results['notes']}.",
+            "",
+            table(["stage", "(a) full, s", "(b) weekly, s", "(b) ÷ (a)"], rows),
+            "",
+            table(["run", "corpus rows", "steps trained", "val bpc (the same val split)"], trained),
         ]
     )
 
@@ -857,6 +888,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "features": features_tables,
     "scaling": scaling_tables,
     "pipeline": pipeline_tables,
+    "weekly": weekly_tables,
     "sweep": sweep_tables,
     "score": score_tables,
     "probe": probe_tables,
@@ -960,22 +992,34 @@ def render(template: str, results: Path = RESULTS, repo: Path = REPO) -> str:
     return f"{GENERATED}\n\n{body}"
 
 
+def quoted(page: str, results: Path = RESULTS) -> str:
+    """A page beside this one with each figure it quotes in place (``PAGES``) rewritten from its record."""
+
+    def value(match: re.Match[str]) -> str:
+        figures = FIGURE.sub(lambda found: figure(found, results), match["figure"])
+        return f"{match['open']}{figures}{match['close']}"
+
+    return QUOTED.sub(value, page)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--check", action="store_true", help="Only check that the page is what it renders.")
     args = parser.parse_args(argv)
-    page = render(TEMPLATE.read_text())
+    pages = {DOC: render(TEMPLATE.read_text())} | {path: quoted(path.read_text()) for path in PAGES}
     if args.check:
-        if DOC.read_text() != page:
+        differ = [path for path, page in pages.items() if path.read_text() != page]
+        for path in differ:
             print(
-                f"{DOC.relative_to(REPO)} differs from what benchmarks/render.py renders: "
+                f"{path.relative_to(REPO)} differs from what benchmarks/render.py renders: "
                 "run `PYTHONPATH=. .venv/bin/python benchmarks/render.py`",
                 file=sys.stderr,
             )
-            return 1
-        return 0
-    DOC.write_text(page)
-    print(f"wrote {DOC.relative_to(REPO)}", file=sys.stderr)
+        return 1 if differ else 0
+    for path, page in pages.items():
+        if path.read_text() != page:
+            path.write_text(page)
+            print(f"wrote {path.relative_to(REPO)}", file=sys.stderr)
     return 0
 
 

@@ -28,3 +28,24 @@ def test_the_pipeline_benchmark_reports_first_unchanged_and_rerun() -> None:
     assert report["runs"][2]["stages"] == {"transfer": "ran"}
     assert all(run["seconds"] > 0 and run["ratio"] > 0 for run in report["runs"])
     assert "first ÷ run" in done.stderr
+
+
+@pytest.mark.long  # three pipeline runs on real reviews: about 4 minutes on 2 busy cores
+@pytest.mark.skipif(
+    not (Path("/work/shared/data/amazon") / "Appliances_5.json.gz").is_file(), reason="no shared Amazon files"
+)
+def test_the_weekly_benchmark_reports_each_stage_of_a_full_and_a_weekly_run() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "weekly.py"), "--steps", "10", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert [row["stage"] for row in report["stages"]] == ["corpus", "pretrain", "transfer", "whole run"]
+    assert all(row["full_s"] > 0 and row["weekly_s"] > 0 and row["ratio"] > 0 for row in report["stages"])
+    full, weekly = report["runs"]
+    assert full["rows"] == weekly["rows"] and report["delta_rows"] > 0
+    assert (full["steps"], weekly["steps"]) == (10, 2)
+    # The stages' own seconds fit in each command's wall time.
+    assert all(sum(run["stage_seconds"].values()) <= run["seconds"] for run in report["runs"])
+    assert "(b) ÷ (a)" not in done.stderr and "b ÷ a" in done.stderr

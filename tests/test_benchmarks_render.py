@@ -170,3 +170,21 @@ def test_a_figure_in_the_prose_is_read_from_its_record(render: ModuleType, tmp_p
     with pytest.raises(SystemExit, match=re.escape("probe-x.json has no 'rows.1.speedup'")):
         render.render("{= probe-x rows.1.speedup =}", tmp_path)
     assert "to be measured" in render.render("{= probe-y rows.0.speedup =}", tmp_path)
+
+
+def test_a_figure_quoted_in_another_page_is_rewritten_from_its_record(
+    render: ModuleType, tmp_path: Path
+) -> None:
+    # docs/operations.md quotes the weekly run's figures in place: the renderer rewrites them from the record.
+    (tmp_path / "weekly-x.json").write_text(json.dumps({"results": {"stages": [{"ratio": 0.314}]}}))
+    page = "costs <!-- {= weekly-x stages.0.ratio | .2f =} -->9.99<!-- /= -->× a full run"
+    assert render.quoted(page, tmp_path) == page.replace("9.99", "0.31")
+
+
+def test_the_pages_quoting_figures_are_what_their_records_render(render: ModuleType) -> None:
+    # A figure typed into docs/operations.md by hand, or a record made without re-rendering, fails here.
+    for path in render.PAGES:
+        assert render.QUOTED.search(path.read_text()), f"{path.name} quotes no figure: drop it from PAGES"
+        assert path.read_text() == render.quoted(path.read_text()), (
+            f"{path.name} is stale: run `PYTHONPATH=. .venv/bin/python benchmarks/render.py`"
+        )
