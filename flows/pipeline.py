@@ -145,10 +145,10 @@ def pipeline(params: PipelineParams) -> PipelineResult:
             manifest_uri = resolve_corpus(params.manifest_uri, settings) if params.manifest_uri else None
             if "corpus" in params.stages:
                 corpus = _timed(lambda: _corpus(params, settings, run_id), spent=planning)
+                records["corpus"] = corpus
                 manifest_uri = corpus.result.manifest_uri
                 if weekly is not None and params.corpus.base is not None:
                     weekly = _delta_of(weekly, corpus, settings)
-                records["corpus"] = corpus
             checkpoint_uri = (
                 resolve_checkpoint(params.checkpoint_uri, settings) if params.checkpoint_uri else None
             )
