@@ -2,7 +2,7 @@
 """What a weekly run (`pipeline --incremental`) costs against a full one, stage by stage, on real reviews.
 
 Runs `mlstm-sentiment pipeline` as a user does (a subprocess, the embedded defaults: a temporary Prefect
-API, MLflow on SQLite, the store in a folder) on Amazon review files of /work/shared/data/amazon (or
+API, MLflow on SQLite, the store in a folder) on Amazon review files of the shared data beside the checkout (or
 ``--data``): a few small files are last week's sources, one more is the week's new file.
 
 - set-up (not measured): in the weekly home, `pipeline BASE --incremental` with no champion: a full run
@@ -36,7 +36,12 @@ from common import add_record_option, checkout_path, describe, machine, new_pars
 
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "mlstm-sentiment")
-DATA = Path("/work/shared/data/amazon")
+# The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
+DATA = (
+    Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
+    / "data"
+    / "amazon"
+)
 # Last week's sources and the week's new file: 2018 5-core files, small enough for 2 cores. Appliances
 # repeats most of its records (2,074 of 2,277), so the delta is a few percent of the corpus's rows.
 BASE = ("AMAZON_FASHION_5.json.gz", "Gift_Cards_5.json.gz", "Magazine_Subscriptions_5.json.gz")

@@ -31,12 +31,9 @@ def test_the_pipeline_benchmark_reports_first_unchanged_and_rerun() -> None:
 
 
 @pytest.mark.long  # three pipeline runs on real reviews: about 4 minutes on 2 busy cores
-@pytest.mark.skipif(
-    not (Path("/work/shared/data/amazon") / "Appliances_5.json.gz").is_file(), reason="no shared Amazon files"
-)
-def test_the_weekly_benchmark_reports_each_stage_of_a_full_and_a_weekly_run() -> None:
+def test_the_weekly_benchmark_reports_each_stage_of_a_full_and_a_weekly_run(amazon_dir: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "weekly.py"), "--steps", "10", "--json"],
+        [sys.executable, str(REPO / "benchmarks" / "weekly.py"), "--steps", "10", "--data", str(amazon_dir), "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
