@@ -336,3 +336,17 @@ def probe_goal_misses(verdicts: list[tuple[str, dict[str, Any]]]) -> list[str]:
         for case, goal in verdicts
         if not all(goal[key] for key in PROBE_GOAL_PARTS)
     ]
+
+
+def timed_cli(args: list[str], env: dict[str, str], cwd: Path) -> tuple[float, dict[str, Any]]:
+    """``mlstm-sentiment ARGS --json`` run as a user runs it (this interpreter's console script): its wall
+    seconds, start-up included, and its ``--json`` result; a failed command stops the benchmark."""
+    import time
+
+    started = time.perf_counter()
+    command = [str(Path(sys.executable).parent / "mlstm-sentiment"), *args, "--json"]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"`mlstm-sentiment {' '.join(args)}` failed:\n{done.stderr}")
+    return seconds, json.loads(done.stdout)

@@ -19,26 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
-from common import add_record_option, describe, machine, new_parser, record
-
-BIN = Path(sys.executable).parent
-CLI = str(BIN / "mlstm-sentiment")
-
-
-def timed(args: list[str], env: dict[str, str], cwd: Path) -> tuple[float, dict[str, Any]]:
-    started = time.perf_counter()
-    done = subprocess.run([CLI, *args, "--json"], cwd=cwd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"`mlstm-sentiment {' '.join(args)}` failed:\n{done.stderr}")
-    return seconds, json.loads(done.stdout)
+from common import add_record_option, describe, machine, new_parser, record, timed_cli
 
 
 def main() -> None:
@@ -78,7 +63,7 @@ def main() -> None:
             ("unchanged", pipeline, {"corpus": "skipped", "pretrain": "skipped", "transfer": "skipped"}),
             ("rerun transfer", ["run", "transfer"], {"transfer": "ran"}),
         ):
-            seconds, result = timed(command, env, root)
+            seconds, result = timed_cli(command, env, root)
             states = {stage: info["state"] for stage, info in result["stages"].items()}
             if states != expected:
                 raise SystemExit(f"{name}: stages {states}, expected {expected}")

@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from common import add_record_option, checkout_path, describe, machine, new_parser, record, say
+from common import add_record_option, checkout_path, describe, machine, new_parser, record, say, timed_cli
 
-BIN = Path(sys.executable).parent
-CLI = str(BIN / "mlstm-sentiment")
 # The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
 DATA = (
     Path(os.environ.get("MLSTM_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
@@ -47,16 +43,6 @@ DATA = (
 BASE = ("AMAZON_FASHION_5.json.gz", "Gift_Cards_5.json.gz", "Magazine_Subscriptions_5.json.gz")
 NEW = "Appliances_5.json.gz"
 STAGES = ("corpus", "pretrain", "transfer")
-
-
-def timed(args: list[str], env: dict[str, str], cwd: Path) -> tuple[float, dict[str, Any]]:
-    """The command's wall seconds and its ``--json`` result."""
-    started = time.perf_counter()
-    done = subprocess.run([CLI, *args, "--json"], cwd=cwd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"`mlstm-sentiment {' '.join(args)}` failed:\n{done.stderr[-4000:]}")
-    return seconds, json.loads(done.stdout)
 
 
 def environment(home: Path) -> dict[str, str]:
@@ -128,19 +114,19 @@ def main() -> None:
         ran = dict.fromkeys(STAGES, "ran")
         weekly_env = environment(root / "weekly")
         say(f"set-up: the champion trained on {len(base)} files, {args.steps} steps")
-        setup_seconds, setup = timed(
+        setup_seconds, setup = timed_cli(
             ["pipeline", *base, "--incremental", *common, *budget(args.steps)], weekly_env, root
         )
         checked("set-up", setup, ran)
         if setup["transfer"]["registered"] is None or not setup["transfer"]["registered"]["promoted"]:
             raise SystemExit("set-up: its model was not registered as the champion")
         say(f"(a) full: every source, {args.steps} steps from scratch")
-        full_seconds, full = timed(
+        full_seconds, full = timed_cli(
             ["pipeline", *every, *common, *budget(args.steps)], environment(root / "full"), root
         )
         checked("(a) full", full, ran)
         say(f"(b) weekly: the delta of {NEW}, {continued} steps continued")
-        weekly_seconds, weekly = timed(
+        weekly_seconds, weekly = timed_cli(
             [
                 "pipeline",
                 *every,
