@@ -8,6 +8,7 @@ import functools
 import http.server
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -63,6 +64,11 @@ if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))) > 1:
 # Prefect, torch and the stage's code (3-8 s of CPU) before its first task, and the suite's own workers
 # keep the cores busy anyway. The tests of several workers at once set their own.
 os.environ["MLSTM_MAX_WORKERS"] = "1"
+# Ctrl-C's default action for the suite and every process it starts, as a terminal gives it: a shell starts
+# its background jobs with SIGINT ignored, a disposition children inherit, and a Python started so never
+# raises KeyboardInterrupt (the Ctrl-C tests then saw commands ignore the signal).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Every process the suite starts inherits this, so the session's end finds any that outlived it.
 _SESSION_TOKEN = uuid.uuid4().hex
 os.environ[SESSION_VARIABLE] = _SESSION_TOKEN

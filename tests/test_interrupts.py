@@ -94,7 +94,7 @@ def cli(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[...
         home.mkdir(parents=True, exist_ok=True)
         process = subprocess.Popen(
             [CLI, *args], env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_as_a_terminal_starts_it,
+            start_new_session=True,
         )  # fmt: skip
         command = Command(process, home)
         threading.Thread(target=_read, args=(command,), daemon=True).start()
@@ -108,12 +108,6 @@ def cli(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[...
         command.process.wait()
     for line in left_running(home):
         os.kill(int(line.split()[0]), signal.SIGKILL)
-
-
-def _as_a_terminal_starts_it() -> None:
-    """Ctrl-C's default action, whatever this suite inherited: a shell starts its background jobs with
-    SIGINT ignored, and a Python started so never raises KeyboardInterrupt."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _read(command: Command) -> None:
