@@ -88,13 +88,16 @@ def build_corpus(
         s3_endpoint_url=settings.s3_endpoint_url,
         cache_path=settings.home / "cache" / "fingerprints.json",
     )
+    if plan.full_build_reason:  # config.base could not be grown, and config.fallback asked for this
+        logger.warning("%s", plan.full_build_reason)
     with building(
         target, plan.prefix, plan.corpus_id, grows=plan.base_prefix
     ) as lock:  # one build of a corpus at a time
         if target.exists(plan.manifest_key) and not force:
             target.delete_prefix(plan.work_key())  # what a build killed as it published left
             logger.info("corpus %s is already built: %s", plan.corpus_id, target.url(plan.manifest_key))
-            return CorpusResult.of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+            manifest = read_manifest(target, plan.manifest_key)
+            return CorpusResult.of(manifest, target.url(plan.manifest_key), plan.full_build_reason)
         return _build(plan, target, settings, lock, started, parent_run_id)
 
 
@@ -146,12 +149,15 @@ def _build(
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run_id = log_corpus(settings, manifest, manifest_uri, seconds, tags)
-    _publish_artifacts(manifest, manifest_uri, run_link(settings, experiment_id(settings), run_id))
+    mlflow_run = run_link(settings, experiment_id(settings), run_id)
+    _publish_artifacts(manifest, manifest_uri, mlflow_run, plan.full_build_reason)
     logger.info("corpus %s published: %s (%.1f s)", plan.corpus_id, manifest_uri, seconds)
-    return CorpusResult.of(manifest, manifest_uri)
+    return CorpusResult.of(manifest, manifest_uri, plan.full_build_reason)
 
 
-def _publish_artifacts(manifest: Manifest, manifest_uri: str, mlflow_run: str) -> None:
+def _publish_artifacts(
+    manifest: Manifest, manifest_uri: str, mlflow_run: str, full_build_reason: str | None
+) -> None:
     """What a user sees on the flow run's page in the Prefect UI."""
     rows = [
         {
@@ -176,7 +182,9 @@ def _publish_artifacts(manifest: Manifest, manifest_uri: str, mlflow_run: str) -
             f"- {totals.records:,} records: {totals.kept:,} kept, "
             f"{totals.duplicates:,} duplicates, {totals.rejected:,} rejected "
             f"(kept under `{manifest.rejected_uri}`)\n"
-            f"- MLflow run: {mlflow_run}\n" + _delta_line(manifest)
+            f"- MLflow run: {mlflow_run}\n"
+            + _delta_line(manifest)
+            + (f"- built in full: {full_build_reason}\n" if full_build_reason else "")
         ),
         description="The published corpus",
     )

@@ -27,7 +27,7 @@ from flows.pretrain import pretrain
 from flows.runtime import retry_unless, task_runner
 from flows.transfer import transfer
 from tasks.corpus.delta import DeltaRefused, plan_build
-from tasks.corpus.manifest import newest_manifest, read_manifest
+from tasks.corpus.manifest import read_manifest
 from tasks.corpus.result import CorpusResult
 from tasks.corpus.sources import SourceError
 from tasks.finetune.result import FinetuneResult
@@ -246,29 +246,24 @@ def incremental_line(weekly: Incremental) -> str:
 def _grown(
     params: PipelineParams, settings: Settings, champion: Parent | None, weekly: Incremental
 ) -> tuple[PipelineParams, Incremental]:
-    """An incremental run's corpus: a delta on the champion's corpus (what the model has not read yet;
-    a corpus built since, by ``corpus-refresh`` in full, is no base for it), else on the newest corpus in
-    the store, else a full build, said in one line: no corpus yet, or a base source removed or changed."""
-    store = store_of(settings)
-    base = champion.corpus if champion is not None else "newest" if newest_manifest(store) else None
-    if base is None:
-        why = f"incremental: no corpus in {store.url('')} to grow: the corpus is built in full"
-        get_run_logger().info("%s", why)
-        return params, weekly.model_copy(update={"full": (*weekly.full, why)})
+    """An incremental run's corpus: a delta on the champion's corpus (what the model has not read yet,
+    whatever ``corpus-refresh`` grew since), else on the newest corpus in the store, else a full build,
+    said in one line (``plan_build`` decides, as for ``corpus-refresh``): no corpus yet, or a base
+    source removed or changed."""
+    base = champion.corpus if champion is not None else "newest"
     grown = params.model_copy(update={"corpus": params.corpus.model_copy(update={"base": base})})
-    try:
-        plan_build(
-            grown.sources,
-            grown.corpus,
-            store,
-            s3_endpoint_url=settings.s3_endpoint_url,
-            cache_path=settings.home / "cache" / "fingerprints.json",
-        )
-    except DeltaRefused as error:
-        why = f"incremental: {error}; the corpus is built in full"
-        get_run_logger().warning("%s", why)
-        return params, weekly.model_copy(update={"full": (*weekly.full, why)})
-    return grown, weekly
+    plan = plan_build(
+        grown.sources,
+        grown.corpus.model_copy(update={"fallback": "full"}),
+        store_of(settings),
+        s3_endpoint_url=settings.s3_endpoint_url,
+        cache_path=settings.home / "cache" / "fingerprints.json",
+    )
+    if plan.full_build_reason is None:
+        return grown, weekly
+    why = f"incremental: {plan.full_build_reason}"
+    get_run_logger().warning("%s", why)
+    return params, weekly.model_copy(update={"full": (*weekly.full, why)})
 
 
 def _delta_of(weekly: Incremental, corpus: StageRecord[CorpusResult], settings: Settings) -> Incremental:

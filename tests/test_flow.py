@@ -73,7 +73,14 @@ def test_flow_builds_publishes_artifacts_and_logs_to_mlflow(
     assert sent["parse"][0].pieces == sent["reduce"][0].pieces == ()
     inputs = sent["reduce"][3]  # per bucket, the ids of the pieces that wrote it
     assert all(isinstance(ids, tuple) for ids in inputs) and "s00000-p0000" in inputs[0]
-    assert set(summary) == {"corpus_id", "manifest_uri", "rows", "duplicates", "rejected"}
+    assert set(summary) == {
+        "corpus_id",
+        "manifest_uri",
+        "rows",
+        "duplicates",
+        "rejected",
+        "full_build_reason",
+    }
     manifest_path = Path(summary["manifest_uri"])
     assert manifest_path.is_file() and manifest_path.is_relative_to(home.resolve() / "store")
     manifest = json.loads(manifest_path.read_text())

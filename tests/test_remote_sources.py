@@ -343,7 +343,14 @@ def _s3_objects(bucket: str, prefix: str) -> dict[str, bytes]:
 
 def _check_published(bucket: str, summary: dict[str, Any]) -> dict[str, Any]:
     """The manifest and every shard it lists are in the bucket, as the manifest says."""
-    assert set(summary) == {"corpus_id", "manifest_uri", "rows", "duplicates", "rejected"}
+    assert set(summary) == {
+        "corpus_id",
+        "manifest_uri",
+        "rows",
+        "duplicates",
+        "rejected",
+        "full_build_reason",
+    }
     corpus = f"store/corpora/{summary['corpus_id']}"
     assert summary["manifest_uri"] == f"s3://{bucket}/{corpus}/manifest.json"
     objects = _s3_objects(bucket, corpus + "/")

@@ -66,7 +66,8 @@ def run_corpus_build(
         # Local sources are cheap to fingerprint again: a corpus already built needs no flow run.
         plan = plan_build(sources, config, target, cache_path=settings.home / "cache" / "fingerprints.json")
         if target.exists(plan.manifest_key):
-            return CorpusResult.of(read_manifest(target, plan.manifest_key), target.url(plan.manifest_key))
+            manifest = read_manifest(target, plan.manifest_key)
+            return CorpusResult.of(manifest, target.url(plan.manifest_key), plan.full_build_reason)
         if len(plan.pieces) <= 1 and settings.task_runner == "process":
             # One piece and one bucket: nothing to run side by side, and starting the pool's worker
             # processes (each importing pyarrow and Prefect) was most of such a build (benchmarks/corpus_delta.py).
@@ -79,7 +80,7 @@ def run_corpus_build(
 
 # The build's settings as flags: each is declared once, in tasks/corpus/config.py (the build's) and
 # tasks/settings.py (the workers', shared with `score`).
-SETTINGS = ("split", "shard_mb", "bucket_mb", "piece_mb", "base")
+SETTINGS = ("split", "shard_mb", "bucket_mb", "piece_mb", "base", "fallback")
 WORKER_SETTINGS = tuple(WorkerOptions.model_fields)
 
 
@@ -120,6 +121,8 @@ def corpus_build(
         sep="",
     )
     out.print(f"manifest: {summary.manifest_uri}", highlight=False)
+    if summary.full_build_reason:
+        out.print(f"built in full: {summary.full_build_reason}", highlight=False)
 
 
 def _load_manifest(uri: str) -> Manifest:

@@ -89,6 +89,8 @@ class CorpusPlan:
     pieces: tuple[Piece, ...]
     num_buckets: int
     base: BaseKeys | None = None  # a delta's: the corpus it grows, deduplicated against its key index
+    # A build asked to grow a base (``config.fallback`` "full") that is a full one instead: the one line why.
+    full_build_reason: str | None = None
 
     @property
     def manifest_key(self) -> str:

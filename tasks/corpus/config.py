@@ -4,7 +4,7 @@ generated from it (``flows/cli/corpus.py``)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -35,7 +35,15 @@ class CorpusConfig(BaseModel):
         default=None,
         description=(
             "Grow this corpus (its manifest URI, or newest: the one published last in the store) by the "
-            "SOURCES it does not hold; refused if one of its sources is missing or changed."
+            "SOURCES it does not hold; refused if one of its sources is missing or changed (see --fallback)."
+        ),
+    )
+    # Not in the identity either: it picks which plan is built, and each plan's id says what it holds.
+    fallback: Literal["refuse", "full"] = Field(
+        default="refuse",
+        description=(
+            "When the base cannot be grown (no corpus in the store, a base source missing or changed, "
+            "another split, no key index): refuse, or build all the SOURCES in full, saying why in one line."
         ),
     )
 

@@ -8,7 +8,8 @@ base and the delta is the base's: the same row as a full build's whenever the de
 after the base's in source order, as new dated files do).
 
 A delta only adds: a base source that is missing from SOURCES, or whose bytes changed, refuses the
-delta, naming it, before any work (the user builds in full, without ``--base``).
+delta, naming it, before any work (the user builds in full, without ``--base``), unless the build asked
+to fall back to a full one (``fallback: full``, as the weekly ``corpus-refresh`` does), which then says why.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from tasks.store import Store
 
 
 class DeltaRefused(ValueError):
-    """A delta that cannot be built on its base: the one line says which source or setting, and why."""
+    """A delta that cannot be built on its base: the one line says which source or setting, and why.
+
+    ``reason`` is that line without the advice (what to pass instead), for a build that falls back to
+    a full one and says why."""
+
+    def __init__(self, reason: str, advice: str | None = None) -> None:
+        super().__init__(f"{reason}; {advice}" if advice else reason)
+        self.reason = reason
+
+
+# What a refused delta tells the user to do, where building every source is the way out.
+_BUILD_IN_FULL = "build all the sources in full, without --base (or with --fallback full)"
 
 
 def plan_build(
@@ -37,23 +49,35 @@ def plan_build(
 ) -> CorpusPlan:
     """The plan of ``corpus build``: a full build, or with ``config.base`` a delta on that base.
 
-    A delta with nothing new is the base itself: a plan whose manifest is already published.
+    A delta with nothing new is the base itself: a plan whose manifest is already published. A delta
+    that cannot be built raises ``DeltaRefused``; with ``config.fallback`` "full" it is the full build
+    of all the sources instead, its ``full_build_reason`` the one line why. The corpus flow (the weekly
+    ``corpus-refresh``), ``corpus build`` and ``pipeline --incremental`` all decide here.
     """
     plan = plan_corpus(source_args, config, s3_endpoint_url=s3_endpoint_url, cache_path=cache_path)
     if config.base is None:
         return plan
-    base_key, base = resolve_base(config.base, store)
-    where = f"--base {config.base}"
+    try:
+        return _delta_plan(plan, config, config.base, store)
+    except DeltaRefused as refused:
+        if config.fallback == "refuse":
+            raise
+        return dataclasses.replace(plan, full_build_reason=f"{refused.reason}; the corpus is built in full")
+
+
+def _delta_plan(plan: CorpusPlan, config: CorpusConfig, base_uri: str, store: Store) -> CorpusPlan:
+    """The delta of ``plan``'s sources on ``base_uri``, or ``DeltaRefused`` before any work."""
+    base_key, base = resolve_base(base_uri, store)
+    where = f"--base {base_uri}"
     if tuple(base.config.split) != config.split:
         wanted = ":".join(map(str, base.config.split))
         raise DeltaRefused(
-            f"{where}: corpus {base.corpus_id} is split {wanted}; a delta keeps its base's split "
-            f"(pass --split {wanted})"
+            f"{where}: corpus {base.corpus_id} is split {wanted}; a delta keeps its base's split",
+            f"pass --split {wanted}",
         )
     if base.keys is None:
         raise DeltaRefused(
-            f"{where}: corpus {base.corpus_id} has no key index (built before deltas): build all the "
-            "sources in full once, without --base"
+            f"{where}: corpus {base.corpus_id} has no key index (built before deltas)", _BUILD_IN_FULL
         )
     given = {source.sha256 for source in plan.sources}
     by_name = {source.name: source for source in plan.sources}
@@ -63,12 +87,13 @@ def plan_build(
         if held.name in by_name:
             raise DeltaRefused(
                 f"{where}: source {held.name} changed since corpus {base.corpus_id} was built (sha256 "
-                f"{held.sha256[:12]}…, now {by_name[held.name].sha256[:12]}…): a delta only adds sources; "
-                "build all the sources in full, without --base"
+                f"{held.sha256[:12]}…, now {by_name[held.name].sha256[:12]}…): a delta only adds sources",
+                _BUILD_IN_FULL,
             )
         raise DeltaRefused(
             f"{where}: source {held.name} ({held.uri}) of corpus {base.corpus_id} is not among the SOURCES: "
-            "a delta only adds sources; build the sources in full, without --base"
+            "a delta only adds sources",
+            _BUILD_IN_FULL,
         )
     held_digests = {source.sha256 for source in base.sources}
     new = tuple(source for source in plan.sources if source.sha256 not in held_digests)

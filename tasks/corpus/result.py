@@ -20,9 +20,11 @@ class CorpusResult(BaseModel):
     rows: int  # kept: one row per distinct cleaned review
     duplicates: int
     rejected: int
+    # A build asked to grow a base (``fallback: full``) that built in full instead: the one line why.
+    full_build_reason: str | None = None
 
     @classmethod
-    def of(cls, manifest: Manifest, manifest_uri: str) -> CorpusResult:
+    def of(cls, manifest: Manifest, manifest_uri: str, full_build_reason: str | None = None) -> CorpusResult:
         """The result of a corpus from its manifest (built now, or found built)."""
         totals = manifest.totals
         return cls(
@@ -31,4 +33,5 @@ class CorpusResult(BaseModel):
             rows=totals.kept,
             duplicates=totals.duplicates,
             rejected=totals.rejected,
+            full_build_reason=full_build_reason,
         )
