@@ -16,6 +16,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # pytest-xdist workers for make test, each taking whole test files (their module fixtures stay one).
 # Three on two cores: with two the suite left the cores about 10% idle (servers, sleeps, subprocess
 # waits) and ended on one long file; three took the same suite from 13:06 to 11:16 (warm venvs, quiet).
+# --no-loadscope-reorder: the workers take the costliest files first (tests/schedule.py), not xdist's
+# order (the files with the most tests first), which left the few long files to the end.
 TEST_WORKERS ?= 3
 
 .PHONY: demo test test-long gpu-check gpu-learn gpu-data lint clean
@@ -53,7 +55,7 @@ test: $(EXTRAS)
 	$(VENV)/bin/ruff format --check .
 	@# mypy (about 90 s on one core from a cold cache) runs beside pytest; either failing fails the target.
 	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(VENV)/bin/pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile --durations=40; tests=$$?; \
+	$(VENV)/bin/pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40; tests=$$?; \
 	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
 	[ $$tests = 0 ] && [ $$typed = 0 ]
 

@@ -26,6 +26,9 @@ from processes import SESSION_VARIABLE, started_by_session
 
 from tasks.jobs.threads import thread_share, usable_cores  # imports no torch: the share is set before it
 
+# The costliest test files first, for pytest-xdist (tests/schedule.py).
+pytest_plugins = ["schedule"]
+
 # Before anything imports prefect or mlflow: a private Prefect home, quiet consoles, no telemetry.
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="mlstm-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import cli_in_process, free_port
 from processes import stop_group
 
 from tasks.corpus.sample import write_sample
@@ -152,15 +152,13 @@ def test_deploy_creates_pools_limits_and_every_deployment_idempotently(deployed:
 
 
 def test_a_missing_file_or_deployment_name_is_one_clear_error(
-    deployed: dict[str, str], tmp_path: Path
+    deployed: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    missing = subprocess.run(
-        [CLI, "deploy", "--file", str(tmp_path / "nope.yaml")], env=deployed, capture_output=True, text=True
-    )
+    env: dict[str, str | None] = {"PREFECT_API_URL": deployed["PREFECT_API_URL"]}
+    missing = cli_in_process(["deploy", "--file", str(tmp_path / "nope.yaml")], env)
     assert missing.returncode == 2 and "nope.yaml: no such file" in missing.stderr
-    unknown = subprocess.run(
-        [CLI, "deploy", "--name", "nightly"], cwd=ROOT, env=deployed, capture_output=True, text=True
-    )
+    monkeypatch.chdir(ROOT)
+    unknown = cli_in_process(["deploy", "--name", "nightly"], env)
     assert unknown.returncode == 2 and "declares no deployment nightly" in unknown.stderr
 
 

@@ -144,12 +144,15 @@ def test_explain_and_generate_on_a_checkpoint(tmp_path: Path) -> None:
     assert len(reading["values"]) == len(reading["text"])  # one value per character
     # The value after the last byte is the feature the features path gives, of the intact step's weights.
     assert reading["values"][-1] == pytest.approx(float(featurize(intact, [text])[0, 7]), abs=1e-5)
-    shown = cli(["explain", text, "--checkpoint", run, "--unit", "7"], env)
+    # The rest in this process (the command's own code through Typer's runner): a new interpreter for
+    # each would import torch, Prefect and MLflow again, about 5 s of CPU a command.
+    home: dict[str, str | None] = {"MLSTM_HOME": str(tmp_path)}
+    shown = cli_in_process(["explain", text, "--checkpoint", run, "--unit", "7"], home)
     assert shown.returncode == 0 and "P(positive)" not in shown.stdout and "unit 7" in shown.stdout
 
     args = ["generate", "--checkpoint", run, "--unit", "5", "--sentiment", "2.5", "--length", "30"]
     args += ["--samples", "2", "--prompt", "It", "--json"]
-    first, again, other = (cli([*args, "--seed", s], env) for s in ("1", "1", "2"))
+    first, again, other = (cli_in_process([*args, "--seed", s], home) for s in ("1", "1", "2"))
     assert first.returncode == 0, first.stderr
     written = json.loads(first.stdout)
     assert written["unit"] == 5 and written["value"] == 2.5
