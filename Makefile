@@ -17,7 +17,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # Three on two cores: with two the suite left the cores about 10% idle (servers, sleeps, subprocess
 # waits) and ended on one long file; three took the same suite from 13:06 to 11:16 (warm venvs, quiet).
 # --no-loadscope-reorder: the workers take the costliest files first (tests/schedule.py), not xdist's
-# order (the files with the most tests first), which left the few long files to the end.
+# order (the files with the most tests first), which left the few long files to the end. Four
+# workers took longer than three (12:06 against 10:28): on two cores they slowed each other more.
 TEST_WORKERS ?= 3
 
 .PHONY: demo test test-long gpu-check gpu-learn gpu-data lint clean
@@ -53,8 +54,10 @@ test: $(EXTRAS)
 	$(VENV)/bin/pip install -q --no-deps --force-reinstall . >/dev/null
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	@# mypy (about 90 s on one core from a cold cache) runs beside pytest; either failing fails the target.
-	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	@# mypy (about 60 s on one core from a cold cache) runs beside pytest, niced: the suite leaves the cores
+	@# about 13% idle (servers starting, subprocess waits), and mypy fits there instead of taking CPU from
+	@# the tests. Either failing fails the target.
+	nice -n 15 $(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(VENV)/bin/pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40; tests=$$?; \
 	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
 	[ $$tests = 0 ] && [ $$typed = 0 ]
