@@ -55,7 +55,7 @@ def build(sources: list[Path], store: Path, split: tuple[int, int, int]) -> str:
     manifest = build_in_process(
         plan_corpus([str(s) for s in sources], CorpusConfig(split=split)), LocalStore(store)
     )
-    return str(store / "corpora" / manifest["corpus_id"] / "manifest.json")
+    return str(store / "corpora" / manifest.corpus_id / "manifest.json")
 
 
 def grown(base_uri: str, delta_uri: str, out: Path) -> str:
