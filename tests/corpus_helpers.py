@@ -74,3 +74,23 @@ def grow(
 
 def manifest_uri(store_dir: Path, manifest: Manifest) -> str:
     return str(corpus_dir(store_dir, manifest) / "manifest.json")
+
+
+# What `corpus build --json` prints (CorpusResult's fields), checked whole so that a key lost or added shows.
+SUMMARY_KEYS = {"corpus_id", "manifest_uri", "rows", "duplicates", "rejected", "full_build_reason"}
+
+
+def parsed_pieces(monkeypatch: Any) -> list[Any]:
+    """The pieces a build parses from now on, in the order it reads them (in this process: a process
+    pool's workers parse out of sight)."""
+    import tasks.corpus.build
+
+    parsed: list[Any] = []
+    real_iter_blocks = tasks.corpus.build.iter_blocks
+
+    def counting(piece: Any, **kwargs: Any) -> Any:
+        parsed.append(piece)
+        return real_iter_blocks(piece, **kwargs)
+
+    monkeypatch.setattr(tasks.corpus.build, "iter_blocks", counting)
+    return parsed

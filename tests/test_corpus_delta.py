@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from corpus_helpers import build, corpus_dir, grow, manifest_uri, read_split
+from corpus_helpers import build, corpus_dir, grow, manifest_uri, parsed_pieces, read_split
 
-import tasks.corpus.build
 from tasks.corpus.build import SPLITS, CorpusConfig
 from tasks.corpus.delta import DeltaRefused
 from tasks.corpus.lock import BuildInProgress
@@ -75,16 +74,9 @@ def test_a_grown_corpus_holds_a_full_builds_rows_and_reads_no_base_source(
     gift_cards = next(s for s in sources if s.name.startswith("Gift"))
     # Later files sort last, as dated dumps do: the base's copy of a text is the full build's too.
     delta = _delta_file(tmp_path / "new", "zz_Gift_Cards_5.json", gift_cards, seed=2)
-    parsed: list[str] = []
-    real_iter_blocks = tasks.corpus.build.iter_blocks
-
-    def counting(piece, **kwargs):  # type: ignore[no-untyped-def]
-        parsed.append(piece.source.name)
-        return real_iter_blocks(piece, **kwargs)
-
-    monkeypatch.setattr(tasks.corpus.build, "iter_blocks", counting)
+    parsed = parsed_pieces(monkeypatch)
     grown = grow([*sources, delta], store, manifest_uri(store, first), SPLIT)
-    assert parsed == [delta.name]  # the base's sources are not read again
+    assert [p.source.name for p in parsed] == [delta.name]  # the base's sources are not read again
     monkeypatch.undo()
     full = build([*sources, delta], tmp_path / "full", SPLIT)
 

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import yaml
 from conftest import cli_in_process
-from corpus_helpers import build
+from corpus_helpers import build, parsed_pieces
 
-import tasks.corpus.build
 from tasks.corpus.build import CorpusConfig, plan_corpus
 from tasks.corpus.manifest import Manifest, read_manifest
 from tasks.corpus.result import CorpusResult
@@ -87,14 +86,7 @@ def _refresh(
 
     from flows.corpus import build_corpus
 
-    parsed: list[str] = []
-    real_iter_blocks = tasks.corpus.build.iter_blocks
-
-    def counting(piece, **kwargs):  # type: ignore[no-untyped-def]
-        parsed.append(piece.source.name)
-        return real_iter_blocks(piece, **kwargs)
-
-    monkeypatch.setattr(tasks.corpus.build, "iter_blocks", counting)
+    parsed = parsed_pieces(monkeypatch)
     parameters = {**_deployment_parameters(), "sources": [str(source) for source in sources]}
     with _flow_log() as log:
         state = build_corpus.with_options(task_runner=ThreadPoolTaskRunner(max_workers=2))(
@@ -108,7 +100,7 @@ def _refresh(
         run_id = state.state_details.flow_run_id
         return next(str(a.data) for a in found if a.key == "corpus-manifest" and a.flow_run_id == run_id)
 
-    return result, sorted(set(parsed)), asyncio.run(artifact()), log
+    return result, sorted({p.source.name for p in parsed}), asyncio.run(artifact()), log
 
 
 def _store_with(root: Path, home: Path) -> Path:

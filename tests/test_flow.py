@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from corpus_helpers import build, shard_digests
+from corpus_helpers import SUMMARY_KEYS, build, parsed_pieces, shard_digests
 
 import flows
 from flows.cli.corpus import run_corpus_build
@@ -73,14 +73,7 @@ def test_flow_builds_publishes_artifacts_and_logs_to_mlflow(
     assert sent["parse"][0].pieces == sent["reduce"][0].pieces == ()
     inputs = sent["reduce"][3]  # per bucket, the ids of the pieces that wrote it
     assert all(isinstance(ids, tuple) for ids in inputs) and "s00000-p0000" in inputs[0]
-    assert set(summary) == {
-        "corpus_id",
-        "manifest_uri",
-        "rows",
-        "duplicates",
-        "rejected",
-        "full_build_reason",
-    }
+    assert set(summary) == SUMMARY_KEYS
     manifest_path = Path(summary["manifest_uri"])
     assert manifest_path.is_file() and manifest_path.is_relative_to(home.resolve() / "store")
     manifest = json.loads(manifest_path.read_text())
@@ -188,18 +181,9 @@ def test_a_killed_build_leaves_no_manifest_and_resumes(
     assert not (store / plan.manifest_key).exists()
 
     # Resume with the plain functions, watching which pieces are read again.
-    import tasks.corpus.build
-
-    parsed: list[str] = []
-    real_iter_blocks = tasks.corpus.build.iter_blocks
-
-    def counting_iter_blocks(piece: Any, **kwargs: Any) -> Any:
-        parsed.append(piece.piece_id)
-        return real_iter_blocks(piece, **kwargs)
-
-    monkeypatch.setattr(tasks.corpus.build, "iter_blocks", counting_iter_blocks)
+    parsed = parsed_pieces(monkeypatch)
     resumed = build([raw], store, config)
-    assert set(parsed) == {p.piece_id for p in plan.pieces} - done_before
+    assert {p.piece_id for p in parsed} == {p.piece_id for p in plan.pieces} - done_before
     clean = build([raw], tmp_path / "clean", config)
     assert resumed.totals == clean.totals
     assert shard_digests(store, resumed) == shard_digests(tmp_path / "clean", clean)

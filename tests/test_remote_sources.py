@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import pyarrow as pa
 import pytest
+from corpus_helpers import SUMMARY_KEYS
 
 from tasks.corpus.build import CorpusConfig
 from tasks.corpus.sources import SourceError, expand_sources, fingerprint, iter_blocks, pieces_of
@@ -343,14 +344,7 @@ def _s3_objects(bucket: str, prefix: str) -> dict[str, bytes]:
 
 def _check_published(bucket: str, summary: dict[str, Any]) -> dict[str, Any]:
     """The manifest and every shard it lists are in the bucket, as the manifest says."""
-    assert set(summary) == {
-        "corpus_id",
-        "manifest_uri",
-        "rows",
-        "duplicates",
-        "rejected",
-        "full_build_reason",
-    }
+    assert set(summary) == SUMMARY_KEYS
     corpus = f"store/corpora/{summary['corpus_id']}"
     assert summary["manifest_uri"] == f"s3://{bucket}/{corpus}/manifest.json"
     objects = _s3_objects(bucket, corpus + "/")
