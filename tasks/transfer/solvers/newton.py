@@ -297,13 +297,23 @@ class _LazyHessian:
     def on(self, XT_WN: torch.Tensor, W: np.ndarray, D_N: torch.Tensor) -> np.ndarray:
         if self.D_N is not None and np.array_equal(W, self.W):
             return self.matrix
-        if self.exact:  # the float32 features' values, exactly: the products are summed in float64
+        # The float32 features' values, exactly: the products are summed in float64. A copy of its own,
+        # which the Gram matrix may scale in place.
+        own = self.exact and XT_WN.dtype != torch.float64
+        if own:
             XT_WN = XT_WN.double()
         k = W.size
+        fresh = self.D_N is None
+        if self.D_N is None:  # a whole new matrix: the old one's memory is free before it is built
+            self.D_N, self.matrix = D_N.to(XT_WN.dtype), np.empty((1, 1), dtype=np.float32)
         matrix = np.empty((k + 1, k + 1), dtype=np.float64 if self.exact else np.float32)
-        if self.D_N is None:
-            self.D_N = D_N.to(XT_WN.dtype)
-            _gram(XT_WN * self.D_N.sqrt(), out=matrix[:k, :k])
+        matrix[:k, k] = matrix[k, :k] = (XT_WN @ self.D_N).cpu().numpy()
+        matrix[k, k] = float(self.D_N.double().sum())
+        if fresh:
+            # In place on this call's own copy: 4,096 wide it is hundreds of MB, and a second one was
+            # the sweep's peak memory.
+            scaled = XT_WN.mul_(self.D_N.sqrt()) if own else XT_WN * self.D_N.sqrt()
+            _gram(scaled, out=matrix[:k, :k])
         else:
             shared = np.isin(W, self.W, assume_unique=True)
             old, new = np.flatnonzero(shared), np.flatnonzero(~shared)
@@ -313,8 +323,6 @@ class _LazyHessian:
                 rows = ((XT_WN[torch.from_numpy(new).to(XT_WN.device)] * self.D_N) @ XT_WN.T).cpu().numpy()
                 matrix[new, :k] = rows
                 matrix[:k, new] = rows.T
-        matrix[:k, k] = matrix[k, :k] = (XT_WN @ self.D_N).cpu().numpy()
-        matrix[k, k] = float(self.D_N.double().sum())
         self.W, self.matrix = W, matrix
         return matrix
 
