@@ -15,6 +15,7 @@ import gzip
 import io
 import json
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,11 +96,21 @@ def imdb_slice(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def _score(inputs: list[str], output: str, **options: Any) -> dict[str, Any]:
+    """The score flow as the CLI runs it, on threads unless the test names its task runner: a process
+    pool's worker imports torch, Prefect and MLflow first (5-8 s of CPU), and only the tests of the
+    runners are about it (``scored``, the killed run, Dask against the pool)."""
+    import torch
+
     from flows.cli.score import run_score
 
-    return run_score(
-        inputs, output=output, piece_rows=PIECE_ROWS, show_progress=False, **options
-    ).model_dump()
+    options.setdefault("task_runner", "thread")
+    threads = torch.get_num_threads()
+    try:
+        return run_score(
+            inputs, output=output, piece_rows=PIECE_ROWS, show_progress=False, **options
+        ).model_dump()
+    finally:
+        torch.set_num_threads(threads)  # a thread worker sets this process's
 
 
 def _parts(output: str, prefix: str = "part-") -> pa.Table:
@@ -127,7 +138,7 @@ def scored(
             lambda plan, pieces, **kw: mapped.append(plan) or real(plan, pieces, **kw),
         )
         output = tmp_path_factory.mktemp("scored") / "out"
-        summary = _score([str(imdb_slice)], str(output), id_columns=["id"], workers=2)
+        summary = _score([str(imdb_slice)], str(output), id_columns=["id"], task_runner="process", workers=2)
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_runs(sort="START_TIME_DESC", limit=1)[0]
     return {"summary": summary, "output": str(output), "mapped": mapped, "flow_run": flow_run}
@@ -253,9 +264,21 @@ def test_a_run_stopped_after_its_first_piece_scores_only_the_rest(
     assert sorted(_parts(summary["output"]).column("input_row").to_pylist()) == list(range(SLICE_ROWS))
 
 
+@pytest.fixture(scope="module")
+def bf16_scored(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """`score --precision bf16` of the slice, read by both tests of precision: bf16 features on a CPU
+    that emulates them take several times fp32's time, so the slice is read in bf16 once here, not once
+    a test."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "bf16 features on a CPU")  # slower, same values
+        return _score([str(imdb_slice)], str(tmp_path_factory.mktemp("bf16") / "out"), precision="bf16")
+
+
 @pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
 def test_an_auto_output_begun_on_a_gpu_reads_its_other_pieces_in_bf16_on_a_cpu(
-    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+    champion: dict[str, Any], imdb_slice: Path, bf16_scored: dict[str, Any], tmp_path: Path
 ) -> None:
     """auto is bf16 on a GPU and fp32 on a CPU: an output whose first piece a GPU scored (its
     ``precision.json``) reads its other pieces in bf16 on a CPU too, the scores `--precision bf16`
@@ -274,15 +297,14 @@ def test_an_auto_output_begun_on_a_gpu_reads_its_other_pieces_in_bf16_on_a_cpu(
     assert summary["output"] == auto.output and summary["pieces_scored"] == 4, summary
     manifest = json.loads((Path(auto.output) / "manifest.json").read_text())
     assert (manifest["precision"], manifest["dtype"]) == ("auto", "bf16")
-    bf16 = _score([str(imdb_slice)], output, precision="bf16")["output"]
-    assert bf16 != auto.output
+    bf16 = bf16_scored["output"]
+    assert Path(bf16).name != Path(auto.output).name  # a scoring id of its own, though both read bf16
     in_auto, in_bf16 = (_parts(out).sort_by("input_row") for out in (auto.output, bf16))
     np.testing.assert_array_equal(in_auto.column("probability"), in_bf16.column("probability"))
 
 
-@pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
 def test_bf16_scores_go_to_an_output_of_their_own_near_fp32_s(
-    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path
+    champion: dict[str, Any], imdb_slice: Path, bf16_scored: dict[str, Any]
 ) -> None:
     """`score --precision bf16` reads a probe's features in bf16: another scoring id (a run never mixes
     the two), said in the manifest, probabilities near fp32's and not equal to them."""
@@ -290,7 +312,7 @@ def test_bf16_scores_go_to_an_output_of_their_own_near_fp32_s(
     from tasks.score.tracking import resolve_model
     from tasks.settings import get_settings
 
-    output = str(tmp_path / "out")
+    output = str(Path(bf16_scored["output"]).parent)  # where the bf16 run wrote, under its scoring id
     files = describe_inputs([str(imdb_slice)])
     model = resolve_model(None, get_settings())
     auto = plan_scoring(files, output, model, piece_rows=PIECE_ROWS)
@@ -300,7 +322,7 @@ def test_bf16_scores_go_to_an_output_of_their_own_near_fp32_s(
         plan_scoring(files, output, model, precision="fp8")
     assert score_piece(auto, auto.pieces[0])["dtype"] == "fp32"  # auto on a CPU, claimed for the output
     assert json.loads((Path(auto.output) / "precision.json").read_text())["dtype"] == "fp32"
-    summary = _score([str(imdb_slice)], output, precision="bf16")
+    summary = bf16_scored
     assert summary["output"] == bf16.output and summary["pieces_scored"] == 4, summary
     manifest = json.loads((Path(bf16.output) / "manifest.json").read_text())
     assert (manifest["precision"], manifest["dtype"]) == ("bf16", "bf16")
@@ -330,7 +352,8 @@ def test_a_killed_run_resumes_where_it_stopped(
     output = tmp_path / "out"
     command = [sys.executable, "-c", "from flows.cli import main; main()", "score", str(imdb_slice)]
     command += ["--output", str(output)]
-    command += ["--piece-rows", str(PIECE_ROWS), "--workers", "1"]
+    # On threads: the command's own process scores (the pool's worker would import everything again).
+    command += ["--piece-rows", str(PIECE_ROWS), "--workers", "1", "--task-runner", "thread"]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])),
@@ -478,7 +501,7 @@ def test_the_dask_runner_writes_the_same_bytes_as_the_process_pool(
         manifest = json.loads((Path(summary["output"]) / "manifest.json").read_text())
         return [(f["key"], f["sha256"]) for f in manifest["files"]]
 
-    pool = _score([str(imdb_slice)], str(tmp_path / "pool"), id_columns=["id"])
+    pool = _score([str(imdb_slice)], str(tmp_path / "pool"), id_columns=["id"], task_runner="process")
     dask = _score([str(imdb_slice)], str(tmp_path / "dask"), id_columns=["id"], task_runner="dask", workers=2)
     assert dask["pieces_scored"] == 4 and digests(dask) == digests(pool)
 
@@ -592,8 +615,6 @@ def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(
     given 1/N of MLSTM_SCORE_MEMORY_MIB for its batches (N workers each taking the whole budget made a
     run's peak grow with the input, as more of its batches filled up; issue 30). Thread workers, so the
     calls are seen here."""
-    import torch
-
     import models.features
     from tasks.settings import get_settings
 
@@ -605,11 +626,7 @@ def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(
         lambda model, texts, **kw: budgets.append(kw.get("memory_bytes")) or featurize(model, texts, **kw),
     )
     monkeypatch.setenv("MLSTM_SCORE_MEMORY_MIB", "600")
-    threads = torch.get_num_threads()
-    try:
-        summary = _score([str(imdb_slice)], str(tmp_path / "out"), task_runner="thread", workers=3)
-    finally:
-        torch.set_num_threads(threads)  # a thread worker sets this process's
+    summary = _score([str(imdb_slice)], str(tmp_path / "out"), task_runner="thread", workers=3)
     assert summary["pieces_scored"] == 4
     assert budgets == [600 * 2**20 // 3] * 4, budgets
     assert get_settings().score_memory_mib == 600
@@ -623,8 +640,6 @@ def test_a_piece_s_progress_artifact_grows_as_its_batches_are_scored(
     memory budget a piece runs in several batches, each told to its artifact (every update here, none
     held back). Thread workers, so the updates are seen here; and so is the lone worker's thread count:
     one for the tiny model, though it has the machine's cores to itself (``tasks.jobs.threads``)."""
-    import torch
-
     import flows.score
     import tasks.score.scoring
 
@@ -643,11 +658,7 @@ def test_a_piece_s_progress_artifact_grows_as_its_batches_are_scored(
     monkeypatch.setattr(
         tasks.score.scoring, "take_share", lambda **kw: taken.append(share(**kw)) or taken[-1]
     )
-    threads = torch.get_num_threads()
-    try:
-        summary = _score([str(imdb_slice)], str(tmp_path / "out"), task_runner="thread", workers=1)
-    finally:
-        torch.set_num_threads(threads)
+    summary = _score([str(imdb_slice)], str(tmp_path / "out"), task_runner="thread", workers=1)
     assert taken == [1] * 4, taken
     assert summary["pieces_scored"] == 4 and len(updates) == 4  # a piece each (the CLI described)
     for shown in updates.values():
