@@ -65,8 +65,20 @@ def _deploy(env: dict[str, str]) -> Invoked:
     """`mlstm-sentiment deploy` from the repository root, in this process: the rule is what it makes on
     the server, not the command's own interpreter (whose imports of Prefect, torch, scikit-learn and
     MLflow cost about 7 s of CPU a run). Its `prefect deploy` is a process of its own, as for a user."""
-    with contextlib.chdir(ROOT):
-        return cli_in_process(["deploy"], {**env})
+    path = list(sys.path)
+    before = set(sys.modules)
+    try:
+        with contextlib.chdir(ROOT):
+            return cli_in_process(["deploy"], {**env})
+    finally:
+        # Prefect's loader (the deployments' names) leaves each flow script in sys.modules under its
+        # file's name (`corpus`, `score`) and flows/ on sys.path: a later test of this worker importing
+        # `corpus` (benchmarks/corpus_delta.py does) would get flows/corpus.py.
+        sys.path[:] = path
+        for name in set(sys.modules) - before:  # the scripts' bare names, not the package or its flows.*
+            file = Path(getattr(sys.modules[name], "__file__", None) or "/")
+            if "." not in name and file.parent == ROOT / "flows" and file.name != "__init__.py":
+                del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
