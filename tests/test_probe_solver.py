@@ -151,13 +151,21 @@ def test_the_same_inputs_give_the_same_probe(
     assert again.intercept == fast.intercept and again.sweep == fast.sweep
 
 
-def test_the_lazy_hessian_keeps_its_first_weights_and_reuses_shared_rows() -> None:
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_lazy_hessian_keeps_its_first_weights_and_reuses_shared_rows(
+    exact: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Against X_Wᵀ diag(D) X_W in float64, D the first call's weights, for a working set that grows
-    # and one that drops coordinates; the intercept is the last row and column.
+    # and one that drops coordinates; the intercept is the last row and column. Exact: float64 sums of
+    # the float32 features, converted 64 rows of X at a time (five parts).
+    monkeypatch.setattr(newton, "CONVERT_ROWS", 64)
     rng = np.random.default_rng(0)
     XT_HN = torch.from_numpy(rng.standard_normal((40, 300)).astype(np.float32))
     first_D, later_D = (torch.from_numpy(rng.uniform(0.05, 0.25, 300)) for _ in range(2))
     hessian = newton._LazyHessian()
+    if exact:
+        hessian.go_exact()
+    tolerance = {"rtol": 1e-12, "atol": 1e-12} if exact else {"rtol": 1e-5, "atol": 1e-4}
 
     def expected(W: np.ndarray) -> np.ndarray:
         X = np.vstack([XT_HN.numpy()[W].astype(np.float64), np.ones(300)])
@@ -169,7 +177,8 @@ def test_the_lazy_hessian_keeps_its_first_weights_and_reuses_shared_rows() -> No
         (np.array([2, 9, 31]), later_D),
     ):
         got = hessian.on(XT_HN[torch.from_numpy(W)], W, D)
-        np.testing.assert_allclose(got, expected(W), rtol=1e-5, atol=1e-4)
+        assert got.dtype == (np.float64 if exact else np.float32)
+        np.testing.assert_allclose(got, expected(W), **tolerance)
 
 
 def _correlated_model(
@@ -762,16 +771,25 @@ def test_on_real_features_newton_matches_liblinear_at_every_C_and_chooses_its_C(
     assert reference.test_accuracy > 0.52
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 200])
-def test_the_gram_matrix_is_the_whole_symmetric_product_also_into_a_view(rows: int) -> None:
-    # syrk fills one triangle; the compiled mirror, blocked by 64, must fill the other at every size,
-    # also into the corner of a larger matrix (the lazy Hessian's, whose last row is the intercept's).
-    A = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, 50)).astype(np.float32))
-    expected = A.double().numpy() @ A.double().numpy().T
-    np.testing.assert_allclose(newton._gram(A), expected, rtol=1e-5, atol=1e-4)
-    matrix = np.full((rows + 1, rows + 1), -1.0, dtype=np.float32)
-    newton._gram(A, out=matrix[:rows, :rows])
-    np.testing.assert_allclose(matrix[:rows, :rows], expected, rtol=1e-5, atol=1e-4)
+def test_the_weighted_gram_is_the_whole_symmetric_product_also_into_a_view(
+    rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # syrk fills one triangle, accumulated over the parts that float32 features are converted to float64
+    # in (five here); the compiled mirror, blocked by 64, must fill the other at every size, also into
+    # the corner of a larger matrix (the lazy Hessian's, whose last row is the intercept's).
+    monkeypatch.setattr(newton, "CONVERT_ROWS", 64)
+    rng = np.random.default_rng(rows)
+    A = torch.from_numpy(rng.standard_normal((rows, 300)).astype(np.float32))
+    D = torch.from_numpy(rng.uniform(0.05, 0.25, 300)).to(dtype)
+    X, D64 = A.double().numpy(), D.double().numpy()
+    exact = dtype == torch.float64
+    tolerance = {"rtol": 1e-12, "atol": 1e-12} if exact else {"rtol": 1e-5, "atol": 1e-4}
+    matrix = np.full((rows + 1, rows + 1), -1.0, dtype=np.float64 if exact else np.float32)
+    column = newton._weighted_gram(A, D, out=matrix[:rows, :rows])
+    np.testing.assert_allclose(matrix[:rows, :rows], (X * D64) @ X.T, **tolerance)
+    np.testing.assert_allclose(column, X @ D64, **tolerance)
     assert (matrix[rows] == -1).all() and (matrix[:, rows] == -1).all()
 
 
@@ -781,10 +799,9 @@ def test_the_gram_of_an_empty_matrix_is_zeros_and_prints_nothing(
 ) -> None:
     """An empty working set (no row, or no column yet): BLAS's syrk would print its refusal on stdout,
     where `pipeline --json` writes the result."""
-    from tasks.transfer.solvers.newton import _gram
-
-    gram = _gram(torch.zeros(shape))
-    assert gram.shape == (shape[0], shape[0]) and not gram.any()
+    gram = np.full((shape[0], shape[0]), -1.0, dtype=np.float32)
+    column = newton._weighted_gram(torch.zeros(shape), torch.zeros(shape[1]), out=gram)
+    assert not gram.any() and not column.any()
     assert capfd.readouterr().out == ""
 
 

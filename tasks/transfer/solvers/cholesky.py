@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 RIDGE = 1e-7  # the ridge, relative to the mean of the factored diagonal: float32 resolution's scale
-RIDGE_TRIES = 8  # tenfold ridges tried on a fresh factorisation: up to the mean of its diagonal
+RIDGE_TRIES = 8  # tenfold ridges tried on a factorisation: up to the mean of its diagonal
 REFRESH_AFTER = 64  # updates between fresh factorisations: their rounding accumulates
 
 
@@ -78,20 +78,37 @@ class FactorOnSet:
         self.n, self.updates = 0, 0
         if not S.size:
             return True
-        H_SS = self.hessian[np.ix_(S, S)]
-        diagonal = np.diag_indices_from(H_SS)
-        ridge = RIDGE * float(np.trace(H_SS)) / S.size + 1e-300
-        H_SS[diagonal] += ridge
-        for _ in range(RIDGE_TRIES):
-            factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
-            if not info:
-                self.U[: S.size, : S.size] = factor.numpy().T
-                self.order[: S.size] = S
-                self.n, self.ridge = S.size, ridge
-                return True
-            H_SS[diagonal] += 9 * ridge
-            ridge *= 10
-        return False
+        factored = ridged_cholesky(self.hessian[np.ix_(S, S)])
+        if factored is None:
+            return False
+        factor, self.ridge = factored
+        self.U[: S.size, : S.size] = factor.numpy().T
+        self.order[: S.size] = S
+        self.n = S.size
+        return True
+
+
+def ridged_cholesky(H_SS: np.ndarray) -> tuple[torch.Tensor, float] | None:
+    """The lower Cholesky factor of ``H_SS`` + ridge·I (float64, a matrix of the caller's own, whose
+    diagonal it changes) and that ridge: ``RIDGE`` of the mean diagonal, grown tenfold while the
+    factorisation fails; None where none of ``RIDGE_TRIES`` ridges makes it factorise.
+
+    Nearly collinear columns leave H_SS numerically singular, and a float32 matrix can be indefinite by
+    more than float32's resolution (cell states of a briefly trained 4,096-unit model at C = 4:
+    eigenvalues down to -0.04 beside 1.8e7): a larger ridge gives a damped step, which the callers check.
+    torch's LAPACK, not scipy's: scipy's OpenBLAS threads spin against torch's OpenMP threads on few
+    cores, many times slower (docs/benchmarks.md, Probe).
+    """
+    ridge = RIDGE * float(np.trace(H_SS)) / H_SS.shape[0] + 1e-300
+    diagonal = np.diag_indices_from(H_SS)
+    H_SS[diagonal] += ridge
+    for _ in range(RIDGE_TRIES):
+        factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
+        if not info:
+            return factor, ridge
+        H_SS[diagonal] += 9 * ridge
+        ridge *= 10
+    return None
 
 
 # The kernels keep the factor as U = Lᵀ, upper triangular and row-major, so that every inner loop (a

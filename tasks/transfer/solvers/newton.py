@@ -62,6 +62,7 @@ MODEL = 0.1  # the quadratic model is solved to this fraction of the residual it
 SLOW_STEP = 0.5  # a Newton step that leaves more than this of the residual rebuilds the Hessian
 ROUNDING = 0.1  # sums in float64 where float32's rounding of the gradient exceeds this share of the tolerance
 WHOLE_ABOVE = 0.25  # float64 working sets wider than this share of the features are not gathered
+CONVERT_ROWS = 1024  # rows of X converted to float64 at a time for an exact Hessian: MBs, not a copy of X
 
 
 def l1_logistic_path(
@@ -297,56 +298,74 @@ class _LazyHessian:
     def on(self, XT_WN: torch.Tensor, W: np.ndarray, D_N: torch.Tensor) -> np.ndarray:
         if self.D_N is not None and np.array_equal(W, self.W):
             return self.matrix
-        # The float32 features' values, exactly: the products are summed in float64. A copy of its own,
-        # which the Gram matrix may scale in place.
-        own = self.exact and XT_WN.dtype != torch.float64
-        if own:
-            XT_WN = XT_WN.double()
+        # Exact: the float32 features' values, the products summed in float64, converted ``CONVERT_ROWS``
+        # rows of X at a time (a float64 copy of the working set was the sweep's peak memory).
+        dtype = torch.float64 if self.exact else XT_WN.dtype
         k = W.size
-        fresh = self.D_N is None
         if self.D_N is None:  # a whole new matrix: the old one's memory is free before it is built
-            self.D_N, self.matrix = D_N.to(XT_WN.dtype), np.empty((1, 1), dtype=np.float32)
+            self.D_N, self.matrix = D_N.to(dtype), np.empty((1, 1), dtype=np.float32)
+            matrix = np.empty((k + 1, k + 1), dtype=np.float64 if self.exact else np.float32)
+            matrix[k, k] = float(self.D_N.double().sum())
+            matrix[:k, k] = matrix[k, :k] = _weighted_gram(XT_WN, self.D_N, out=matrix[:k, :k])
+            self.W, self.matrix = W, matrix
+            return matrix
+        D_N = self.D_N
         matrix = np.empty((k + 1, k + 1), dtype=np.float64 if self.exact else np.float32)
-        matrix[:k, k] = matrix[k, :k] = (XT_WN @ self.D_N).cpu().numpy()
-        matrix[k, k] = float(self.D_N.double().sum())
-        if fresh:
-            # In place on this call's own copy: 4,096 wide it is hundreds of MB, and a second one was
-            # the sweep's peak memory.
-            scaled = XT_WN.mul_(self.D_N.sqrt()) if own else XT_WN * self.D_N.sqrt()
-            _gram(scaled, out=matrix[:k, :k])
-        else:
-            shared = np.isin(W, self.W, assume_unique=True)
-            old, new = np.flatnonzero(shared), np.flatnonzero(~shared)
-            at = np.searchsorted(self.W, W[shared])
-            matrix[np.ix_(old, old)] = self.matrix.take(at, 0).take(at, 1)
+        matrix[k, k] = float(D_N.double().sum())
+        shared = np.isin(W, self.W, assume_unique=True)
+        old, new = np.flatnonzero(shared), np.flatnonzero(~shared)
+        at = np.searchsorted(self.W, W[shared])
+        matrix[np.ix_(old, old)] = self.matrix.take(at, 0).take(at, 1)
+        column = torch.zeros(k, dtype=dtype, device=XT_WN.device)
+        rows = torch.zeros((new.size, k), dtype=dtype, device=XT_WN.device)
+        new_rows = torch.from_numpy(new).to(XT_WN.device)
+        for n, X_KN in _in_dtype(XT_WN, dtype):
+            column += X_KN @ D_N[n]
             if new.size:
-                rows = ((XT_WN[torch.from_numpy(new).to(XT_WN.device)] * self.D_N) @ XT_WN.T).cpu().numpy()
-                matrix[new, :k] = rows
-                matrix[:k, new] = rows.T
+                rows += (X_KN[new_rows] * D_N[n]) @ X_KN.T
+        matrix[:k, k] = matrix[k, :k] = column.cpu().numpy()
+        matrix[new, :k] = rows.cpu().numpy()
+        matrix[:k, new] = matrix[new, :k].T
         self.W, self.matrix = W, matrix
         return matrix
 
 
-def _gram(A_KN: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
-    """A Aᵀ [K, K] in A's dtype (float32 or float64), written into ``out`` when given: syrk on the CPU
-    (one triangle, half the work of a product), mirrored."""
-    K = A_KN.shape[0]
-    out = (
-        np.empty((K, K), dtype=np.float64 if A_KN.dtype == torch.float64 else np.float32)
-        if out is None
-        else out
-    )
-    if A_KN.device.type != "cpu":
-        out[:] = (A_KN @ A_KN.T).cpu().numpy()
-    elif 0 in A_KN.shape:  # BLAS refuses an empty matrix with a message on stdout, which --json owns
-        out[:] = 0.0
-    else:
-        syrk = scipy.linalg.blas.dsyrk if A_KN.dtype == torch.float64 else scipy.linalg.blas.ssyrk
-        # Aᵀ of a row-major [K, N] array is column-major [N, K]: what syrk reads without a copy
-        # (trans=1). Its column-major upper triangle is, read row-major, the lower one.
-        lower = syrk(1.0, A_KN.numpy().T, trans=1).T
-        _mirror(lower, out)
-    return out
+def _in_dtype(XT_KN: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``XT_KN``'s rows of X (its columns) in ``dtype``, with their slice: the tensor itself where it is
+    in that dtype already, else converted ``CONVERT_ROWS`` at a time, each a copy of its own."""
+    N = XT_KN.shape[1]
+    if XT_KN.dtype == dtype:
+        yield slice(0, N), XT_KN
+        return
+    for n0 in range(0, N, CONVERT_ROWS):
+        n = slice(n0, min(n0 + CONVERT_ROWS, N))
+        yield n, XT_KN[:, n].to(dtype)
+
+
+def _weighted_gram(XT_KN: torch.Tensor, D_N: torch.Tensor, out: np.ndarray) -> np.ndarray:
+    """X_Kᵀ diag(D) X_K [K, K] written into ``out``, and X_Kᵀ D [K] returned, summed in D's dtype: syrk
+    on the CPU (one triangle, half the work of a product), accumulated over ``_in_dtype``'s parts."""
+    K = XT_KN.shape[0]
+    dtype = D_N.dtype
+    float64 = dtype == torch.float64
+    column = torch.zeros(K, dtype=dtype, device=XT_KN.device)
+    # Fortran order: syrk accumulates into it in place; its column-major upper triangle is, read
+    # row-major (its transpose), the lower one.
+    upper = np.zeros((K, K), dtype=np.float64 if float64 else np.float32, order="F")
+    syrk = scipy.linalg.blas.dsyrk if float64 else scipy.linalg.blas.ssyrk
+    for n, X_KN in _in_dtype(XT_KN, dtype):
+        column += X_KN @ D_N[n]
+        root = D_N[n].sqrt()
+        scaled = X_KN.mul_(root) if X_KN is not XT_KN else X_KN * root  # a converted part is its own
+        if 0 in scaled.shape:  # BLAS refuses an empty matrix with a message on stdout, which --json owns
+            continue
+        if scaled.device.type != "cpu":
+            upper += (scaled @ scaled.T).cpu().numpy()
+        else:
+            # Aᵀ of a row-major [K, N] array is column-major [N, K]: what syrk reads without a copy.
+            syrk(1.0, scaled.numpy().T, beta=1.0, c=upper, trans=1, overwrite_c=1)
+    _mirror(upper.T, out)
+    return column.cpu().numpy()
 
 
 # Compiled and blocked: numpy's triu, transpose and add took a fifth of the Gram matrix's time at k ≈ 2,000.

@@ -26,14 +26,13 @@ import numba
 import numpy as np
 import torch
 
-from tasks.transfer.solvers.cholesky import FactorOnSet
+from tasks.transfer.solvers.cholesky import FactorOnSet, ridged_cholesky
 
 MAX_SWEEPS = 200  # coordinate-descent sweeps on one quadratic model
 ANDERSON = 5  # coordinate-descent sweeps between Anderson extrapolations (skglm's choice)
 # Coordinate-descent sweeps between exact steps on the signs: 10 on working sets of up to 500
 # coordinates, where a solve costs a few sweeps, 20 on larger ones, where it costs about 50.
 EXACT_EVERY, EXACT_CHEAP_BELOW = (10, 20), 500
-RIDGE_TRIES = 8  # tenfold ridges tried on an exact step: up to the mean of its diagonal
 MAX_ACTIVE = 100  # Cholesky solves of the active-set method on one float64 model
 
 
@@ -153,26 +152,15 @@ def orthant_step(
 def _newton_on_signs(hessian: np.ndarray, S: np.ndarray, slope_S: np.ndarray) -> np.ndarray | None:
     """The step on the coordinates ``S`` to the minimiser of the model with their signs held, whose slope
     there (the model's gradient plus lam times the signs) is ``slope_S``: a Cholesky solve, float64, with
-    a ridge; None where no ridge tried makes the matrix factorise."""
-    H_SS = hessian[np.ix_(S, S)].astype(np.float64)
-    # A ridge at float32's resolution: nearly collinear columns leave H_SS numerically singular. The
-    # float32 matrix can be indefinite by more than that (cell states of a briefly trained 4,096-unit
-    # model at C = 4: eigenvalues down to -0.04 beside 1.8e7), and there every factorisation failed,
-    # the model was left to the sweeps, and the C ran to its outer cap (115 s; 19 s with this). So the
-    # ridge grows tenfold until the factorisation succeeds: a damped step, checked by the caller.
-    ridge = 1e-7 * float(np.trace(H_SS)) / S.size + 1e-300
-    diagonal = np.diag_indices_from(H_SS)
-    H_SS[diagonal] += ridge
+    a ridge (``cholesky.ridged_cholesky``); None where no ridge tried makes the matrix factorise.
+
+    Without the ridge grown on failure, cell states of a briefly trained 4,096-unit model at C = 4 left
+    every model to the sweeps and the C ran to its outer cap (115 s; 19 s with it)."""
     with one_thread():
-        for _ in range(RIDGE_TRIES):
-            # torch's LAPACK, not scipy's: scipy's OpenBLAS threads spin against torch's OpenMP threads
-            # on few cores, many times slower (docs/benchmarks.md, Probe).
-            factor, info = torch.linalg.cholesky_ex(torch.from_numpy(H_SS))
-            if not info:
-                return -torch.cholesky_solve(torch.from_numpy(slope_S)[:, None], factor)[:, 0].numpy()
-            H_SS[diagonal] += 9 * ridge
-            ridge *= 10
-    return None
+        factored = ridged_cholesky(hessian[np.ix_(S, S)].astype(np.float64))
+        if factored is None:
+            return None
+        return -torch.cholesky_solve(torch.from_numpy(slope_S)[:, None], factored[0])[:, 0].numpy()
 
 
 @contextlib.contextmanager
