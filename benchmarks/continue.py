@@ -17,17 +17,19 @@ time in this process, comparable within the run only. The goal (issue 52): (b) w
 per byte on the full val split at no more than 15% of (a)'s steps.
 
     PYTHONPATH=. .venv/bin/python benchmarks/continue.py                  # a few minutes on 2 cores
-    PYTHONPATH=. .venv/bin/python benchmarks/continue.py --steps 60 --batch 8   # a smoke run
+    PYTHONPATH=. .venv/bin/python benchmarks/continue.py --steps 60 --batch 20  # a smoke run (5% of 20 rows: one replayed)
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"training {name}: {config.total_steps} steps")
             started = time.perf_counter()
             try:
-                result = fit(config, World(), settings)
+                with contextlib.redirect_stdout(sys.stderr):  # the job's log lines: stdout is the JSON's
+                    result = fit(config, World(), settings)
             finally:
                 signal.signal(signal.SIGTERM, handler)
             seconds = time.perf_counter() - started

@@ -6,6 +6,7 @@ Timings never decide pass or fail: only that each run is there, with the stage s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,25 @@ def test_the_weekly_benchmark_reports_each_stage_of_a_full_and_a_weekly_run(amaz
     # The stages' own seconds fit in each command's wall time.
     assert all(sum(run["stage_seconds"].values()) <= run["seconds"] for run in report["runs"])
     assert "(b) ÷ (a)" not in done.stderr and "b ÷ a" in done.stderr
+
+
+def test_the_continue_benchmark_trains_four_runs_and_scores_each_on_three_val_splits(
+    amazon_dir: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "continue.py"), "--steps", "20", "--batch", "20", "--seq-len", "32"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "MLSTM_SHARED_DIR": str(amazon_dir.parents[1])},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    rows = {row["case"]: row for row in report["rows"]}
+    assert list(rows) == ["base", "(a) scratch", "(b) continued, replay", "(c) continued, no replay"]
+    # (b) and (c) take --share of (a)'s steps; every run is scored on the grown, delta and base val splits.
+    assert [row["steps"] for row in rows.values()] == [20, 20, 3, 3]
+    assert all(set(row["val_bpb"]) == {"full", "delta", "base"} for row in rows.values())
+    assert all(0 < bits < 8 for row in rows.values() for bits in row["val_bpb"].values())
+    # The goal's ratios are the rows' own: (b) against (a).
+    scratch, replay = rows["(a) scratch"], rows["(b) continued, replay"]
+    assert report["goal"]["steps_ratio"] == replay["steps"] / scratch["steps"]
+    assert report["goal"]["bpb_ratio"] == replay["val_bpb"]["full"] / scratch["val_bpb"]["full"]
