@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from corpus_helpers import build, corpus_dir, grow, manifest_uri, parsed_pieces, read_split
 
+from tasks.corpus import keyindex
 from tasks.corpus.build import SPLITS, CorpusConfig
 from tasks.corpus.delta import DeltaRefused
 from tasks.corpus.lock import BuildInProgress
@@ -253,3 +255,20 @@ def test_the_command_refuses_a_removed_source_in_one_line_and_shows_a_delta(
     shown = cli_in_process(["corpus", "show", manifest_uri(store, grown)], env)
     said = f"delta of {grown.delta.totals.kept:,} rows on corpus {first.corpus_id} ({delta.name})"
     assert shown.returncode == 0 and said in shown.stdout
+
+
+def test_a_key_is_held_by_the_base_only_where_both_its_halves_match() -> None:
+    """The base's keys sorted by (hi, lo), some his shared by several keys (rare for 128-bit keys, so
+    built here): each delta key is held exactly where the base has the same pair, against a set."""
+    rng = np.random.default_rng(0)
+    shared_hi = rng.integers(0, 2**63, 50, dtype=np.uint64)
+    base = {(int(h), int(rng.integers(0, 2**63))) for h in rng.integers(0, 2**63, 2000, dtype=np.uint64)}
+    base |= {(int(h), int(rng.integers(0, 2**63))) for h in shared_hi for _ in range(3)}  # runs of one hi
+    pairs = np.array(sorted(base), dtype=np.uint64)
+    asked = [p for i, p in enumerate(sorted(base)) if i % 3 == 0]  # held, single and in runs
+    asked += [(h, lo + 1) for h, lo in sorted(base)[1::7]]  # a base hi, another lo: not held
+    asked += [(int(h), 5) for h in rng.integers(0, 2**63, 300, dtype=np.uint64)]  # unknown hi
+    hi, lo = (np.array([p[i] for p in asked], dtype=np.uint64) for i in (0, 1))
+    held = keyindex._members(hi, lo, pairs[:, 0].copy(), pairs[:, 1].copy())
+    assert held.tolist() == [p in base for p in asked]
+    assert held.any() and not held.all()
