@@ -3,7 +3,7 @@
 
 The corpus is the shared Amazon files: the *base* is every file but ``--delta`` (about 95% of the bytes),
 the *delta* that file (a category the base lacks), the *grown* corpus a manifest listing the base's
-shards and the delta's, as ``corpus build --base`` makes one. The base run trains tiny from its seed for
+shards and the delta's, as ``corpus build --base`` makes one. The base run trains ``--preset`` from its seed for
 ``--steps`` on the base; then, each from that point:
 
 - (a) scratch: from its seed on the grown corpus, ``--steps`` steps (what a weekly rebuild pays today);
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--delta", default="AMAZON_FASHION_5.json.gz", help="The Amazon file that is the delta."
     )
+    parser.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="The model's size.")
     parser.add_argument("--steps", type=int, default=400, help="Steps of the base run and of (a).")
     parser.add_argument("--share", type=float, default=0.15, help="(b) and (c)'s steps, a share of --steps.")
     parser.add_argument("--replay", type=float, default=0.05, help="(b)'s replay share.")
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         delta = build([delta_file], root / "delta", split)  # type: ignore[arg-type]
         full = grown(base, delta, root / "grown")
         common = {
-            "preset": "tiny", "batch_size": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+            "preset": args.preset, "batch_size": args.batch, "seq_len": args.seq_len, "lr": args.lr,
             "store": str(root / "runs"), "tracking": "off", "checkpoint_every": 10**6, "val_every": 10**6,
             "val_steps": 1, "log_every": 10**6,
         }  # fmt: skip
