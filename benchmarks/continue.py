@@ -8,7 +8,8 @@ shards and the delta's, as ``corpus build --base`` makes one. The base run train
 
 - (a) scratch: from its seed on the grown corpus, ``--steps`` steps (what a weekly rebuild pays today);
 - (b) continued: from the base run's checkpoint on the delta with ``--replay`` of the base, ``--share``
-  of (a)'s steps, warm-up a tenth of them (``pretrain --init-from … --replay …``);
+  of (a)'s steps, its learning rate re-warmed over a tenth of them to ``--continued-lr`` (default
+  ``--lr``) and decayed again (``pretrain --init-from … --replay … --lr …``);
 - (c) continued without replay: as (b), every row on the delta.
 
 Each is scored in bits per byte on three val splits read whole from a zero state: the grown corpus's
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="Rows a step (--replay needs ≥ 0.5 / it).")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.003)
+    parser.add_argument(
+        "--continued-lr", type=float, help="(b) and (c)'s peak learning rate, re-warmed to (default: --lr)."
+    )
     # A val split large enough to score the delta alone on (at 98/1/1 the delta's is about 1 KB).
     parser.add_argument("--split", default="90,5,5", help="The corpora's train,val,test shares.")
     add_record_option(parser)
@@ -147,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                     **settings_of,
                     "init_from": parent,
                     "warmup_steps": max(1, continued_steps // 10),
+                    "lr": args.continued_lr or args.lr,
                 }
-            config = TrainConfig(run_name=name.split()[0].strip("()"), **common, **settings_of)
+            config = TrainConfig(run_name=name.split()[0].strip("()"), **{**common, **settings_of})
             say(f"training {name}: {config.total_steps} steps")
             started = time.perf_counter()
             try:

@@ -858,7 +858,8 @@ def continue_tables(results: dict[str, Any]) -> str:
     ]
     settings = results["settings"]
     return (
-        f"{settings.get('preset', 'tiny')}, {settings['batch']} rows × {settings['seq_len']} bytes, lr {settings['lr']:g}; the delta is "
+        f"{settings.get('preset', 'tiny')}, {settings['batch']} rows × {settings['seq_len']} bytes, lr {settings['lr']:g}"
+        f"{f' ((b) and (c): {continued:g})' if (continued := settings.get('continued_lr')) else ''}; the delta is "
         f"`{settings['delta']}` ({settings['source_bytes']['delta'] / sum(settings['source_bytes'].values()):.1%} "
         f"of the sources' bytes). Val splits read whole: full {results['val_bytes']['full']:,} bytes, delta "
         f"{results['val_bytes']['delta']:,}, base {results['val_bytes']['base']:,}.\n\n"
