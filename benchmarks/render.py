@@ -847,8 +847,12 @@ def continue_tables(results: dict[str, Any]) -> str:
     body = [
         [r["case"], str(r["steps"]), num(r["seconds"], 1), ratio(r["seconds"] / scratch["seconds"]),
          f"{r['val_bpb']['full']:.4f}", f"{r['val_bpb']['delta']:.4f}", f"{r['val_bpb']['base']:.4f}"]
+        + ([f"{r['fresh_passes']:.2f}"] if "fresh_passes" in r else [])
         for r in rows
     ]  # fmt: skip
+    passes = ["passes over its fresh train text"] if "fresh_passes" in rows[0] else []  # newer records'
+    train = results.get("train_bytes")
+    text_share = f", {train['delta'] / train['full']:.1%} of the grown corpus's train text" if train else ""
     goal = results["goal"]
     met = goal["bpb_ratio"] <= 1.02 and goal["steps_ratio"] <= 0.15
     forgets = [
@@ -861,10 +865,19 @@ def continue_tables(results: dict[str, Any]) -> str:
         f"{settings.get('preset', 'tiny')}, {settings['batch']} rows × {settings['seq_len']} bytes, lr {settings['lr']:g}"
         f"{f' ((b) and (c): {continued:g})' if (continued := settings.get('continued_lr')) else ''}; the delta is "
         f"`{settings['delta']}` ({settings['source_bytes']['delta'] / sum(settings['source_bytes'].values()):.1%} "
-        f"of the sources' bytes). Val splits read whole: full {results['val_bytes']['full']:,} bytes, delta "
+        f"of the sources' bytes{text_share}). Val splits read whole: full {results['val_bytes']['full']:,} bytes, delta "
         f"{results['val_bytes']['delta']:,}, base {results['val_bytes']['base']:,}.\n\n"
         + table(
-            ["run", "steps", "seconds", "× (a)'s seconds", "full val bpb", "delta val bpb", "base val bpb"],
+            [
+                "run",
+                "steps",
+                "seconds",
+                "× (a)'s seconds",
+                "full val bpb",
+                "delta val bpb",
+                "base val bpb",
+                *passes,
+            ],
             body,
         )
         + f"\n\n(b) against (a) on the full val split: {goal['bpb_ratio']:.4f} × its bits per byte at "

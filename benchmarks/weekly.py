@@ -10,7 +10,8 @@ API, MLflow on SQLite, the store in a folder) on Amazon review files of the shar
 - (a) full: in a new home, `pipeline BASE+NEW`: the corpus of every source, ``--steps`` steps from scratch;
 - (b) weekly: in the weekly home, `pipeline BASE+NEW --incremental`: the corpus grows by the new file's
   delta, pretraining continues from the champion's checkpoint for ``--share`` of (a)'s steps (warm-up a
-  tenth of them, replay ``--replay`` of the champion's corpus), the probes read the new weights.
+  tenth of them, the pipeline's ``continued_warmup``; replay ``--replay`` of the champion's corpus), the
+  probes read the new weights.
 
 Each stage's seconds are the pipeline's own record of it (its key, skip check and subflow); the whole run
 is the command's wall time, start-up included. Ratio = (b) ÷ (a), of one run. Both train on the same
@@ -106,9 +107,8 @@ def main() -> None:
         ):
             common += ["--set", setting]
 
-        def budget(steps: int, *, warmup: int = 0) -> list[str]:
+        def budget(steps: int) -> list[str]:
             settings = [f"total_steps={steps}", f"val_every={steps}", f"checkpoint_every={steps}"]
-            settings += [f"warmup_steps={warmup}"] if warmup else []
             return ["--max-steps", str(steps), *(a for s in settings for a in ("--set", f"pretrain.{s}"))]
 
         ran = dict.fromkeys(STAGES, "ran")
@@ -132,7 +132,7 @@ def main() -> None:
                 *every,
                 "--incremental",
                 *common,
-                *budget(continued, warmup=max(1, continued // 10)),
+                *budget(continued),  # the pipeline warms it up over a tenth (continued_warmup)
                 "--set",
                 f"replay={args.replay}",
             ],

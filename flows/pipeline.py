@@ -334,7 +334,12 @@ def _pretrain(
                 parent.run, {**latest, "checkpoint_uri": parent.checkpoint_uri, "step": parent.step}
             )
             return StageRecord(state="skipped", key=parent.run, result=done, run_id=done.run_id)
-        stage = stage.model_copy(update={"init_from": parent.checkpoint_uri, "replay": params.replay})
+        # Its own schedule: one pass over the delta (unless pretrain.total_steps says), warmed up over a
+        # share of it; a run from scratch's warm-up (the paper's 1,000 steps) can outlast a week's delta.
+        continued = {"warmup_steps": 0, "warmup_share": params.continued_warmup}
+        stage = stage.model_copy(
+            update={"init_from": parent.checkpoint_uri, "replay": params.replay, **continued}
+        )
     digest = parent.digest if parent is not None else None
     run = pretrain_run_name(stage, corpus_id, force=forced, parent=digest)
     stage = stage.model_copy(update={"run": run})

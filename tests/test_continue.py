@@ -283,6 +283,12 @@ def test_a_run_continued_from_the_champion_records_its_parent_in_meta_json_and_m
             "is a tiny checkpoint .*: continue it with --preset tiny",
         ),
         ({"init_from": "PARENT", "replay": 0.05}, r"--replay 0\.05 of a batch of 8 rows rounds to no row"),
+        (
+            {"init_from": "PARENT", "warmup_steps": 10**6},
+            r"--warmup-steps 1000000 is not shorter than the schedule's \d+ steps \(one pass over the new "
+            r"data\): .* --warmup-share",
+        ),
+        ({"init_from": "PARENT", "warmup_steps": 4, "warmup_share": 0.1}, "--warmup-steps or --warmup-share"),
     ],
 )
 def test_a_continued_run_that_cannot_be_is_refused_before_any_process(

@@ -51,12 +51,21 @@ CHANGED: dict[str, Any] = {
     "compile": "off",
     "cuda_graph": "off",
 }
+# Settings given in place of one of CHANGED (the two together are refused), each checked in its place.
+INSTEAD: dict[str, tuple[str, Any]] = {"warmup_share": ("warmup_steps", 0.3)}
+GIVEN = [
+    pytest.param(CHANGED, id="changed"),
+    *(
+        pytest.param({**{k: v for k, v in CHANGED.items() if k != replaced}, name: value}, id=name)
+        for name, (replaced, value) in INSTEAD.items()
+    ),
+]
 # Settings of the launch, not of the trainer: where and how often it runs, checked on the Job instead.
 LAUNCH_ONLY = {*LaunchSettings.model_fields, "run"}
 
 
 def test_every_setting_has_a_changed_value_here() -> None:
-    assert set(PretrainParams.model_fields) - {"corpus"} == set(CHANGED)
+    assert set(PretrainParams.model_fields) - {"corpus"} == set(CHANGED) | set(INSTEAD)
     defaults = PretrainParams(corpus="c")
     unchanged = [
         k for k, v in CHANGED.items() if getattr(defaults, k) == v and k not in ("launcher", "nodes")
@@ -78,10 +87,10 @@ def _parent(manifest: str, home: Path) -> str:
     return uri
 
 
-def _check_reached(job: Job, manifest: str, parent: str) -> None:
+def _check_reached(job: Job, manifest: str, parent: str, given: dict[str, Any]) -> None:
     config = TrainConfig.from_args(list(job.spec.args))  # what the trainer parses from its command line
     assert config == job.config
-    for name, value in CHANGED.items():
+    for name, value in given.items():
         if name not in LAUNCH_ONLY | {"init_from"}:
             assert getattr(config, name) == value, name
     assert config.init_from == parent  # the run's name, resolved to the step folder it names
@@ -90,14 +99,18 @@ def _check_reached(job: Job, manifest: str, parent: str) -> None:
     assert job.stop_step == 7 and job.total_steps == 9
 
 
-def test_every_pretrain_setting_reaches_the_trainers_config(sample_manifest: str, home: Path) -> None:
+@pytest.mark.parametrize("given", GIVEN)
+def test_every_pretrain_setting_reaches_the_trainers_config(
+    sample_manifest: str, home: Path, given: dict[str, Any]
+) -> None:
     parent = _parent(sample_manifest, home)
-    params = PretrainParams(corpus=sample_manifest, **CHANGED)
-    _check_reached(plan_job(params, get_settings()), sample_manifest, parent)
+    params = PretrainParams(corpus=sample_manifest, **given)
+    _check_reached(plan_job(params, get_settings()), sample_manifest, parent, given)
 
 
+@pytest.mark.parametrize("given", GIVEN)
 def test_every_pretrain_flag_reaches_the_trainers_config(
-    sample_manifest: str, home: Path, monkeypatch: pytest.MonkeyPatch
+    sample_manifest: str, home: Path, monkeypatch: pytest.MonkeyPatch, given: dict[str, Any]
 ) -> None:
     """The CLI's flags, as a user types them, up to the job that would be launched (nothing launches)."""
     import flows.cli.pretrain
@@ -118,24 +131,25 @@ def test_every_pretrain_flag_reaches_the_trainers_config(
         f"--{name.replace('_', '-')}={value}"
         if not isinstance(value, bool)
         else f"--{'' if value else 'no-'}{name.replace('_', '-')}"  # typer's --x/--no-x
-        for name, value in CHANGED.items()
+        for name, value in given.items()
     ]
     done = CliRunner().invoke(app, ["pretrain", "--corpus", sample_manifest, *flags, "--json"])
     assert done.exit_code == 0, done.output
     assert len(planned) == 1
-    _check_reached(planned[0], sample_manifest, parent)
+    _check_reached(planned[0], sample_manifest, parent, given)
 
 
 def test_the_pipelines_training_key_follows_exactly_the_settings_marked_as_changing_the_weights() -> None:
     """A changed setting marked WEIGHTS (tasks/pretrain/config.py) is another run; any other is the same."""
     base = PretrainParams(corpus="c")
     key = pretrain_key(base, "corpus-id")
+    each = {**CHANGED, **{name: value for name, (_, value) in INSTEAD.items()}}
     changes_key = {
         name
-        for name, value in CHANGED.items()
+        for name, value in each.items()
         if pretrain_key(base.model_copy(update={name: value}), "corpus-id") != key
     }
-    assert changes_key == set(weight_settings()) & set(CHANGED)
+    assert changes_key == set(weight_settings()) & set(each)
     # The ones a user would name: the model, the data's shape, the optimiser, its schedule and seed.
     assert {"preset", "batch_size", "lr", "lr_base_batch", "clip", "seed", "total_steps"} <= changes_key
     assert {"init_from", "init_optimizer", "replay"} <= changes_key  # a continued run is another run

@@ -41,6 +41,23 @@ def test_each_steps_adam_uses_the_warmed_up_and_decayed_learning_rate(
     assert used == [[pytest.approx(value, rel=1e-12)] for value in expected]
 
 
+def test_a_warmup_share_warms_up_over_that_share_of_a_schedule_the_data_sets(
+    sample_manifest: str, home: Path
+) -> None:
+    # No --total-steps: the schedule is one pass over the train split; the warm-up a quarter of it.
+    lr = 2e-3
+    run = trainer(sample_manifest, home, batch_size=256, seq_len=32, lr=lr, warmup_share=0.25)
+    total = run.plan.steps_per_epoch
+    warmup = round(0.25 * total)
+    assert total >= 8 and warmup >= 2, (total, warmup)
+    expected = [lr * min(1.0, (step + 1) / warmup) * (1.0 - step / total) for step in range(warmup + 2)]
+    used = []
+    for _ in expected:
+        used.append([float(group["lr"]) for group in run.optimizer.param_groups])
+        run.train_step()
+    assert used == [[pytest.approx(value, rel=1e-12)] for value in expected]
+
+
 def test_the_carried_state_starts_over_at_an_epoch_boundary_and_only_there(
     sample_manifest: str, home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

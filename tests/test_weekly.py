@@ -22,8 +22,16 @@ def _params(sources: list[Path], labelled: Path) -> PipelineParams:
         incremental=True,
         sources=[str(source) for source in sources],
         corpus={"split": (18, 1, 1)},
+        # A warm-up shorter than a pass over the whole corpus (about 150 steps) and longer than one over
+        # the week's delta (about 15): the continued run warms up over a share of its own schedule.
         pretrain=PretrainStage(
-            batch_size=16, seq_len=64, max_steps=6, checkpoint_every=6, val_every=6, retries=0
+            batch_size=16,
+            seq_len=64,
+            warmup_steps=20,
+            max_steps=6,
+            checkpoint_every=6,
+            val_every=6,
+            retries=0,
         ),
         transfer=TransferStage(datasets=[f"reviews={labelled}"], baseline=False, c_min_log2=-2, c_max_log2=0),
     )
@@ -67,8 +75,11 @@ def test_weekly_runs_grow_the_champions_corpus_continue_its_checkpoint_and_skip_
     assert second.incremental.continued and second.incremental.full == ()
     assert second.incremental.checkpoint == first.pretrain.checkpoint_uri
     assert second.pretrain.run_id is not None
-    tags = MlflowClient().get_run(second.pretrain.run_id).data.tags
+    continued = MlflowClient().get_run(second.pretrain.run_id).data
+    tags = continued.tags
     assert tags["parent"] == first.pretrain.checkpoint_uri and tags["parent_run"] == first.pretrain.run
+    assert continued.params["warmup_share"] == "0.1" and continued.params["warmup_steps"] == "0"
+    assert int(continued.params["total_steps"]) < 20  # one pass over the delta: shorter than the warm-up
     pipeline_tags = MlflowClient().get_run(second.run_id).data.tags
     assert pipeline_tags["incremental"].startswith(
         f"delta of {grown.delta.totals.kept:,} rows on corpus {first.corpus.corpus_id}; continued from "

@@ -93,6 +93,13 @@ class PipelineParams(BaseModel):
     )
     incremental: bool = Field(default=False, description="Grow the newest corpus, continue the champion.")
     replay: float = Field(default=0.05, ge=0, lt=1, description="Incremental: pretraining's replay share.")
+    continued_warmup: float = Field(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description="Incremental: the continued run's warm-up, a share of its steps "
+        "(pretrain.warmup_steps is a run from scratch's, often longer than a week's delta).",
+    )
 
     @field_validator("sources")
     @classmethod

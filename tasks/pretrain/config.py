@@ -63,6 +63,8 @@ class TrainSettings(OptimizerSettings):
     lr_base_batch: Annotated[int, WEIGHTS] = Field(default=128, ge=1, description="The batch size --lr is given for.")
     lr_scaling: Annotated[LrScaling, WEIGHTS] = Field(default="none", description="How lr follows the batch: none, linear or sqrt.")
     warmup_steps: Annotated[int, WEIGHTS] = Field(default=0, ge=0, description="Linear warm-up steps before the decay.")
+    # A schedule whose length the data sets (a continued run's: one pass over the delta) has no fixed step count to warm up over.
+    warmup_share: Annotated[float | None, Weights(neutral=None)] = Field(default=None, gt=0, lt=1, description="Warm-up as a share of the schedule's steps, in place of --warmup-steps (a continued run's schedule is as long as its new data).")
     total_steps: Annotated[int | None, WEIGHTS] = Field(default=None, ge=1, description="Schedule length. [default: one epoch of train]")
     # A budget for one launch, not the schedule: raising it resumes the same run.
     max_steps: int | None = Field(default=None, ge=1, description="End this launch after this step.")
@@ -90,6 +92,18 @@ class TrainSettings(OptimizerSettings):
     def _known_preset(cls, name: str) -> str:
         preset(name)  # raises with the list of names
         return name
+
+    def warmup(self, total_steps: int) -> int:
+        """The warm-up in steps of a schedule of ``total_steps``: --warmup-share of it, or --warmup-steps."""
+        if self.warmup_share is not None:
+            return max(1, round(self.warmup_share * total_steps))
+        return self.warmup_steps
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> TrainSettings:
+        if self.warmup_share is not None and self.warmup_steps:
+            raise ValueError("give --warmup-steps or --warmup-share, not both")
+        return self
 
     @model_validator(mode="after")
     def _continuing(self) -> TrainSettings:

@@ -90,6 +90,17 @@ def plan_job(params: PretrainParams, settings: Settings) -> Job:
     rows = replay_rows(params.batch_size, params.replay, params.seed)
     plan = RowPlan(reads.fresh_bytes, reads.replay_bytes, params.batch_size, params.seq_len, rows, world_size)
     total_steps = params.total_steps or plan.steps_per_epoch
+    if params.warmup_steps >= total_steps:  # the rate would never reach --lr: refused before any work
+        length = (
+            "--total-steps"
+            if params.total_steps
+            else f"one pass over the {'new' if parent else 'train'} data"
+        )
+        raise ValueError(
+            f"--warmup-steps {params.warmup_steps} is not shorter than the schedule's {total_steps} steps "
+            f"({length}): the learning rate would never reach --lr; lower it, or warm up over a share of the "
+            "schedule with --warmup-share"
+        )
     corpus_id = manifest.corpus_id
     if params.run:
         run = params.run

@@ -122,7 +122,9 @@ class Trainer:
         self.graph_step: GraphedStep | None = None  # captured at the first step, after any resume
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda step: lr_factor(step, warmup_steps=config.warmup_steps, total_steps=self.total_steps),
+            lambda step: lr_factor(
+                step, warmup_steps=config.warmup(self.total_steps), total_steps=self.total_steps
+            ),
         )
         # The schedule computes in floats and fills the captured Adam's lr tensor in place; its own state
         # (and so every checkpoint) then holds numbers, whichever way the step runs.
