@@ -3,7 +3,9 @@ final cell states on SST or IMDB (the real texts and labels), both cached by the
 
 No trained model ships with the project, and the 2-core machine cannot train one for long, so the
 model is trained here for a stated budget of steps (truncated BPTT with the pretraining job's own
-step, ``tasks.pretrain.step.optimizer_step``, on the shared Amazon reviews) and its features are read
+step, ``tasks.pretrain.step.optimizer_step``, on the shared Amazon reviews, or with ``text="imdb-unsup"``
+on IMDB's 50,000 unlabelled reviews: 65 MB of movie reviews, SST's domain, enough text for thousands of
+steps without a second pass, where the three Amazon files hold 0.5 MB) and its features are read
 with the features path every stage uses (``models.features.featurize``). What the probe sees is then
 what it sees in the pipeline: unstandardised cell states of a real text model, correlated and with
 heavy-tailed unit scales, not synthetic ones. Both steps are minutes on two cores (the small preset
@@ -11,12 +13,16 @@ reads about 2,600 characters a second there and trains on about 300 bytes a seco
 32 × 128 bytes take about 5 minutes and leave a barely trained model, about 5 bits a byte), so both are
 cached: the model by its preset, steps, seed and training files; the features by the model and the
 dataset's checksum. The budget is in steps, not seconds, so that the model is the same on any machine.
+(Those rates were read on the Xeon machine before the fused recurrence; on the AMD machine a step of
+the small preset, 32 × 128 bytes, takes about a second.)
 
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-sst:1024 --train-steps 25
+    PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-sst:1024 --train-steps 2000 --train-text imdb-unsup
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 import hashlib
 import json
@@ -42,22 +48,35 @@ SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) /
 DATASETS = {"sst": "sst2", "imdb": "imdb"}
 # The 2018 "small" 5-core files: real review text, 9 MB of it.
 AMAZON_FILES = ("All_Beauty_5.json.gz", "AMAZON_FASHION_5.json.gz", "Appliances_5.json.gz")
+TEXTS = ("amazon", "imdb-unsup")  # what the model trains on
 BATCH, SEQ_LEN, LR = 32, 128, 2e-3
 Splits = list[tuple[np.ndarray, np.ndarray]]
 
 
 def real_cell_states(
-    dataset: str, preset: str, *, train_steps: int, cache: Path, seed: int = 0, precision: str = "fp32"
+    dataset: str,
+    preset: str,
+    *,
+    train_steps: int,
+    cache: Path,
+    seed: int = 0,
+    precision: str = "fp32",
+    text: str = "amazon",
 ) -> Splits:
-    """Train, dev and test features of ``dataset`` (sst or imdb) from ``preset`` trained ``train_steps`` steps,
-    read in ``precision`` (``featurize``'s: bf16 reads IMDB's 50,000 reviews about 3× faster on a CPU
-    with bf16 in hardware; the same model either way)."""
+    """Train, dev and test features of ``dataset`` (sst or imdb) from ``preset`` trained ``train_steps`` steps
+    on ``text`` (one of ``TEXTS``), read in ``precision`` (``featurize``'s: bf16 reads IMDB's 50,000
+    reviews about 3× faster on a CPU with bf16 in hardware; the same model either way)."""
     if dataset not in DATASETS:
         raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join(DATASETS)}")
-    sources = [SHARED_DATA / "amazon" / name for name in AMAZON_FILES]
+    if text not in TEXTS:
+        raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join(TEXTS)}")
+    if text == "amazon":
+        sources = [SHARED_DATA / "amazon" / name for name in AMAZON_FILES]
+    else:
+        sources = [SHARED_DATA / "imdb" / "unsup.csv.gz"]
     data = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
     if missing := [str(p) for p in sources if not p.is_file()]:
-        raise SystemExit(f"real cell states: the shared Amazon files are missing: {', '.join(missing)}")
+        raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
     settings = {
         "preset": preset,
         "train_steps": train_steps,
@@ -81,7 +100,9 @@ def real_cell_states(
         say(f"  {preset}: {model_path} (cached)")
         model.load_state_dict(torch.load(model_path, weights_only=True))
     else:
-        train(model, amazon_bytes(sources), train_steps, seed)
+        train(
+            model, amazon_bytes(sources) if text == "amazon" else unsup_bytes(sources[0]), train_steps, seed
+        )
         torch.save(model.state_dict(), model_path)
     arrays: dict[str, np.ndarray] = {}
     for name, split in data.splits().items():
@@ -101,6 +122,13 @@ def amazon_bytes(sources: list[Path]) -> np.ndarray:
     return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
 
 
+def unsup_bytes(path: Path) -> np.ndarray:
+    """IMDB's unlabelled reviews (``id,text``), cleaned and encoded as the corpus stage does, one per line."""
+    with gzip.open(path, "rt", encoding="utf-8", newline="") as stream:
+        texts = [encode(row["text"]) for row in csv.DictReader(stream)]
+    return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
+
+
 def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> None:
     """``steps`` of truncated BPTT: BATCH streams through ``data``, their state carried on."""
     torch.manual_seed(seed)
@@ -110,9 +138,7 @@ def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> None:
     starts = np.arange(BATCH) * stride
     state = model.zero_state(BATCH)
     model.train()
-    say(
-        f"  training {model.config.hidden_size} units on {len(data):,} bytes of Amazon reviews, {steps} steps"
-    )
+    say(f"  training {model.config.hidden_size} units on {len(data):,} bytes of reviews, {steps} steps")
     started = last = time.perf_counter()
     for step in range(1, steps + 1):
         offset = (step * SEQ_LEN) % (stride - SEQ_LEN - 1)

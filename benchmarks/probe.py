@@ -28,7 +28,8 @@ features near a low-dimensional manifold, as a trained model's strongly correlat
 tanh, then scaled, labels from a sparse direction in the latent space. Row counts
 follow the real splits: SST-sized 6,920 / 872 / 1,821, IMDB-sized 22,500 / 2,500 / 25,000.
 ``real-ROWS:WIDTH``: real cell states (``cell_states.py``): the preset of that width (64 tiny, 1,024
-small) trained ``--train-steps`` steps on the shared Amazon reviews, its final cell states of the real SST
+small) trained ``--train-steps`` steps on the shared Amazon reviews (``--train-text imdb-unsup``: on IMDB's
+unlabelled reviews, enough text for a model that learns something), its final cell states of the real SST
 or IMDB texts and labels; model and features cached in ``--cache`` by their settings. ``--features-precision
 bf16`` reads them in bf16 (the same model; IMDB's 50,000 reviews in about a third of fp32's time on a CPU
 with bf16 in hardware), said in the case's name.
@@ -237,13 +238,15 @@ class Case:
     noise: float
     precision: str = "fp32"  # a real case's: the dtype its features are read in (--features-precision)
     rank: int | None = None  # near-low-rank features: the latent's rank (``near_low_rank``)
+    trained: str = ""  # a real case's model, where not the Amazon reviews' default (--train-text)
 
     @property
     def name(self) -> str:
         if self.scales is None:
             preset = PRESET_OF_WIDTH[self.width]
             read = "" if self.precision == "fp32" else f", {self.precision} features"
-            return f"real {self.rows.upper()} × {self.width} ({preset}{read})"
+            trained = f", {self.trained}" if self.trained else ""
+            return f"real {self.rows.upper()} × {self.width} ({preset}{trained}{read})"
         conditioning = (
             ""
             if (self.scales, self.noise, self.rank) == ("uniform", 0.5, None)
@@ -298,6 +301,7 @@ def features_of(case: Case, args: argparse.Namespace) -> Splits:
             train_steps=args.train_steps,
             cache=args.cache,
             precision=case.precision,
+            text=args.train_text,
         )
     if case.rank is not None:
         return near_low_rank(ROWS[case.rows], case.width, case.rank, scales=case.scales, noise=case.noise)
@@ -453,6 +457,13 @@ def main() -> None:
         "--train-steps", type=int, default=25, help="real cases: the model's training budget in steps"
     )
     parser.add_argument(
+        "--train-text",
+        choices=("amazon", "imdb-unsup"),
+        default="amazon",
+        help="real cases: what the model trains on (imdb-unsup: IMDB's 50,000 unlabelled reviews, enough "
+        "for a model that learns something)",
+    )
+    parser.add_argument(
         "--cache", type=Path, default=CACHE, help="real cases: where the trained model and features are kept"
     )
     parser.add_argument(
@@ -482,7 +493,11 @@ def main() -> None:
     if unknown := [s for s in solvers if s not in SOLVERS or s == "liblinear"]:
         parser.error(f"--solvers: {', '.join(unknown)} is not a solver compared with liblinear (newton)")
     cases = [parse_case(c) for c in args.cases.split(",")]
-    cases = [replace(c, precision=args.features_precision) if c.scales is None else c for c in cases]
+    trained = "" if args.train_text == "amazon" else f"{args.train_steps:,} steps on {args.train_text}"
+    cases = [
+        replace(c, precision=args.features_precision, trained=trained) if c.scales is None else c
+        for c in cases
+    ]
     Cs = tuple(2.0**k for k in range(args.c_min_log2, args.c_max_log2 + 1))
     recorded, liblinear_source = (
         recorded_baselines(args.liblinear_from, [c.name for c in cases], Cs)
