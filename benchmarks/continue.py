@@ -6,8 +6,8 @@ The corpus is the shared Amazon files: the *base* is every file but ``--delta``,
 ``corpus build --base`` makes one. The default delta, ``Magazine_Subscriptions_5``, is 6% of the sources'
 bytes and 6% of the grown corpus's train text, a week's growth as issue 52 sizes it; a file whose text
 is mostly duplicates (``AMAZON_FASHION_5``: 4% of the bytes, 0.6% of the text after dedup) makes (b)
-read its few rows several times over, which measures over-training on a sliver, not continuing. The base run trains ``--preset`` from its seed for
-``--steps`` on the base; then, each from that point:
+read its few rows several times over, which measures over-training on a sliver, not continuing. The
+base run trains ``--preset`` from its seed for ``--steps`` on the base; then, each from that point:
 
 - (a) scratch: from its seed on the grown corpus, ``--steps`` steps (what a weekly rebuild pays today);
 - (b) continued: from the base run's checkpoint on the delta with ``--replay`` of the base, ``--share``
@@ -16,9 +16,10 @@ read its few rows several times over, which measures over-training on a sliver, 
 - (c) continued without replay: as (b), every row on the delta.
 
 Each row also says how many passes it made over what it read fresh (the base run the base's train
-split, (a) the grown corpus's, (b) and (c) the delta's). Each is scored in bits per byte on three val splits read whole from a zero state: the grown corpus's
-(``full val``), the delta's alone and the base's alone (where (c) forgets). Seconds are each run's wall
-time in this process, comparable within the run only. The goal (issue 52): (b) within 2% of (a)'s bits
+split, (a) the grown corpus's, (b) and (c) the delta's). Each is scored in bits per byte on three val
+splits read whole from a zero state: the grown corpus's (``full val``), the delta's alone and the base's
+alone (where (c) forgets). Seconds are each run's wall time in this process, comparable within the run
+only. The goal (issue 52): (b) within 2% of (a)'s bits
 per byte on the full val split at no more than 15% of (a)'s steps.
 
     PYTHONPATH=. .venv/bin/python benchmarks/continue.py                  # a few minutes on 2 cores
