@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,6 @@ SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) /
 DATASETS = {"sst": "sst2", "imdb": "imdb"}
 # The 2018 "small" 5-core files: real review text, 9 MB of it.
 AMAZON_FILES = ("All_Beauty_5.json.gz", "AMAZON_FASHION_5.json.gz", "Appliances_5.json.gz")
-TEXTS = ("amazon", "imdb-unsup")  # what the model trains on
 BATCH, SEQ_LEN, LR = 32, 128, 2e-3
 Splits = list[tuple[np.ndarray, np.ndarray]]
 
@@ -70,10 +70,8 @@ def real_cell_states(
         raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join(DATASETS)}")
     if text not in TEXTS:
         raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join(TEXTS)}")
-    if text == "amazon":
-        sources = [SHARED_DATA / "amazon" / name for name in AMAZON_FILES]
-    else:
-        sources = [SHARED_DATA / "imdb" / "unsup.csv.gz"]
+    files, read = TEXTS[text]
+    sources = [SHARED_DATA / name for name in files]
     data = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
     if missing := [str(p) for p in sources if not p.is_file()]:
         raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
@@ -100,9 +98,7 @@ def real_cell_states(
         say(f"  {preset}: {model_path} (cached)")
         model.load_state_dict(torch.load(model_path, weights_only=True))
     else:
-        train(
-            model, amazon_bytes(sources) if text == "amazon" else unsup_bytes(sources[0]), train_steps, seed
-        )
+        train(model, read(sources), train_steps, seed)
         torch.save(model.state_dict(), model_path)
     arrays: dict[str, np.ndarray] = {}
     for name, split in data.splits().items():
@@ -122,11 +118,20 @@ def amazon_bytes(sources: list[Path]) -> np.ndarray:
     return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
 
 
-def unsup_bytes(path: Path) -> np.ndarray:
+def unsup_bytes(sources: list[Path]) -> np.ndarray:
     """IMDB's unlabelled reviews (``id,text``), cleaned and encoded as the corpus stage does, one per line."""
-    with gzip.open(path, "rt", encoding="utf-8", newline="") as stream:
-        texts = [encode(row["text"]) for row in csv.DictReader(stream)]
+    texts: list[bytes] = []
+    for path in sources:
+        with gzip.open(path, "rt", encoding="utf-8", newline="") as stream:
+            texts += [encode(row["text"]) for row in csv.DictReader(stream)]
     return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
+
+
+# What a model can train on: its files under the shared data, and the reader of their review texts.
+TEXTS: dict[str, tuple[tuple[str, ...], Callable[[list[Path]], np.ndarray]]] = {
+    "amazon": (tuple(f"amazon/{name}" for name in AMAZON_FILES), amazon_bytes),
+    "imdb-unsup": (("imdb/unsup.csv.gz",), unsup_bytes),
+}
 
 
 def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> None:

@@ -50,6 +50,7 @@ from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
 from tasks.jobs.checkpoint import load_checkpoint
 from tasks.jobs.world import World
 from tasks.pretrain.config import TrainConfig
+from tasks.pretrain.mix import replay_rows
 from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
 from tasks.pretrain.train import fit
 from tasks.settings import get_settings
@@ -137,21 +138,25 @@ def main(argv: list[str] | None = None) -> int:
             "store": str(root / "runs"), "tracking": "off", "checkpoint_every": 10**6, "val_every": 10**6,
             "val_steps": 1, "log_every": 10**6,
         }  # fmt: skip
+        # Each case: its settings, and the train split it reads fresh with the rows a step that read it.
+        replayed = len(replay_rows(args.batch, args.replay, seed=0))  # the job's own count of replay rows
         cases = {
-            "base": {"corpus": base, "total_steps": args.steps},
-            "(a) scratch": {"corpus": full, "total_steps": args.steps},
-            "(b) continued, replay": {"corpus": full, "total_steps": continued_steps, "replay": args.replay},
-            "(c) continued, no replay": {"corpus": full, "total_steps": continued_steps},
+            "base": ({"corpus": base, "total_steps": args.steps}, "base", args.batch),
+            "(a) scratch": ({"corpus": full, "total_steps": args.steps}, "full", args.batch),
+            "(b) continued, replay": (
+                {"corpus": full, "total_steps": continued_steps, "replay": args.replay},
+                "delta",
+                args.batch - replayed,
+            ),
+            "(c) continued, no replay": (
+                {"corpus": full, "total_steps": continued_steps},
+                "delta",
+                args.batch,
+            ),
         }
         train_bytes = {
             name: json.loads(Path(uri).read_text())["splits"]["train"]["text_bytes"]
             for name, uri in (("full", full), ("delta", delta), ("base", base))
-        }
-        fresh_of = {  # the train split a run reads fresh, and its rows a step that read it
-            "base": ("base", args.batch),
-            "(a) scratch": ("full", args.batch),
-            "(b) continued, replay": ("delta", args.batch - round(args.replay * args.batch)),
-            "(c) continued, no replay": ("delta", args.batch),
         }
         vals = {
             name: open_split(uri, "val", root / "cache")
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         parent = None
         handler = signal.getsignal(signal.SIGTERM)
-        for name, settings_of in cases.items():
+        for name, (settings_of, split_of, fresh_rows) in cases.items():
             if name.startswith("(b)") or name.startswith("(c)"):
                 settings_of = {
                     **settings_of,
@@ -184,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
                 split: bits_per_byte(model, stream, args.batch, args.seq_len)
                 for split, stream in vals.items()
             }
-            split_of, fresh_rows = fresh_of[name]
             passes = result.steps * fresh_rows * args.seq_len / train_bytes[split_of]
             rows.append(
                 {

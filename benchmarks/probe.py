@@ -458,7 +458,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--train-text",
-        choices=("amazon", "imdb-unsup"),
+        choices=("amazon", "imdb-unsup"),  # cell_states.TEXTS, imported only by a run with real cases
         default="amazon",
         help="real cases: what the model trains on (imdb-unsup: IMDB's 50,000 unlabelled reviews, enough "
         "for a model that learns something)",

@@ -69,3 +69,8 @@ def test_the_continue_benchmark_trains_four_runs_and_scores_each_on_three_val_sp
     scratch, replay = rows["(a) scratch"], rows["(b) continued, replay"]
     assert report["goal"]["steps_ratio"] == replay["steps"] / scratch["steps"]
     assert report["goal"]["bpb_ratio"] == replay["val_bpb"]["full"] / scratch["val_bpb"]["full"]
+    # Passes over the text each run reads fresh: (b)'s replayed row (5% of 20) reads the base, not the delta.
+    train = report["train_bytes"]
+    assert replay["fresh_passes"] == pytest.approx(3 * 19 * 32 / train["delta"])
+    assert rows["(c) continued, no replay"]["fresh_passes"] == pytest.approx(3 * 20 * 32 / train["delta"])
+    assert scratch["fresh_passes"] == pytest.approx(20 * 20 * 32 / train["full"])

@@ -136,6 +136,29 @@ def test_real_cell_states_read_in_bf16_are_kept_apart_from_fp32_s(
     assert case.name == "real SST × 64 (tiny)"  # fp32's name, as recorded before
 
 
+def test_real_cell_states_of_a_model_trained_on_imdb_unsup_are_cached_apart(
+    shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--train-text imdb-unsup``: a model of its own (its cache key names the training files), trained on
+    IMDB's unlabelled reviews, so its cell states differ from the Amazon-trained model's; an unknown text
+    is refused by name."""
+    cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
+    monkeypatch.setattr(cell_states, "SHARED_DATA", shared_data)
+    read: list[int] = []
+    real_train = cell_states.train
+    monkeypatch.setattr(
+        cell_states, "train", lambda model, data, *a: (read.append(len(data)), real_train(model, data, *a))
+    )
+    amazon = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path)
+    imdb = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, text="imdb-unsup")
+    assert len(list(tmp_path.glob("*.pt"))) == 2 and len(list(tmp_path.glob("sst-*.npz"))) == 2
+    # IMDB's 50,000 unlabelled reviews are about 65 MB of text; the three Amazon files a few MB.
+    assert read[0] < 10_000_000 < 60_000_000 < read[1]
+    assert not np.array_equal(amazon[0][0], imdb[0][0])
+    with pytest.raises(SystemExit, match="no training text 'wiki'; one of amazon, imdb-unsup"):
+        cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, text="wiki")
+
+
 def test_a_rank_case_builds_features_near_a_manifold_of_that_rank(probe: ModuleType) -> None:
     case = probe.parse_case("sst:256:lognormal-1:0.05:8")
     assert case.name == "sst-sized × 256, rank-8 latent, lognormal-1 scales, noise 0.05"
