@@ -257,6 +257,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "tasks/pretrain/graphed.py",
     ),
     "probe": ("tasks/transfer/solvers/",),
+    "score_fixed": ("flows/score.py", "flows/runtime.py", "flows/stopping.py", "flows/cli/score.py"),
     "scaling": ("models/mlstm.py", "models/recurrence.py"),
     "score": ("tasks/score/", "models/features.py"),
     "sharding": ("tasks/jobs/sharding.py", "tasks/pretrain/step.py"),

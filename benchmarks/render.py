@@ -137,15 +137,29 @@ def corpus_delta_tables(results: dict[str, Any]) -> str:
         "",
         "One 73 KB file (Appliances_5.json.gz):",
         "",
-        table(
-            ["case", "seconds", "runs"],
-            [
-                [c["name"], num(c["seconds"]), ", ".join(f"{r:g}" for r in c["runs"])]
-                for c in results["fixed_cost"]
-            ],
-        ),
+        fixed_cost_table(results["fixed_cost"]),
     ]
     return "\n".join(lines)
+
+
+def fixed_cost_table(cases: list[dict[str, Any]]) -> str:
+    """A fixed-cost benchmark's cases: the fastest run's seconds, every run's beside it."""
+    return table(
+        ["case", "seconds", "runs"],
+        [[c["name"], num(c["seconds"]), ", ".join(f"{r:g}" for r in c["runs"])] for c in cases],
+    )
+
+
+def score_fixed_tables(results: dict[str, Any]) -> str:
+    settings, ratios, load = results["settings"], results["ratios"], results["load_average"]
+    return (
+        f"{settings['rows']} IMDB test reviews, the {settings['preset']} classifier, each case "
+        f"{settings['repeat']} times (the fastest kept); 1-minute load average {load['before']:.1f} at the "
+        f"start, {load['after']:.1f} at the end, on {results['machine']['cores']} cores.\n\n"
+        + fixed_cost_table(results["rows"])
+        + f"\n\n`score` took {ratios['score_vs_predict']:.2f}× `predict --input`'s time; the flow of one piece on a "
+        f"thread {ratios['thread_vs_process_pool']:.2f}× its time on a process pool.\n"
+    )
 
 
 def pretrain_tables(results: dict[str, Any]) -> str:
@@ -905,6 +919,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "weekly": weekly_tables,
     "sweep": sweep_tables,
     "score": score_tables,
+    "score_fixed": score_fixed_tables,
     "probe": probe_tables,
     "neuron": neuron_tables,
     "job": job_tables,

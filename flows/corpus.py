@@ -12,6 +12,7 @@ from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
 from flows.runtime import check_cluster, retry_unless
+from flows.stopping import Stopped, stop_if_told, stop_threads_on_error
 from tasks.corpus.build import (
     BucketResult,
     CorpusConfig,
@@ -43,7 +44,11 @@ plan_corpus_task = task(
     name="plan corpus", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying
 )(plan_build)
 parse_piece_task = task(
-    name="parse piece", retries=2, retry_delay_seconds=5, task_run_name="parse {piece.piece_id}"
+    name="parse piece",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless(Stopped),
+    task_run_name="parse {piece.piece_id}",
 )(parse_piece)
 reduce_bucket_task = task(
     name="reduce bucket", retries=2, retry_delay_seconds=5, task_run_name="reduce bucket {bucket}"
@@ -126,12 +131,16 @@ def _build(
     pieces = []
     # Each task is sent the plan without its pieces, and its own piece (CorpusPlan.for_tasks says why).
     sent = plan.for_tasks()
-    futures = parse_piece_task.map(sent, list(plan.pieces), target, s3_endpoint_url=settings.s3_endpoint_url)
-    for future in as_completed(futures):
-        result = future.result()
-        pieces.append(result)
-        sink.advance(sizes[result.piece_id])
-        lock.refresh()
+    # A piece on a thread of this process (a build of one piece) stops at its next block with the flow.
+    futures = parse_piece_task.map(
+        sent, list(plan.pieces), target, s3_endpoint_url=settings.s3_endpoint_url, on_block=stop_if_told
+    )
+    with stop_threads_on_error():
+        for future in as_completed(futures):
+            result = future.result()
+            pieces.append(result)
+            sink.advance(sizes[result.piece_id])
+            lock.refresh()
 
     sink.stage("dedupe + write shards", total=plan.num_buckets)
     buckets: list[BucketResult] = []

@@ -229,6 +229,16 @@ def task_runner(settings: Settings) -> Any:
     return RayTaskRunner(address=settings.task_runner_address)
 
 
+def runner_for(settings: Settings, pieces: int) -> Settings:
+    """The settings a run of ``pieces`` pieces takes: one piece runs on a thread of this process rather
+    than on a process pool, whose worker's start (each importing pyarrow and Prefect, and torch and
+    MLflow to score) was most of such a run (benchmarks/corpus_delta.py, benchmarks/score.py --small).
+    A stop reaches that thread between batches (``flows.stopping``)."""
+    if pieces <= 1 and settings.task_runner == "process":
+        return settings.model_copy(update={"task_runner": "thread"})
+    return settings
+
+
 def ignore_ctrl_c() -> None:
     """A pool worker's start: the terminal's Ctrl-C, sent to the whole process group, is for the command.
 

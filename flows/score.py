@@ -14,6 +14,7 @@ from prefect.task_runners import ProcessPoolTaskRunner
 
 from flows import names, progress
 from flows.runtime import retry_unless
+from flows.stopping import Stopped, stop_if_told, stop_threads_on_error
 from tasks.corpus.build import cpu_count
 from tasks.score.config import PIECE_ROWS
 from tasks.score.inputs import InputError, InputFile
@@ -34,8 +35,11 @@ from tasks.settings import get_settings
 from tasks.tracking import experiment_id, run_link
 
 # A bad input file stays bad; a store or network error may pass.
-_worth_retrying = retry_unless(InputError, ValueError)
+_worth_retrying = retry_unless(InputError, ValueError, Stopped)
 PROGRESS_SECONDS = 2.0  # between updates of a piece's progress artifact
+# Rows each piece's batches have told this process's progress sink, by (scoring id, piece): only a piece
+# on a thread of this process adds here; the flow tells the sink the rest of a piece once it is done.
+_TOLD: dict[tuple[str, int], int] = {}
 
 
 class _ProgressArtifact:
@@ -109,6 +113,16 @@ def score_piece_task(
         f"{piece.file.name}: part {piece.part + 1} of {piece.parts} of rows {piece.start}–{piece.stop} "
         "by length: rows scored",
     )
+    sink, key = progress.current(), (plan.scoring_id, piece.index)
+
+    def on_batch(rows: int, _bytes: int) -> None:
+        stop_if_told()
+        artifact.advance(rows)
+        # On a thread of the command (a run of one piece) its bar moves by batch; a pool's worker has
+        # no bar, and the flow moves it by piece (``_TOLD``).
+        sink.advance(rows)
+        _TOLD[key] = _TOLD.get(key, 0) + rows
+
     record = score_piece(
         plan,
         piece,
@@ -116,7 +130,7 @@ def score_piece_task(
         workers=workers,
         memory_budget=memory_budget,
         on_rows=artifact.of,
-        on_batch=lambda rows, _bytes: artifact.advance(rows),
+        on_batch=on_batch,
     )
     artifact.done()
     return record
@@ -201,7 +215,8 @@ def score(
         model_ref.version,
         plan.output,
     )
-    workers = workers or settings.max_workers or cpu_count()
+    # The cores and the batch memory are shared by the pieces that run at once: one piece takes them all.
+    workers = min(workers or settings.max_workers or cpu_count(), len(plan.pieces))
     sink = progress.current()
     sink.stage("score", total=sum(f.rows for f in plan.files))
     records = []
@@ -213,10 +228,11 @@ def score(
         workers=workers,
         memory_budget=settings.score_memory_mib * 2**20,
     )
-    for future in as_completed(pieces):
-        record = future.result()
-        records.append(record)
-        sink.advance(record["rows_in"])
+    with stop_threads_on_error():  # a piece on a thread of this process stops with the flow
+        for future in as_completed(pieces):
+            record = future.result()
+            records.append(record)
+            sink.advance(record["rows_in"] - _TOLD.pop((plan.scoring_id, record["piece"]), 0))
     manifest = build_manifest(plan, records, seconds=time.perf_counter() - started)
     scored = manifest["pieces"]["scored"]
     manifest_uri = publish_manifest(plan, manifest)

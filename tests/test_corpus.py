@@ -122,6 +122,39 @@ def test_same_sources_give_the_same_bytes_however_the_work_is_cut(amazon_dir: Pa
     assert three.corpus_id != one.corpus_id
 
 
+def test_a_piece_stopped_between_blocks_leaves_no_marker_and_is_parsed_whole_again(
+    amazon_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``parse_piece`` calls ``on_block`` before each block: the flow's stop (``flows.stopping``) raises
+    there, and a piece stopped so has no completion marker, so the rerun parses it whole."""
+    import tasks.corpus.sources
+    from tasks.corpus.build import parse_piece
+    from tasks.store import LocalStore
+
+    monkeypatch.setattr(tasks.corpus.sources, "READ_CHUNK", 2**20)  # blocks of 1 MB: seven of them
+    gzipped = (amazon_dir / "reviews_Musical_Instruments_5.json.gz").read_bytes()
+    (plain := tmp_path / "reviews.json").write_bytes(gzip.decompress(gzipped))
+    plan = plan_corpus([str(plain)], SMALL_SPLIT.model_copy(update={"block_mb": 1}))
+    (piece,) = plan.pieces
+    store = LocalStore(tmp_path / "store")
+    blocks: list[int] = []
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_the_third() -> None:
+        blocks.append(1)
+        if len(blocks) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        parse_piece(plan, piece, store, on_block=stop_at_the_third)
+    assert not store.exists(plan.work_key("map", piece.piece_id, "_SUCCESS.json"))
+    result = parse_piece(plan, piece, store)
+    assert store.exists(plan.work_key("map", piece.piece_id, "_SUCCESS.json"))
+    assert result.bytes_read == plain.stat().st_size and result.records == _count_lines(plain)
+
+
 def test_split_membership_does_not_change_when_sources_are_added(amazon_dir: Path, tmp_path: Path) -> None:
     first = [amazon_dir / "Gift_Cards_5.json.gz"]
     more = [*first, amazon_dir / "All_Beauty_5.json.gz", amazon_dir / "Subscription_Boxes.jsonl.gz"]

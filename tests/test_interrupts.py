@@ -280,6 +280,39 @@ def test_ctrl_c_on_score_stops_its_workers(cli: Callable[..., Command], tmp_path
     assert_nothing_left(command.home)
 
 
+@pytest.mark.slow
+def test_ctrl_c_on_a_score_of_one_piece_stops_the_piece(
+    cli: Callable[..., Command], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api_url: str
+) -> None:
+    """A table of one piece is scored on a thread of the command, not a pool's worker
+    (``flows.runtime.runner_for``): Ctrl-C stops the piece at its next batch, unpublished, so that a rerun
+    scores it, instead of the command finishing the whole piece before it exits."""
+    write_classifier(tmp_path / "home")
+    inputs = write_labelled_sample(tmp_path / "texts", num_reviews=60_000) / "train.csv"  # ~37,000 rows
+    output = tmp_path / "scores"
+    monkeypatch.setenv("MLSTM_SCORE_MEMORY_MIB", "16")  # many batches, each a chance to stop
+    command = cli(["score", str(inputs), "--output", str(output), "--piece-rows", "100000"])
+    command.wait_until(lambda: _piece_running(str(output)), "the piece running")
+    command.signal(signal.SIGINT, group=True)  # its window read and model load come first: then batches
+    assert command.process.returncode == 130, command.output
+    assert_one_line(command, "interrupted")
+    assert not list(output.glob("*/pieces/*.json")), f"the piece was finished after Ctrl-C:\n{command.output}"
+    assert_nothing_left(command.home)
+
+
+def _piece_running(output: str) -> bool:
+    """Whether the score flow run writing to ``output`` has a piece task running (the session's API)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as prefect:
+        ours = [r for r in prefect.read_flow_runs(limit=50) if r.parameters.get("output") == output]
+        if not ours:
+            return False
+        tasks = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[ours[0].id])))
+    return any(t.name.startswith("score piece") and t.state_type == "RUNNING" for t in tasks)
+
+
 def write_classifier(home: Path) -> None:
     """A tiny classifier (a random mLSTM and probe) registered as the champion in ``home``'s MLflow."""
     import mlflow

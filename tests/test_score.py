@@ -104,11 +104,10 @@ def _score(inputs: list[str], output: str, **options: Any) -> dict[str, Any]:
     from flows.cli.score import run_score
 
     options.setdefault("task_runner", "thread")
+    options.setdefault("piece_rows", PIECE_ROWS)
     threads = torch.get_num_threads()
     try:
-        return run_score(
-            inputs, output=output, piece_rows=PIECE_ROWS, show_progress=False, **options
-        ).model_dump()
+        return run_score(inputs, output=output, show_progress=False, **options).model_dump()
     finally:
         torch.set_num_threads(threads)  # a thread worker sets this process's
 
@@ -630,6 +629,69 @@ def test_a_worker_s_feature_batches_take_its_share_of_the_run_s_memory(
     assert summary["pieces_scored"] == 4
     assert budgets == [600 * 2**20 // 3] * 4, budgets
     assert get_settings().score_memory_mib == 600
+    # A run of one piece: nothing runs beside it, so its batches take the whole budget.
+    budgets.clear()
+    summary = _score(
+        [str(imdb_slice)], str(tmp_path / "one"), task_runner="thread", workers=3, piece_rows=SLICE_ROWS
+    )
+    assert summary["pieces_scored"] == 1 and budgets == [600 * 2**20], budgets
+
+
+def test_the_bar_moves_by_batch_for_a_piece_on_a_thread_and_counts_each_row_once(
+    champion: dict[str, Any], imdb_slice: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of one piece runs on a thread of the command: its bar moves as each batch is scored, not
+    from 0 to done at the piece's end; with several pieces each row is still told once."""
+    import flows.cli.score
+
+    told: list[float] = []
+
+    class Bar:  # the command's sinks: describing the inputs, then scoring them
+        def stage(self, description: str, total: float) -> None:
+            told.clear()
+
+        def advance(self, amount: float = 1) -> None:
+            told.append(amount)
+
+        def note(self, message: str) -> None:
+            pass
+
+    monkeypatch.setattr(flows.cli.score, "RichSink", lambda bar: Bar())
+    monkeypatch.setenv("MLSTM_SCORE_MEMORY_MIB", "8")
+    summary = _score([str(imdb_slice)], str(tmp_path / "one"), piece_rows=SLICE_ROWS)
+    assert summary["pieces_scored"] == 1 and sum(told) == SLICE_ROWS and len(told) > 2, told
+    summary = _score([str(imdb_slice)], str(tmp_path / "four"))
+    assert summary["pieces_scored"] == 4 and sum(told) == SLICE_ROWS, told
+
+
+@pytest.mark.parametrize(
+    ("runner", "piece_rows", "runs_on"),
+    [("process", SLICE_ROWS, "thread"), ("process", PIECE_ROWS, "process"), ("dask", SLICE_ROWS, "dask")],
+)
+def test_a_table_of_one_piece_is_scored_on_a_thread_of_the_command(
+    runner: str,
+    piece_rows: int,
+    runs_on: str,
+    imdb_slice: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One piece has nothing to run beside it, and a process pool's worker start (importing torch,
+    Prefect and MLflow) was most of a small table's run (benchmarks/score_fixed.py): it runs on a thread
+    of the command. Several pieces keep the pool; a runner named otherwise is kept."""
+    import flows.runtime
+    from flows.cli.score import run_score
+
+    class Chosen(Exception):
+        """Raised where the runner is made: the choice is the test, not the run."""
+
+    def choose(settings: Any) -> Any:
+        raise Chosen(settings.task_runner)
+
+    monkeypatch.setattr(flows.runtime, "task_runner", choose)
+    with pytest.raises(Chosen) as chosen:
+        run_score([str(imdb_slice)], output=str(tmp_path), piece_rows=piece_rows, task_runner=runner)
+    assert str(chosen.value) == runs_on
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ def run_corpus_build(
     from flows import progress
     from flows.cli.interrupts import stoppable
     from flows.corpus import build_corpus
-    from flows.runtime import prefect_api
+    from flows.runtime import prefect_api, runner_for
     from flows.runtime import task_runner as make_task_runner
     from tasks.corpus.delta import plan_build
     from tasks.corpus.manifest import read_manifest
@@ -68,10 +68,7 @@ def run_corpus_build(
         if target.exists(plan.manifest_key):
             manifest = read_manifest(target, plan.manifest_key)
             return CorpusResult.of(manifest, target.url(plan.manifest_key), plan.full_build_reason)
-        if len(plan.pieces) <= 1 and settings.task_runner == "process":
-            # One piece and one bucket: nothing to run side by side, and starting the pool's worker
-            # processes (each importing pyarrow and Prefect) was most of such a build (benchmarks/corpus_delta.py).
-            settings = settings.model_copy(update={"task_runner": "thread"})
+        settings = runner_for(settings, len(plan.pieces))
     flow = build_corpus.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar(show=show_progress)
     with stoppable(), prefect_api(settings), bar, progress.reporting_to(RichSink(bar)):

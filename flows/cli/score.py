@@ -55,10 +55,12 @@ def run_score(
         )
     from flows import progress
     from flows.cli.interrupts import stoppable
-    from flows.runtime import local_dask_workers, prefect_api
+    from flows.runtime import local_dask_workers, prefect_api, runner_for
     from flows.runtime import task_runner as make_task_runner
     from flows.score import score
+    from tasks.score.scoring import cut_pieces
 
+    settings = runner_for(settings, len(cut_pieces(files, piece_rows or PIECE_ROWS)))
     flow = score.with_options(task_runner=make_task_runner(settings))
     bar = progress_bar("rows", show=show_progress)
     with (

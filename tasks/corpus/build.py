@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,10 +184,16 @@ class PieceResult:
 
 
 def parse_piece(
-    plan: CorpusPlan, piece: Piece, store: Store, *, s3_endpoint_url: str | None = None
+    plan: CorpusPlan,
+    piece: Piece,
+    store: Store,
+    *,
+    s3_endpoint_url: str | None = None,
+    on_block: Callable[[], None] | None = None,
 ) -> PieceResult:
     """Parse, clean and key one piece; append its rows to one file per bucket. Idempotent: a piece
-    whose completion marker exists is not parsed again."""
+    whose completion marker exists is not parsed again. ``on_block`` is called before each block: a
+    caller's stop (``flows.stopping``) raises there, and the piece is left without its marker."""
     marker = plan.work_key("map", piece.piece_id, "_SUCCESS.json")
     if store.exists(marker):
         return PieceResult(**json.loads(store.read_bytes(marker)))
@@ -199,6 +205,8 @@ def parse_piece(
         for block in iter_blocks(
             piece, block_bytes=plan.config.block_mb * MiB, s3_endpoint_url=s3_endpoint_url
         ):
+            if on_block is not None:
+                on_block()
             result.bytes_read += len(block.data)
             data = block.data
             if block.damaged:

@@ -165,6 +165,20 @@ def load_described(path: str) -> tuple[InputFile, ...]:
     )
 
 
+def cut_pieces(files: tuple[InputFile, ...], piece_rows: int) -> list[tuple[InputFile, int, int, int, int]]:
+    """The pieces of ``files``, each (file, window start, window stop, part, parts): windows of
+    ``WINDOW_PIECES`` pieces' consecutive rows, each cut into parts of ``piece_rows`` rows on average."""
+    window_rows = piece_rows * WINDOW_PIECES
+    return [
+        (file, start, stop, part, parts)
+        for file in files
+        for start in range(0, file.rows, window_rows)
+        for stop in [min(start + window_rows, file.rows)]
+        for parts in [-(-(stop - start) // piece_rows)]
+        for part in range(parts)
+    ]
+
+
 def plan_scoring(
     files: tuple[InputFile, ...],
     output: str,
@@ -200,15 +214,7 @@ def plan_scoring(
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     scoring_id = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', model.name)}-v{model.version}-{digest}"
-    window_rows = piece_rows * WINDOW_PIECES
-    pieces = [
-        (file, start, stop, part, parts)
-        for file in files
-        for start in range(0, file.rows, window_rows)
-        for stop in [min(start + window_rows, file.rows)]
-        for parts in [-(-(stop - start) // piece_rows)]
-        for part in range(parts)
-    ]
+    pieces = cut_pieces(files, piece_rows)
     if not pieces:
         raise InputError(f"{', '.join(f.uri for f in files)}: no rows to score")
     root = open_store(output, endpoint_url=s3_endpoint_url)
