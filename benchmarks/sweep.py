@@ -273,7 +273,7 @@ def main() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import optuna
     import torch
-    from render import sweep_tables
+    from tables_build import sweep_tables
 
     info = machine(torch.device("cpu"), optuna=optuna.__version__)
     rows = []
