@@ -11,8 +11,9 @@ base run trains ``--preset`` from its seed for ``--steps`` on the base; then, ea
 
 - (a) scratch: from its seed on the grown corpus, ``--steps`` steps (what a weekly rebuild pays today);
 - (b) continued: from the base run's checkpoint on the delta with ``--replay`` of the base, ``--share``
-  of (a)'s steps, its learning rate re-warmed over a tenth of them to ``--continued-lr`` (default
-  ``--lr``) and decayed again (``pretrain --init-from … --replay … --lr …``);
+  of (a)'s steps, its learning rate re-warmed over the weekly run's share of them (``continued_warmup``:
+  a tenth) to ``--continued-lr`` (default ``--lr``) and decayed again (``pretrain --init-from …
+  --replay … --warmup-share … --lr …``);
 - (c) continued without replay: as (b), every row on the delta.
 
 Each row also says how many passes it made over what it read fresh (the base run the base's train
@@ -49,6 +50,7 @@ from models.mlstm import MLSTM
 from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
 from tasks.jobs.checkpoint import load_checkpoint
 from tasks.jobs.world import World
+from tasks.pipeline import PipelineParams
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.mix import replay_rows
 from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
@@ -170,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                 settings_of = {
                     **settings_of,
                     "init_from": parent,
-                    "warmup_steps": max(1, continued_steps // 10),
+                    # The weekly run's own warm-up: a share of the continued run's steps.
+                    "warmup_steps": 0,
+                    "warmup_share": PipelineParams.model_fields["continued_warmup"].default,
                     "lr": args.continued_lr or args.lr,
                 }
             config = TrainConfig(run_name=name.split()[0].strip("()"), **{**common, **settings_of})
