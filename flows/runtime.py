@@ -232,7 +232,7 @@ def task_runner(settings: Settings) -> Any:
 def runner_for(settings: Settings, pieces: int) -> Settings:
     """The settings a run of ``pieces`` pieces takes: one piece runs on a thread of this process rather
     than on a process pool, whose worker's start (each importing pyarrow and Prefect, and torch and
-    MLflow to score) was most of such a run (benchmarks/corpus_delta.py, benchmarks/score.py --small).
+    MLflow to score) was most of such a run (benchmarks/corpus_delta.py, benchmarks/score_fixed.py).
     A stop reaches that thread between batches (``flows.stopping``)."""
     if pieces <= 1 and settings.task_runner == "process":
         return settings.model_copy(update={"task_runner": "thread"})
