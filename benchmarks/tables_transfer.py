@@ -95,7 +95,7 @@ def score_fixed_tables(results: dict[str, Any]) -> str:
     return (
         f"{settings['rows']} IMDB test reviews, the {settings['preset']} classifier, each case "
         f"{settings['repeat']} times (the fastest kept); 1-minute load average {load['before']:.1f} at the "
-        f"start, {load['after']:.1f} at the end, on {results['machine']['cores']} cores.\n\n"
+        f"start, {load['after']:.1f} at the end.\n\n"
         + fixed_cost_table(results["rows"])
         + f"\n\n`score` took {ratios['score_vs_predict']:.2f}× `predict --input`'s time; the flow of one piece on a "
         f"thread {ratios['thread_vs_process_pool']:.2f}× its time on a process pool.\n"
