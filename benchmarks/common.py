@@ -17,7 +17,8 @@ import shlex
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,17 @@ if str(REPO) not in sys.path:
 def say(message: str) -> None:
     """A progress line on stderr (stdout is kept for --json)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def fastest_of(name: str, case: Callable[[], object], repeat: int) -> dict[str, Any]:
+    """``case`` run ``repeat`` times: the fastest run's seconds, each run's beside it (a fixed cost's row)."""
+    runs = []
+    for attempt in range(repeat):
+        say(f"{name} (run {attempt + 1}/{repeat}) …")
+        started = time.perf_counter()
+        case()
+        runs.append(round(time.perf_counter() - started, 2))
+    return {"name": name, "seconds": min(runs), "runs": runs}
 
 
 def new_parser(description: str, *, raw: bool = False) -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import corpus as full_bench  # benchmarks/corpus.py: its input, sampler and measure
-from common import add_record_option, machine, new_parser, record, say
+from common import add_record_option, fastest_of, machine, new_parser, record, say
 
 GOAL_RATIO = 0.10  # the delta build within 10% of the full build's time
 DELTA_SHARE = 0.05
@@ -109,8 +109,6 @@ def fixed_cost(source: Path, run_dir: Path, repeat: int) -> list[dict[str, Any]]
     from tasks.settings import get_settings
     from tasks.store import LocalStore
 
-    rows = []
-
     def flow_build(runner: str) -> None:
         store = run_dir / f"small-{runner}-{time.monotonic_ns()}"
         settings = get_settings(store_uri=str(store), task_runner=runner)  # type: ignore[arg-type]
@@ -132,15 +130,7 @@ def fixed_cost(source: Path, run_dir: Path, repeat: int) -> list[dict[str, Any]]
         ("temporary Prefect API alone", api_alone),
         ("plain functions in this process", plain),
     ]
-    for name, case in cases:
-        runs = []
-        for attempt in range(repeat):
-            say(f"fixed cost: {name} (run {attempt + 1}/{repeat}) …")
-            started = time.perf_counter()
-            case()
-            runs.append(round(time.perf_counter() - started, 2))
-        rows.append({"name": name, "seconds": min(runs), "runs": runs})
-    return rows
+    return [fastest_of(f"fixed cost: {name}", case, repeat) for name, case in cases]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,26 +24,21 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import add_record_option, machine, new_parser, record, say  # the working tree on the path
+from common import (  # the working tree on the path
+    add_record_option,
+    fastest_of,
+    machine,
+    new_parser,
+    record,
+    say,
+)
 from score import imdb_slice, register, write_csv
 
 CLI = Path(sys.executable).parent / "mlstm-sentiment"
-
-
-def timed(name: str, case: Callable[[], None], repeat: int) -> dict[str, Any]:
-    """``case`` run ``repeat`` times: the fastest run's seconds, each run's beside it."""
-    runs = []
-    for attempt in range(repeat):
-        say(f"{name} (run {attempt + 1}/{repeat}) …")
-        started = time.perf_counter()
-        case()
-        runs.append(round(time.perf_counter() - started, 2))
-    return {"name": name, "seconds": min(runs), "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,11 +92,11 @@ def measure(args: Any, root: Path) -> dict[str, Any]:
 
     flow_on("thread")()  # this process's imports, outside every timing
     rows = [
-        timed("`score` command", command("score", str(data)), args.repeat),
-        timed("`predict --input` command", command("predict", "--input", str(data)), args.repeat),
-        timed("score flow, process pool (before, one piece)", flow_on("process"), args.repeat),
-        timed("score flow, thread (now, one piece)", flow_on("thread"), args.repeat),
-        timed("temporary Prefect API alone", api_alone, args.repeat),
+        fastest_of("`score` command", command("score", str(data)), args.repeat),
+        fastest_of("`predict --input` command", command("predict", "--input", str(data)), args.repeat),
+        fastest_of("score flow, process pool (before, one piece)", flow_on("process"), args.repeat),
+        fastest_of("score flow, thread (now, one piece)", flow_on("thread"), args.repeat),
+        fastest_of("temporary Prefect API alone", api_alone, args.repeat),
     ]
     by_name = {row["name"]: row["seconds"] for row in rows}
     results = {
