@@ -130,7 +130,7 @@ def fixed_cost(source: Path, run_dir: Path, repeat: int) -> list[dict[str, Any]]
         ("temporary Prefect API alone", api_alone),
         ("plain functions in this process", plain),
     ]
-    return [fastest_of(f"fixed cost: {name}", case, repeat) for name, case in cases]
+    return [fastest_of(name, case, repeat) for name, case in cases]
 
 
 def main(argv: list[str] | None = None) -> int:
