@@ -20,6 +20,7 @@ champion in a temporary home, and in one run, each row ``--repeat`` times (the f
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def measure(args: Any, root: Path) -> dict[str, Any]:
     data = write_csv(root / "reviews.csv", imdb_slice(args.rows))
     say(f"{args.rows} IMDB test reviews; registering a tiny classifier")
     register("tiny")
-    outputs = iter(range(10**6))
+    outputs = itertools.count()  # a new output folder for each run: nothing skipped
 
     def command(*words: str) -> Callable[[], None]:
         def run() -> None:
