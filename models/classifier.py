@@ -33,7 +33,15 @@ class BinaryClassifier:
 
     info: dict[str, Any]  # where it came from (each subclass's field): the served model reads its limits
 
-    def predict_proba(self, texts: list[str], *, batch_size: int = 64, precision: str = "auto") -> np.ndarray:
+    def predict_proba(
+        self,
+        texts: list[str],
+        *,
+        batch_size: int = 64,
+        precision: str = "auto",
+        on_batch: OnBatch | None = None,
+    ) -> np.ndarray:
+        """P(positive) for each text, in input order; ``on_batch(texts, bytes)`` after each batch read."""
         raise NotImplementedError
 
     def predict(

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from models.classifier import CONFIG_FILE, LABELS, WEIGHTS_FILE, BinaryClassifier, read_config, sigmoid
-from models.features import length_batches
+from models.features import OnBatch, length_batches
 from models.mlstm import MLSTM, MLSTMConfig
 from models.precision import autocast, feature_precision
 from models.text import CLEANING, encode
@@ -134,9 +134,18 @@ class FinetuneModel(nn.Module):
         return last
 
     @torch.no_grad()
-    def logits(self, texts: list[str], *, batch_size: int = 64, precision: str = "auto") -> np.ndarray:
+    def logits(
+        self,
+        texts: list[str],
+        *,
+        batch_size: int = 64,
+        precision: str = "auto",
+        on_batch: OnBatch | None = None,
+    ) -> np.ndarray:
         """The class logit z of each text [N] (float64), in input order; similar lengths batched together;
-        the products in ``precision`` (``models.precision.feature_precision``: auto is fp32 on a CPU)."""
+        the products in ``precision`` (``models.precision.feature_precision``: auto is fp32 on a CPU).
+        ``on_batch(texts, bytes)`` after each batch, as the features path tells it: a scoring piece's bar
+        moves, and a stop requested there is seen, batch by batch, not once at the end."""
         self.eval()
         device = next(self.parameters()).device
         dtype = feature_precision(precision, device)
@@ -151,6 +160,8 @@ class FinetuneModel(nn.Module):
             with autocast(device, dtype):
                 z_B, _ = self(bytes_BT.to(device), lengths_B.to(device))
             z_N[rows] = z_B.double().cpu().numpy()
+            if on_batch is not None:
+                on_batch(len(rows), int(lengths_B.sum()))
         return z_N
 
 
@@ -165,9 +176,18 @@ class FinetunedClassifier(BinaryClassifier):
     def __post_init__(self) -> None:
         self.model.eval()
 
-    def predict_proba(self, texts: list[str], *, batch_size: int = 64, precision: str = "auto") -> np.ndarray:
+    def predict_proba(
+        self,
+        texts: list[str],
+        *,
+        batch_size: int = 64,
+        precision: str = "auto",
+        on_batch: OnBatch | None = None,
+    ) -> np.ndarray:
         """P(positive) for each text, in input order."""
-        return sigmoid(self.model.logits(texts, batch_size=batch_size, precision=precision))
+        return sigmoid(
+            self.model.logits(texts, batch_size=batch_size, precision=precision, on_batch=on_batch)
+        )
 
     def save(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)

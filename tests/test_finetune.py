@@ -361,8 +361,8 @@ def test_a_bad_dataset_is_one_line_naming_it_before_any_work(
 def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
     world: dict[str, Any], tmp_path: Path
 ) -> None:
-    """The batch scorer gives the pyfunc's probabilities (no sentiment unit: NaN); `explain`, which reads a
-    probe's unit, says in one line why it cannot."""
+    """The batch scorer gives the pyfunc's probabilities (no sentiment unit: NaN), telling its caller batch
+    by batch; `explain`, which reads a probe's unit, says in one line why it cannot."""
     import pyarrow.parquet as pq
 
     from tasks.finetune.train import finetune_store, load_classifier
@@ -389,7 +389,10 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
             resolve_model(uri, get_settings()),
             precision="bf16",
         )
-        scored_bf16 = score_piece(plan_bf16, plan_bf16.pieces[0])
+        told: list[int] = []  # the bar and the stop check see each batch, not the piece's end alone
+        scored_bf16 = score_piece(
+            plan_bf16, plan_bf16.pieces[0], batch_size=8, on_batch=lambda rows, _bytes: told.append(rows)
+        )
         said = cli_in_process(["explain", "--model", uri, "a fine film"])
         # `predict --explain` refuses before scoring: a text the model itself would refuse (too long)
         # still gets the fine-tuned line, not the length one.
@@ -410,6 +413,7 @@ def test_score_scores_and_explain_refuses_a_fine_tuned_model_in_one_line(
     in_bf16 = pq.read_table(io.BytesIO(plan_bf16.store().read_bytes(scored_bf16["files"][0]["key"])))
     assert not np.array_equal(in_bf16.column("probability").to_numpy(), expected)
     np.testing.assert_allclose(in_bf16.column("probability").to_numpy(), expected, atol=0.02)
+    assert told == [8, 8, 4]
 
 
 @pytest.mark.slow  # `mlflow models serve` starts a server: about 15 s

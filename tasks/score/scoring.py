@@ -422,10 +422,8 @@ def score_piece(
         unit_N = features_NH[:, plan.model.unit]
     else:  # fine-tuned: its own pooling and head; no sentiment unit to report
         classifier.model.to(device)
-        p_N = classifier.predict_proba(kept, batch_size=batch_size or 64, precision=dtype)
+        p_N = classifier.predict_proba(kept, batch_size=batch_size or 64, precision=dtype, on_batch=on_batch)
         unit_N = np.full(len(kept), np.nan, dtype=np.float32)
-        if on_batch is not None:
-            on_batch(len(kept), sum(len(t) for t in kept))
     labels = labels_of(p_N)
     rows_N = piece.start + taken_N.astype(np.int64)
     ids = {name: table.column(name).combine_chunks() for name in plan.id_columns}
