@@ -50,9 +50,24 @@ parse_piece_task = task(
     retry_condition_fn=retry_unless(Stopped),
     task_run_name="parse {piece.piece_id}",
 )(parse_piece)
+
+
+def reduce_unless_stopped(
+    plan: CorpusPlan, bucket: int, store: Store, piece_ids: tuple[str, ...]
+) -> BucketResult:
+    """``reduce_bucket``, unless the flow has stopped (``flows.stopping``): a build on threads then stops
+    at its next bucket, and the buckets not yet begun leave nothing for the rerun to trust."""
+    stop_if_told()
+    return reduce_bucket(plan, bucket, store, piece_ids)
+
+
 reduce_bucket_task = task(
-    name="reduce bucket", retries=2, retry_delay_seconds=5, task_run_name="reduce bucket {bucket}"
-)(reduce_bucket)
+    name="reduce bucket",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless(Stopped),
+    task_run_name="reduce bucket {bucket}",
+)(reduce_unless_stopped)
 
 
 # Pieces run in worker processes by default (the CLI picks the runner from the settings).
@@ -146,10 +161,11 @@ def _build(
     buckets: list[BucketResult] = []
     inputs = bucket_inputs(pieces, plan.num_buckets)  # each bucket's task, the pieces that wrote it
     reduced = reduce_bucket_task.map(sent, list(range(plan.num_buckets)), target, inputs)
-    for reduced_future in as_completed(reduced):
-        buckets.append(reduced_future.result())
-        sink.advance(1)
-        lock.refresh()
+    with stop_threads_on_error():
+        for reduced_future in as_completed(reduced):
+            buckets.append(reduced_future.result())
+            sink.advance(1)
+            lock.refresh()
 
     manifest = build_manifest(plan, target, pieces, buckets)
     manifest_uri = publish_manifest(plan, target, manifest)

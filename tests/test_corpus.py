@@ -155,6 +155,32 @@ def test_a_piece_stopped_between_blocks_leaves_no_marker_and_is_parsed_whole_aga
     assert result.bytes_read == plain.stat().st_size and result.records == _count_lines(plain)
 
 
+def test_a_bucket_not_begun_when_the_flow_stops_writes_nothing_and_is_reduced_on_the_rerun(
+    amazon_dir: Path, tmp_path: Path
+) -> None:
+    """The flow's reduce task checks the flow's stop (``flows.stopping``) before it reads: after Ctrl-C a
+    build on threads reduces no more buckets, and those it did not begin leave no marker or shard for
+    the rerun to trust."""
+    from flows.corpus import reduce_unless_stopped
+    from flows.stopping import STOPPING, Stopped
+    from tasks.corpus.build import bucket_inputs, parse_piece
+    from tasks.store import LocalStore
+
+    plan = plan_corpus([str(amazon_dir / "Gift_Cards_5.json.gz")], SMALL_SPLIT)
+    store = LocalStore(tmp_path / "store")
+    inputs = bucket_inputs([parse_piece(plan, piece, store) for piece in plan.pieces], plan.num_buckets)
+    before = sorted(p for p in (tmp_path / "store").rglob("*") if p.is_file())
+    STOPPING.set()
+    try:
+        with pytest.raises(Stopped):
+            reduce_unless_stopped(plan, 0, store, inputs[0])
+    finally:
+        STOPPING.clear()
+    assert sorted(p for p in (tmp_path / "store").rglob("*") if p.is_file()) == before
+    result = reduce_unless_stopped(plan, 0, store, inputs[0])
+    assert store.exists(plan.work_key("reduce", "bucket-00000.json")) and sum(result.kept) > 0
+
+
 def test_split_membership_does_not_change_when_sources_are_added(amazon_dir: Path, tmp_path: Path) -> None:
     first = [amazon_dir / "Gift_Cards_5.json.gz"]
     more = [*first, amazon_dir / "All_Beauty_5.json.gz", amazon_dir / "Subscription_Boxes.jsonl.gz"]
