@@ -8,13 +8,12 @@ on IMDB's 50,000 unlabelled reviews: 65 MB of movie reviews, SST's domain, enoug
 steps without a second pass, where the three Amazon files hold 0.5 MB) and its features are read
 with the features path every stage uses (``models.features.featurize``). What the probe sees is then
 what it sees in the pipeline: unstandardised cell states of a real text model, correlated and with
-heavy-tailed unit scales, not synthetic ones. Both steps are minutes on two cores (the small preset
-reads about 2,600 characters a second there and trains on about 300 bytes a second: 25 steps of
-32 × 128 bytes take about 5 minutes and leave a barely trained model, about 5 bits a byte), so both are
-cached: the model by its preset, steps, seed and training files; the features by the model and the
+heavy-tailed unit scales, not synthetic ones. Both steps take minutes to hours on two cores, so both
+are cached: the model by its preset, steps, seed and training files; the features by the model and the
 dataset's checksum. The budget is in steps, not seconds, so that the model is the same on any machine.
-(Those rates were read on the Xeon machine before the fused recurrence; on the AMD machine a step of
-the small preset, 32 × 128 bytes, took 1.3 s: 1,500 steps in 2,057 s with the machine mostly quiet.)
+What the model learned goes into the probe's record beside its rows (``what_it_learned``): its bits per
+byte on the dataset's dev texts, computed from the cached weights at each run, and its training's
+seconds and last losses, written beside the weights when they were trained.
 
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-sst:1024 --train-steps 25
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py --cases real-sst:1024 --train-steps 2000 --train-text imdb-unsup
@@ -30,6 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ from models.mlstm import MLSTM
 from models.text import encode
 from tasks.corpus.reviews import Rejects, parse_block
 from tasks.pretrain.step import optimizer_step
+from tasks.pretrain.stream import ByteStream
+from tasks.pretrain.train import bits_per_byte
 from tasks.transfer.datasets import load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +52,8 @@ DATASETS = {"sst": "sst2", "imdb": "imdb"}
 # The 2018 "small" 5-core files: real review text, 9 MB of it.
 AMAZON_FILES = ("All_Beauty_5.json.gz", "AMAZON_FASHION_5.json.gz", "Appliances_5.json.gz")
 BATCH, SEQ_LEN, LR = 32, 128, 2e-3
+LAST_STEPS = 100  # the training loss recorded is the mean of this many last steps
+HELD_OUT_BYTES = 1 << 18  # of the dataset's dev texts, to score the model on: 256 KB, seconds to read
 Splits = list[tuple[np.ndarray, np.ndarray]]
 
 
@@ -75,20 +79,11 @@ def real_cell_states(
     data = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
     if missing := [str(p) for p in sources if not p.is_file()]:
         raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
-    settings = {
-        "preset": preset,
-        "train_steps": train_steps,
-        "seed": seed,
-        "batch": BATCH,
-        "seq_len": SEQ_LEN,
-        "lr": LR,
-        "files": [[p.name, p.stat().st_size] for p in sources],
-    }
-    model_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     cache.mkdir(parents=True, exist_ok=True)
-    model_path = cache / f"{preset}-{model_key}.pt"
+    key = model_key(preset, train_steps, seed, sources)
+    model_path = cache / f"{preset}-{key}.pt"
     in_dtype = "" if precision == "fp32" else f"-{precision}"  # fp32's name is the one it always had
-    features_path = cache / f"{dataset}-{preset}-{model_key}-{data.checksum[:16]}{in_dtype}.npz"
+    features_path = cache / f"{dataset}-{preset}-{key}-{data.checksum[:16]}{in_dtype}.npz"
     if features_path.exists():
         say(f"  real cell states: {features_path} (cached)")
         with np.load(features_path) as saved:
@@ -98,14 +93,62 @@ def real_cell_states(
         say(f"  {preset}: {model_path} (cached)")
         model.load_state_dict(torch.load(model_path, weights_only=True))
     else:
-        train(model, read(sources), train_steps, seed)
+        trained = train(model, read(sources), train_steps, seed)
         torch.save(model.state_dict(), model_path)
+        model_path.with_suffix(".json").write_text(json.dumps(trained))
     arrays: dict[str, np.ndarray] = {}
     for name, split in data.splits().items():
         arrays[f"{name}_X"] = features(model, split.texts, f"{dataset} {name}", precision)
         arrays[f"{name}_y"] = split.labels
     np.savez(features_path, **arrays)
     return [(arrays[f"{s}_X"], arrays[f"{s}_y"]) for s in ("train", "dev", "test")]
+
+
+def model_key(preset: str, train_steps: int, seed: int, sources: list[Path]) -> str:
+    """The cached model's name: a hash of everything its weights depend on."""
+    settings = {
+        "preset": preset,
+        "train_steps": train_steps,
+        "seed": seed,
+        "batch": BATCH,
+        "seq_len": SEQ_LEN,
+        "lr": LR,
+        "files": [[p.name, p.stat().st_size] for p in sources],
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def what_it_learned(
+    dataset: str, preset: str, *, train_steps: int, cache: Path, seed: int = 0, text: str = "amazon"
+) -> dict[str, Any]:
+    """What the model behind ``real_cell_states`` learned, for the record beside its probe row: its bits
+    per byte on ``dataset``'s dev texts (which it never trained on), computed here from the cached
+    weights, and its training as ``train`` wrote it when the model was trained (steps, seconds, the mean
+    loss of its last steps; None for a model cached before that was written)."""
+    files, _ = TEXTS[text]
+    sources = [SHARED_DATA / name for name in files]
+    model_path = cache / f"{preset}-{model_key(preset, train_steps, seed, sources)}.pt"
+    model = MLSTM(getattr(presets, preset)())
+    model.load_state_dict(torch.load(model_path, weights_only=True))
+    model.eval()
+    texts = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}").dev.texts
+    held_out = np.frombuffer(b"\n".join(encode(t) for t in texts), dtype=np.uint8)[:HELD_OUT_BYTES]
+    started = time.perf_counter()
+    bits = bits_per_byte(model, ByteStream.of(held_out), BATCH, SEQ_LEN)
+    say(
+        f"  {preset}: {bits:.3f} bits a byte on {len(held_out):,} bytes of {dataset}'s dev texts, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    sidecar = model_path.with_suffix(".json")
+    return {
+        "preset": preset,
+        "text": text,
+        "steps": train_steps,
+        "held_out": f"{dataset} dev",
+        "held_out_bytes": len(held_out),
+        "held_out_bits_per_byte": round(bits, 4),
+        "training": json.loads(sidecar.read_text()) if sidecar.exists() else None,
+    }
 
 
 def amazon_bytes(sources: list[Path]) -> np.ndarray:
@@ -134,8 +177,9 @@ TEXTS: dict[str, tuple[tuple[str, ...], Callable[[list[Path]], np.ndarray]]] = {
 }
 
 
-def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> None:
-    """``steps`` of truncated BPTT: BATCH streams through ``data``, their state carried on."""
+def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> dict[str, float]:
+    """``steps`` of truncated BPTT: BATCH streams through ``data``, their state carried on. Returns its
+    seconds and the mean loss of its last ``LAST_STEPS`` steps in bits a byte (one step's loss is noisy)."""
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -145,6 +189,7 @@ def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> None:
     model.train()
     say(f"  training {model.config.hidden_size} units on {len(data):,} bytes of reviews, {steps} steps")
     started = last = time.perf_counter()
+    losses: list[float] = []
     for step in range(1, steps + 1):
         offset = (step * SEQ_LEN) % (stride - SEQ_LEN - 1)
         rows = np.stack([data[s + offset : s + offset + SEQ_LEN + 1] for s in starts])
@@ -152,15 +197,22 @@ def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> None:
         loss, state, _ = optimizer_step(
             model, optimizer, scaler, batch[:, :-1], batch[:, 1:], state, dtype=torch.float32, clip=1.0
         )
+        losses = [*losses[-LAST_STEPS + 1 :], float(loss) / np.log(2)]
         if time.perf_counter() - last > 15:
             last = time.perf_counter()
             rate = step * BATCH * SEQ_LEN / (last - started)
             say(f"    step {step}: loss {float(loss) / np.log(2):.3f} bits/byte, {rate:,.0f} bytes/s")
     model.eval()
+    seconds, last_loss = time.perf_counter() - started, float(np.mean(losses))
     say(
-        f"  trained {steps} steps ({steps * BATCH * SEQ_LEN:,} bytes) in {time.perf_counter() - started:.0f} s, "
-        f"last loss {float(loss) / np.log(2):.3f} bits/byte"
+        f"  trained {steps} steps ({steps * BATCH * SEQ_LEN:,} bytes) in {seconds:.0f} s, "
+        f"{last_loss:.3f} bits/byte over its last {len(losses)} steps"
     )
+    return {
+        "seconds": round(seconds, 1),
+        "last_steps": len(losses),
+        "last_loss_bits_per_byte": round(last_loss, 4),
+    }
 
 
 def features(model: MLSTM, texts: list[str], name: str, precision: str = "fp32") -> np.ndarray:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
 import shutil
 import signal
@@ -41,20 +40,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
-from torch.nn import functional as F
 
-from models.mlstm import MLSTM
 from tasks.corpus.build import CorpusConfig, build_in_process, plan_corpus
 from tasks.jobs.checkpoint import load_checkpoint
 from tasks.jobs.world import World
 from tasks.pipeline import PipelineParams
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.mix import replay_rows
-from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
-from tasks.pretrain.train import fit
+from tasks.pretrain.stream import open_split
+from tasks.pretrain.train import bits_per_byte, fit
 from tasks.settings import get_settings
 from tasks.store import LocalStore
 
@@ -85,20 +81,6 @@ def grown(base_uri: str, delta_uri: str, out: Path) -> str:
             entry[total] = sum(shard[total] for shard in entry["shards"])
     (out / "manifest.json").write_text(json.dumps(manifest))
     return str(out / "manifest.json")
-
-
-@torch.no_grad()
-def bits_per_byte(model: MLSTM, stream: ByteStream, rows: int, seq_len: int) -> float:
-    """Next-byte cross-entropy in bits over the whole stream, rows carried from a zero state."""
-    plan = BatchPlan(len(stream), min(rows, len(stream) // (seq_len + 1)), seq_len)
-    state = model.zero_state(len(plan.rows))
-    nats, count = 0.0, 0
-    for step in range(plan.steps_per_epoch):
-        batch = torch.from_numpy(plan.batch(stream, step).astype(np.int64))
-        logits, state, _ = model(batch[:, :-1], state)
-        nats += F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return nats / count / math.log(2)
 
 
 def main(argv: list[str] | None = None) -> int:

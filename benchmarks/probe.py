@@ -18,7 +18,8 @@ here or recorded, took longer than ``--tighten-max-seconds``) and newton along i
 times its default: each refit's objective and accuracies at both C, and the C its dev accuracy picks, say
 whose answer is the minimiser's.
 
-Cases, ``ROWS:WIDTH[:SCALES[:NOISE[:RANK]]]``: synthetic features built like cell states, a ``WIDTH``-wide tanh
+Cases, ``ROWS:WIDTH[:SCALES[:NOISE[:RANK]]]``: synthetic features built like cell states
+(``synthetic_states.py``), a ``WIDTH``-wide tanh
 of 64 shared latent factors plus independent noise of ``NOISE`` (default 0.5; 0.05 leaves the columns
 strongly correlated), each column then scaled: ``uniform`` in [0.2, 3] (the default: well conditioned),
 ``lognormal-1`` or ``lognormal-2`` (σ = 1 or 2: heavy-tailed unit scales, as real cell states have).
@@ -30,7 +31,8 @@ follow the real splits: SST-sized 6,920 / 872 / 1,821, IMDB-sized 22,500 / 2,500
 ``real-ROWS:WIDTH``: real cell states (``cell_states.py``): the preset of that width (64 tiny, 1,024
 small) trained ``--train-steps`` steps on the shared Amazon reviews (``--train-text imdb-unsup``: on IMDB's
 unlabelled reviews, enough text for a model that learns something), its final cell states of the real SST
-or IMDB texts and labels; model and features cached in ``--cache`` by their settings. ``--features-precision
+or IMDB texts and labels; model and features cached in ``--cache`` by their settings. Its rows also say
+what the model learned: its bits per byte on the dataset's dev texts, and its training. ``--features-precision
 bf16`` reads them in bf16 (the same model; IMDB's 50,000 reviews in about a third of fp32's time on a CPU
 with bf16 in hardware), said in the case's name.
 
@@ -74,23 +76,15 @@ from common import (
     say,
     tightened_line,
 )
+from synthetic_states import ROWS, SCALES, Splits, cell_state_like, near_low_rank
 
 from models.config import PRESETS
 from tasks.transfer.config import ProbeSettings
 from tasks.transfer.probe import ProbeResult, SweepPoint, accuracy, duality_gap, fit_probe, objective
 from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, liblinear, newton
 
-ROWS = {"sst": (6920, 872, 1821), "imdb": (22500, 2500, 25000)}
-LATENT = 64  # shared factors behind every column: the features' correlation
 # Real cases: the preset of each width a CPU can train for minutes and read SST with (models/config.py).
 PRESET_OF_WIDTH = {preset().hidden_size: name for name, preset in list(PRESETS.items())[:3]}
-# Per-column scale factors: uniform as in a well-conditioned case, log-normal as the heavy-tailed unit
-# scales of real cell states (σ = 2: a few units thousands of times larger than others).
-SCALES = {
-    "uniform": lambda rng, n: rng.uniform(0.2, 3.0, n),
-    "lognormal-1": lambda rng, n: rng.lognormal(0.0, 1.0, n),
-    "lognormal-2": lambda rng, n: rng.lognormal(0.0, 2.0, n),
-}
 # Issue 14: the 4096-wide SST-sized sweep in at most this long on a GPU.
 GOAL_CASE, GOAL_SECONDS = "sst-sized × 4096", 10.0
 # Issue 27: newton's whole sweep this many times faster than liblinear's at 4,096 features and more, on
@@ -105,53 +99,6 @@ TIGHT_TOL = 1e-8
 # And newton, along its path, this much tighter than its default (newton.TOL): an answer that does not
 # move is the minimiser's, whatever liblinear's default stopped at (and its own refit is often hours).
 SOLVER_TIGHT_TOL = 1e-7
-Splits = list[tuple[np.ndarray, np.ndarray]]
-
-
-def cell_state_like(
-    rows: tuple[int, ...], width: int, *, scales: str = "uniform", noise: float = 0.5, seed: int = 0
-) -> Splits:
-    """Train, dev and test splits of synthetic features (see the module's docstring)."""
-    rng = np.random.default_rng(seed)
-    mixing = (rng.standard_normal((LATENT, width)) / 4).astype(np.float32)
-    scale_H = SCALES[scales](rng, width).astype(np.float32)
-    w_true = rng.choice([-2.0, 2.0], 8)
-    splits = []
-    for n in rows:
-        T = rng.standard_normal((n, LATENT)).astype(np.float32) @ mixing
-        T = np.tanh(T + noise * rng.standard_normal((n, width)).astype(np.float32))
-        # The labels follow the units before scaling: the same answer whatever the scales.
-        y = (rng.random(n) < 1 / (1 + np.exp(-(T[:, :8] @ w_true)))).astype(np.int64)
-        splits.append((T * scale_H, y))
-    return splits
-
-
-def near_low_rank(
-    rows: tuple[int, ...],
-    width: int,
-    rank: int,
-    *,
-    scales: str = "lognormal-1",
-    noise: float = 0.05,
-    seed: int = 0,
-) -> Splits:
-    """Train, dev and test splits of features near a ``rank``-dimensional manifold, as a trained model's
-    cell states are: each unit a tanh of the same ``rank`` latent factors, plus independent noise of
-    ``noise``, then scaled per unit (``SCALES``); labels from a logistic model on a sparse direction in
-    the latent space (its first ``min(4, rank)`` factors), so that every unit carries some of the answer
-    and none all of it."""
-    rng = np.random.default_rng(seed)
-    # Pre-activations of unit variance: tanh bends them without saturating most units.
-    mixing = (rng.standard_normal((rank, width)) / np.sqrt(rank)).astype(np.float32)
-    scale_H = SCALES[scales](rng, width).astype(np.float32)
-    w_true = rng.choice([-1.5, 1.5], min(4, rank))
-    splits = []
-    for n in rows:
-        Z = rng.standard_normal((n, rank)).astype(np.float32)
-        T = np.tanh(Z @ mixing) + noise * rng.standard_normal((n, width)).astype(np.float32)
-        y = (rng.random(n) < 1 / (1 + np.exp(-(Z[:, : w_true.size] @ w_true)))).astype(np.int64)
-        splits.append((T * scale_H, y))
-    return splits
 
 
 def timed(splits: Splits, solver: Solver, Cs: tuple[float, ...], device: str) -> tuple[float, ProbeResult]:
@@ -306,6 +253,21 @@ def features_of(case: Case, args: argparse.Namespace) -> Splits:
     if case.rank is not None:
         return near_low_rank(ROWS[case.rows], case.width, case.rank, scales=case.scales, noise=case.noise)
     return cell_state_like(ROWS[case.rows], case.width, scales=case.scales, noise=case.noise)
+
+
+def what_the_model_learned(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """A real case's model, for its rows: what it read and its bits per byte on held-out text (none for a
+    synthetic case)."""
+    if case.scales is not None:
+        return {}
+    from cell_states import what_it_learned
+
+    preset = PRESET_OF_WIDTH[case.width]
+    return {
+        "model": what_it_learned(
+            case.rows, preset, train_steps=args.train_steps, cache=args.cache, text=args.train_text
+        )
+    }
 
 
 def same_answer(base: dict[str, Any], fast: ProbeResult, dev_at: dict[float, float]) -> bool:
@@ -518,7 +480,7 @@ def main() -> None:
     say(f"first fits in this process, not in the rows (s): {warm_up_s}")
     rows = []
     for case in cases:
-        splits = features_of(case, args)
+        splits, learned = features_of(case, args), what_the_model_learned(case, args)
         say(f"{case.name}: {len(Cs)} values of C")
         if case.name in recorded:
             base = recorded[case.name]
@@ -530,7 +492,7 @@ def main() -> None:
         for solver in solvers:
             with peak_rss() as memory:
                 fast_s, fast = timed(splits, solver, Cs, device)
-            rows.append(row_of(case, solver, base, fast, fast_s, memory["peak"]))
+            rows.append(row_of(case, solver, base, fast, fast_s, memory["peak"]) | learned)
             if not rows[-1]["goal"]["same_answer"]:
                 chosen = [base["C"], fast.C]
                 rows[-1]["liblinear_tightened"] = tightened_liblinear(

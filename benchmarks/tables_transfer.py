@@ -114,6 +114,22 @@ def objective_gap(objectives: list[float] | None) -> str:
     return f"{(objectives[1] - objectives[0]) / abs(objectives[0]):+.1e}"
 
 
+def learned_line(row: dict[str, Any]) -> str:
+    """What a real case's model learned, as the run measured it (records before kept none)."""
+    model, training = row["model"], row["model"]["training"]
+    trained = (
+        f"it trained in {num(training['seconds'])} s, {training['last_loss_bits_per_byte']} bits a byte over its "
+        f"last {training['last_steps']} steps"
+        if training
+        else "its training was not recorded (the model was cached before it was)"
+    )
+    return (
+        f"{row['case']}, {row['solver']}: the model ({model['preset']}, {model['steps']:,} steps on "
+        f"{model['text']}) reads {model['held_out_bits_per_byte']} bits a byte on {model['held_out_bytes']:,} "
+        f"bytes of {model['held_out']} texts, which it never trained on; {trained}."
+    )
+
+
 def probe_tables(results: dict[str, Any]) -> str:
     Cs = results["Cs"]
     rows = [
@@ -159,6 +175,7 @@ def probe_tables(results: dict[str, Any]) -> str:
             + ("met." if not failed else f"not met for {'; '.join(failed)}.")
         )
     parts += [tightened_line(r, key) for r in results["rows"] for key in TIGHTENED if key in r]
+    parts += [learned_line(r) for r in results["rows"] if "model" in r]
     source = results.get("liblinear_source") or {}
     if source_path(results):  # --liblinear-from: the baseline ran elsewhere, earlier
         parts.insert(

@@ -159,6 +159,38 @@ def test_real_cell_states_of_a_model_trained_on_imdb_unsup_are_cached_apart(
         cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, text="wiki")
 
 
+def test_a_real_case_s_model_is_scored_on_held_out_text_and_its_training_recorded(
+    shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record says what the real case's model learned, computed, not read off its progress lines: its
+    bits per byte on the dataset's dev texts and its training as ``train`` returned it; a model cached
+    before its training was written says so rather than guess."""
+    cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
+    monkeypatch.setattr(cell_states, "SHARED_DATA", shared_data)
+    returned: list[dict[str, float]] = []
+    real_train = cell_states.train
+    monkeypatch.setattr(cell_states, "train", lambda *a: returned.append(real_train(*a)) or returned[-1])
+    cell_states.real_cell_states("sst", "tiny", train_steps=3, cache=tmp_path)
+    learned = cell_states.what_it_learned("sst", "tiny", train_steps=3, cache=tmp_path)
+    assert (
+        learned["training"] == returned[0] and returned[0]["last_steps"] == 3 and returned[0]["seconds"] > 0
+    )
+    dev = cell_states.load_dataset(f"sst2={shared_data / 'sst2'}").dev.texts
+    assert learned["held_out_bytes"] == min(len(b"\n".join(cell_states.encode(t) for t in dev)), 1 << 18)
+    # Three steps from random weights: near the 8 bits of a uniform guess, not at it.
+    assert 5 < learned["held_out_bits_per_byte"] < 8.5
+    tables = load_benchmark("tables_transfer.py", "tables_transfer_benchmark", monkeypatch)
+    line = tables.learned_line({"case": "real SST × 64 (tiny)", "solver": "newton", "model": learned})
+    assert f"reads {learned['held_out_bits_per_byte']} bits a byte on " in line
+    assert "last 3 steps" in line
+    next(tmp_path.glob("*.json")).unlink()  # as a model cached before the record kept its training
+    again = cell_states.what_it_learned("sst", "tiny", train_steps=3, cache=tmp_path)
+    assert again["training"] is None and again["held_out_bits_per_byte"] == learned["held_out_bits_per_byte"]
+    assert "its training was not recorded" in tables.learned_line(
+        {"case": "c", "solver": "s", "model": again}
+    )
+
+
 def test_a_rank_case_builds_features_near_a_manifold_of_that_rank(probe: ModuleType) -> None:
     case = probe.parse_case("sst:256:lognormal-1:0.05:8")
     assert case.name == "sst-sized × 256, rank-8 latent, lognormal-1 scales, noise 0.05"

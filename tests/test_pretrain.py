@@ -31,7 +31,7 @@ from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.graphed import GraphedStep
 from tasks.pretrain.metrics import peak_flops
 from tasks.pretrain.stream import BatchPlan, ByteStream, open_split
-from tasks.pretrain.train import Trainer, fit, lr_factor
+from tasks.pretrain.train import Trainer, bits_per_byte, fit, lr_factor
 from tasks.settings import get_settings
 from tasks.store import LocalStore
 
@@ -108,6 +108,20 @@ def _bits_per_byte(model: MLSTM, stream: ByteStream, plan: BatchPlan, steps: int
             nats += F.cross_entropy(logits.reshape(-1, 256), rows[:, 1:].reshape(-1), reduction="sum").item()
             count += rows[:, 1:].numel()
     return nats / count / math.log(2)
+
+
+def test_bits_per_byte_counts_every_byte_of_a_stream_in_memory() -> None:
+    """A model whose every logit is equal pays 8 bits a byte; one that gives the stream's only byte a
+    probability of 1/2 pays 1 bit, over the whole stream whatever its rows and length."""
+    model = MLSTM(preset("tiny"))
+    with torch.no_grad():
+        model.out.weight.zero_()
+        model.out.bias.zero_()
+    stream = ByteStream.of(np.full(10_007, ord("a"), dtype=np.uint8))
+    assert bits_per_byte(model, stream, rows=8, seq_len=32) == pytest.approx(8.0, rel=1e-6)  # float32 logits
+    with torch.no_grad():  # logit of "a" log(255) above the rest: p = 255 / (255 + 255) = 1/2
+        model.out.bias[ord("a")] = math.log(255)
+    assert bits_per_byte(model, stream, rows=3, seq_len=50) == pytest.approx(1.0, rel=1e-6)
 
 
 @pytest.mark.slow

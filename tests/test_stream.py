@@ -58,6 +58,19 @@ def test_reads_cross_shard_and_batch_boundaries(tmp_path: Path) -> None:
         stream.read(len(expected) - 3, 4)
 
 
+def test_a_stream_over_bytes_in_memory_reads_as_they_are() -> None:
+    data = np.frombuffer(b"held-out text\nanother line\n" * 40, dtype=np.uint8)
+    stream = ByteStream.of(data)
+    assert len(stream) == len(data)
+    assert stream.read(5, 20).tobytes() == data[5:25].tobytes()
+    plan = BatchPlan(len(stream), 4, 16)
+    assert plan.batch(stream, 1).tobytes() == b"".join(
+        data[start : start + 17].tobytes() for start in plan.starts(1)
+    )
+    with pytest.raises(IndexError):
+        stream.read(len(data) - 3, 4)
+
+
 def test_rows_carry_on_from_step_to_step_and_positions_are_pure() -> None:
     plan = BatchPlan(stream_bytes=10_000, batch_size=8, seq_len=16)
     stream_data = np.arange(10_000, dtype=np.int64)

@@ -44,6 +44,13 @@ class ByteStream:
                 self._parts.append(data[offsets[0] : offsets[-1]])
         self._starts = np.cumsum([0] + [len(p) for p in self._parts])
 
+    @classmethod
+    def of(cls, data: np.ndarray) -> ByteStream:
+        """A stream over bytes already in memory (uint8): a held-out text a benchmark scores a model on."""
+        stream = cls([])
+        stream._parts, stream._starts = [data], np.array([0, len(data)])
+        return stream
+
     def __len__(self) -> int:
         return int(self._starts[-1])
 

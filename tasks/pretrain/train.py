@@ -319,6 +319,22 @@ def diverged(loss: float) -> bool:
     return not math.isfinite(loss) or loss > DIVERGED_NATS
 
 
+@torch.no_grad()
+def bits_per_byte(model: MLSTM, stream: ByteStream, rows: int, seq_len: int) -> float:
+    """Next-byte cross-entropy in bits over the whole stream, ``rows`` rows carried from a zero state, on
+    one process: how a benchmark scores a model on a held-out text (the job's own validation, over its
+    ranks and to ``val_steps``, is ``Trainer.validate``)."""
+    plan = BatchPlan(len(stream), min(rows, len(stream) // (seq_len + 1)), seq_len)
+    state = model.zero_state(len(plan.rows))
+    nats, count = 0.0, 0
+    for step in range(plan.steps_per_epoch):
+        batch = torch.from_numpy(plan.batch(stream, step).astype(np.int64))
+        logits, state, _ = model(batch[:, :-1], state)
+        nats += F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return nats / count / math.log(2)
+
+
 def fit(config: TrainConfig, world: World, settings: Settings) -> FitResult:
     trainer = Trainer(config, world, settings)
     resumed = trainer.resume()
