@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,16 +75,14 @@ def real_cell_states(
         raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join(DATASETS)}")
     if text not in TEXTS:
         raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join(TEXTS)}")
-    files, read = TEXTS[text]
-    sources = [SHARED_DATA / name for name in files]
+    sources, read = training_text(text)
     data = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
     if missing := [str(p) for p in sources if not p.is_file()]:
         raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
     cache.mkdir(parents=True, exist_ok=True)
-    key = model_key(preset, train_steps, seed, sources)
-    model_path = cache / f"{preset}-{key}.pt"
+    model_path = cached_model(cache, preset, train_steps, seed, text)
     in_dtype = "" if precision == "fp32" else f"-{precision}"  # fp32's name is the one it always had
-    features_path = cache / f"{dataset}-{preset}-{key}-{data.checksum[:16]}{in_dtype}.npz"
+    features_path = cache / f"{dataset}-{model_path.stem}-{data.checksum[:16]}{in_dtype}.npz"
     if features_path.exists():
         say(f"  real cell states: {features_path} (cached)")
         with np.load(features_path) as saved:
@@ -104,8 +103,15 @@ def real_cell_states(
     return [(arrays[f"{s}_X"], arrays[f"{s}_y"]) for s in ("train", "dev", "test")]
 
 
-def model_key(preset: str, train_steps: int, seed: int, sources: list[Path]) -> str:
-    """The cached model's name: a hash of everything its weights depend on."""
+def training_text(text: str) -> tuple[list[Path], Callable[[list[Path]], np.ndarray]]:
+    """``text``'s files under the shared data, and the reader of their review texts (``TEXTS``)."""
+    files, read = TEXTS[text]
+    return [SHARED_DATA / name for name in files], read
+
+
+def cached_model(cache: Path, preset: str, train_steps: int, seed: int, text: str) -> Path:
+    """Where the model trained on ``text`` is cached: named by a hash of everything its weights depend on."""
+    sources, _ = training_text(text)
     settings = {
         "preset": preset,
         "train_steps": train_steps,
@@ -115,7 +121,10 @@ def model_key(preset: str, train_steps: int, seed: int, sources: list[Path]) -> 
         "lr": LR,
         "files": [[p.name, p.stat().st_size] for p in sources],
     }
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return (
+        cache
+        / f"{preset}-{hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]}.pt"
+    )
 
 
 def what_it_learned(
@@ -125,9 +134,7 @@ def what_it_learned(
     per byte on ``dataset``'s dev texts (which it never trained on), computed here from the cached
     weights, and its training as ``train`` wrote it when the model was trained (steps, seconds, the mean
     loss of its last steps; None for a model cached before that was written)."""
-    files, _ = TEXTS[text]
-    sources = [SHARED_DATA / name for name in files]
-    model_path = cache / f"{preset}-{model_key(preset, train_steps, seed, sources)}.pt"
+    model_path = cached_model(cache, preset, train_steps, seed, text)
     model = MLSTM(getattr(presets, preset)())
     model.load_state_dict(torch.load(model_path, weights_only=True))
     model.eval()
@@ -189,7 +196,7 @@ def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> dict[str, fl
     model.train()
     say(f"  training {model.config.hidden_size} units on {len(data):,} bytes of reviews, {steps} steps")
     started = last = time.perf_counter()
-    losses: list[float] = []
+    losses: deque[float] = deque(maxlen=LAST_STEPS)
     for step in range(1, steps + 1):
         offset = (step * SEQ_LEN) % (stride - SEQ_LEN - 1)
         rows = np.stack([data[s + offset : s + offset + SEQ_LEN + 1] for s in starts])
@@ -197,7 +204,7 @@ def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> dict[str, fl
         loss, state, _ = optimizer_step(
             model, optimizer, scaler, batch[:, :-1], batch[:, 1:], state, dtype=torch.float32, clip=1.0
         )
-        losses = [*losses[-LAST_STEPS + 1 :], float(loss) / np.log(2)]
+        losses.append(float(loss) / np.log(2))
         if time.perf_counter() - last > 15:
             last = time.perf_counter()
             rate = step * BATCH * SEQ_LEN / (last - started)
