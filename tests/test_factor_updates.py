@@ -90,3 +90,36 @@ def test_the_active_set_method_reaches_its_target_on_a_near_low_rank_model_throu
     residual = quadratic.min_subgradient(g + H @ d, w + d, lam)
     assert residual.max() <= target and solves < quadratic.MAX_ACTIVE
     assert len(fresh) < solves / 2, (len(fresh), solves)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_factor_rebased_onto_matrices_that_gain_and_lose_coordinates_solves_as_a_fresh_one(
+    dtype: type,
+) -> None:
+    """The lazy Hessian's case: the matrix holding the form is rebuilt for each working set (float32
+    as the sweeps' is), the coordinates it keeps with the same values; the factor, named by the
+    coordinates' ids, not their positions, follows the support across the matrices. A factor that
+    read the new matrix by the old positions would solve another system."""
+    k = 400
+    H = _near_low_rank_hessian(k, rank=40, seed=7).astype(dtype)
+    rng = np.random.default_rng(8)
+    ids = np.sort(rng.choice(k, 200, replace=False))
+    support = np.sort(rng.choice(ids, 100, replace=False))
+    factor = FactorOnSet(H[np.ix_(ids, ids)], ids)
+    solves = 60
+    for _ in range(solves):
+        S = np.searchsorted(ids, support)  # the support's positions in this matrix
+        rhs = rng.standard_normal(S.size)
+        x = factor.solve(S, rhs)
+        assert x is not None
+        fresh = np.linalg.solve(
+            H[np.ix_(support, support)].astype(np.float64) + factor.ridge * np.eye(S.size), rhs
+        )
+        assert np.abs(x - fresh).max() <= 1e-6 * np.abs(fresh).max()
+        # The next working set: a few coordinates leave (none of the support's next) and a few join.
+        support = _walk(rng, k, support)
+        outside = np.setdiff1d(ids, support)
+        ids = np.union1d(np.setdiff1d(ids, rng.choice(outside, 3, replace=False)), support)
+        ids = np.union1d(ids, rng.choice(k, 3))
+        factor.rebase(H[np.ix_(ids, ids)], ids)
+    assert factor.refactorisations < solves // 4

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from tasks.transfer.features import features_table
 from tasks.transfer.probe import DEFAULT_CS, ProbeResult, fit_probe
 from tasks.transfer.solvers import Solver, newton, quadratic
+from tasks.transfer.solvers.cholesky import FactorOnSet
 
 Data = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -181,6 +182,53 @@ def test_the_lazy_hessian_keeps_its_first_weights_and_reuses_shared_rows(
         np.testing.assert_allclose(got, expected(W), **tolerance)
 
 
+def test_the_lazy_hessian_carries_one_cholesky_factor_through_a_C_and_a_new_one_after_forgetting() -> None:
+    # The exact steps' factor is named by feature ids: a working set that gains and drops coordinates
+    # keeps it (rebased onto the new matrix, its shared entries the same numbers), and solves through it
+    # are those of the new matrix; new weights (forget) make a new one.
+    rng = np.random.default_rng(1)
+    XT_HN = torch.from_numpy(rng.standard_normal((40, 300)).astype(np.float32))
+    D = torch.from_numpy(rng.uniform(0.05, 0.25, 300))
+    hessian = newton._LazyHessian()
+    first = hessian.on(XT_HN[torch.arange(0, 30)], np.arange(0, 30), D)
+    factor = hessian.factor
+    S = np.array([3, 7, 12, 29, 30])  # the last: the intercept
+    factor.solve(S, np.ones(S.size))
+    W = np.arange(5, 35)
+    matrix = hessian.on(XT_HN[torch.from_numpy(W)], W, D)
+    assert hessian.factor is factor
+    S = np.searchsorted(W, [7, 12, 29, 33])
+    S = np.append(S, W.size)  # the intercept, still last
+    x = factor.solve(S, np.ones(S.size))
+    assert x is not None and factor.refactorisations == 1
+    fresh = np.linalg.solve(
+        matrix[np.ix_(S, S)].astype(np.float64) + factor.ridge * np.eye(S.size), np.ones(S.size)
+    )
+    np.testing.assert_allclose(x, fresh, rtol=1e-6)
+    assert first[7, 12] == matrix[2, 7]  # the shared entries are the same numbers
+    hessian.forget()
+    hessian.on(XT_HN[torch.from_numpy(W)], W, D)
+    assert hessian.factor is not factor
+
+
+def test_the_workspace_gathers_rows_into_memory_it_reuses() -> None:
+    # The same rows as indexing does, written into one buffer while the sets fit in it (fresh memory's
+    # first touch was most of each gather's time); a larger set grows it.
+    rng = np.random.default_rng(2)
+    XT = torch.from_numpy(rng.standard_normal((50, 70)).astype(np.float32))
+    workspace = newton._Workspace()
+    first = workspace.rows("working set", XT, torch.arange(0, 40))
+    torch.testing.assert_close(first, XT[:40])
+    rows = torch.tensor([1, 5, 9, 33])
+    again = workspace.rows("working set", XT, rows)
+    torch.testing.assert_close(again, XT[rows])
+    assert again.data_ptr() == first.data_ptr()
+    grown = workspace.rows("working set", XT, torch.arange(0, 50))
+    torch.testing.assert_close(grown, XT)
+    other = workspace.rows("new rows", XT, rows)
+    assert other.data_ptr() != grown.data_ptr()
+
+
 def _correlated_model(
     k: int = 300, seed: int = 0, *, noise: float = 0.3, penalty: float = 0.01, rows: int = 2000
 ) -> tuple[np.ndarray, ...]:
@@ -324,6 +372,23 @@ def test_an_exact_step_whose_signs_would_flip_keeps_the_projected_whole_step_whe
     assert quadratic.orthant_step(hessian, g, w, lam, u, hd)
     np.testing.assert_allclose(u, np.maximum(unconstrained, 0.0), rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9)
+
+
+def test_an_exact_step_through_a_carried_factor_moves_as_a_fresh_one() -> None:
+    # The same model's exact step, once factored afresh and once through a factor carried over from a
+    # support two coordinates away (updated, not refactored): the same point, to rounding.
+    hessian, g, w, lam = _correlated_model(k=120)
+    rng = np.random.default_rng(3)
+    u = np.where(rng.random(120) < 0.5, 0.0, -np.sign(g) * 0.01)
+    hd = hessian.astype(np.float64) @ (u - w)
+    factor = FactorOnSet(hessian)
+    S = np.flatnonzero(u)
+    factor.solve(np.sort(np.append(S[2:], np.flatnonzero(u == 0)[:2])), np.ones(S.size))
+    fresh_u, fresh_hd = u.copy(), hd.copy()
+    assert quadratic.orthant_step(hessian, g, w, lam, fresh_u, fresh_hd)
+    assert quadratic.orthant_step(hessian, g, w, lam, u, hd, factor)
+    assert factor.refactorisations == 1
+    np.testing.assert_allclose(u, fresh_u, rtol=1e-6, atol=1e-9)
 
 
 def test_where_float32_sums_round_past_the_tolerance_every_C_still_converges() -> None:
@@ -787,7 +852,7 @@ def test_the_weighted_gram_is_the_whole_symmetric_product_also_into_a_view(
     exact = dtype == torch.float64
     tolerance = {"rtol": 1e-12, "atol": 1e-12} if exact else {"rtol": 1e-5, "atol": 1e-4}
     matrix = np.full((rows + 1, rows + 1), -1.0, dtype=np.float64 if exact else np.float32)
-    column = newton._weighted_gram(A, D, out=matrix[:rows, :rows])
+    column = newton._weighted_gram(A, D, matrix[:rows, :rows], newton._Workspace())
     np.testing.assert_allclose(matrix[:rows, :rows], (X * D64) @ X.T, **tolerance)
     np.testing.assert_allclose(column, X @ D64, **tolerance)
     assert (matrix[rows] == -1).all() and (matrix[:, rows] == -1).all()
@@ -800,7 +865,7 @@ def test_the_gram_of_an_empty_matrix_is_zeros_and_prints_nothing(
     """An empty working set (no row, or no column yet): BLAS's syrk would print its refusal on stdout,
     where `pipeline --json` writes the result."""
     gram = np.full((shape[0], shape[0]), -1.0, dtype=np.float32)
-    column = newton._weighted_gram(torch.zeros(shape), torch.zeros(shape[1]), out=gram)
+    column = newton._weighted_gram(torch.zeros(shape), torch.zeros(shape[1]), gram, newton._Workspace())
     assert not gram.any() and not column.any()
     assert capfd.readouterr().out == ""
 

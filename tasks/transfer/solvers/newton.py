@@ -46,6 +46,7 @@ import scipy.linalg.blas
 import torch
 
 from tasks.transfer.solvers import PathPoint
+from tasks.transfer.solvers.cholesky import FactorOnSet
 from tasks.transfer.solvers.quadratic import (
     MAX_SWEEPS,
     active_set_minimiser,
@@ -62,6 +63,7 @@ MODEL = 0.1  # the quadratic model is solved to this fraction of the residual it
 SLOW_STEP = 0.5  # a Newton step that leaves more than this of the residual rebuilds the Hessian
 ROUNDING = 0.1  # sums in float64 where float32's rounding of the gradient exceeds this share of the tolerance
 WHOLE_ABOVE = 0.25  # float64 working sets wider than this share of the features are not gathered
+INTERCEPT = np.iinfo(np.intp).max  # the intercept's id among the features' in the exact steps' factor
 CONVERT_ROWS = 1024  # rows of X converted to float64 at a time for an exact Hessian: MBs, not a copy of X
 
 
@@ -175,13 +177,13 @@ def _solve(
             violators = violators[np.argsort(-residual_H[violators], kind="stable")[:room]]
         W = np.sort(np.concatenate([support, violators]))
         rows = torch.from_numpy(W).to(XT_HN.device)
-        XT_WN = XT_HN[rows]
+        XT_WN = hessian.workspace.rows("working set", XT_HN, rows)
         if XG_HN is XT_HN:
             sums = _Sums(XT_WN)
         elif W.size > WHOLE_ABOVE * XG_HN.shape[0]:
             sums = _Sums(XG_HN, W)
         else:
-            sums = _Sums(XG_HN[rows])
+            sums = _Sums(hessian.workspace.rows("working set, float64", XG_HN, rows))
         u_W = np.append(w_H[W], b)  # the intercept is the last coordinate
         target = max(tol * lam, INNER * worst)
         u_W, z_N, steps, stalled = _newton(XT_WN, sums, W, hessian, s_N, z_N, u_W, lam, target)
@@ -245,12 +247,12 @@ def _newton(
         last_worst = worst
         matrix, model_target = hessian.on(XT_WN, W, D_N), MODEL * worst
         if not hessian.exact:
-            d_W, sweeps = model_minimiser(matrix, g_W, u_W, lam_W, model_target)
+            d_W, sweeps = model_minimiser(matrix, g_W, u_W, lam_W, model_target, factor=hessian.factor)
             if sweeps >= MAX_SWEEPS:  # past float32 and coordinate descent: float64 and exact steps
                 hessian.go_exact()
                 matrix = hessian.on(XT_WN, W, D_N)
         if hessian.exact:
-            d_W, _ = active_set_minimiser(matrix, g_W, u_W, lam_W, model_target)
+            d_W, _ = active_set_minimiser(matrix, g_W, u_W, lam_W, model_target, factor=hessian.factor)
         dz_N = sums.scores(d_W[:-1]) + float(d_W[-1])
         # Armijo on the true objective; the model's decrease bounds the step's.
         penalty = lam * float(np.abs(u_W).sum())
@@ -281,13 +283,17 @@ class _LazyHessian:
     is indefinite noise in most directions."""
 
     def __init__(self) -> None:
+        self.workspace = _Workspace()  # the sweep's reused memory, for the Hessian's copies and _solve's
         self.D_N: torch.Tensor | None = None
         self.W = np.empty(0, dtype=np.intp)
         self.matrix = np.empty((1, 1), dtype=np.float32)
         self.exact = False
+        # The exact steps' Cholesky factor on this form (``quadratic.orthant_step``), kept across the
+        # models of one C; the intercept is its last coordinate, named ``INTERCEPT``.
+        self.factor = FactorOnSet(self.matrix)
 
     def forget(self) -> None:
-        """The next call builds the whole matrix again, with that call's weights."""
+        """The next call builds the whole matrix again, with that call's weights (and a new factor)."""
         self.D_N = None
 
     def go_exact(self) -> None:
@@ -302,32 +308,76 @@ class _LazyHessian:
         # rows of X at a time (a float64 copy of the working set was the sweep's peak memory).
         dtype = torch.float64 if self.exact else XT_WN.dtype
         k = W.size
+        whole = self.D_N is None
         if self.D_N is None:  # a whole new matrix: the old one's memory is free before it is built
-            self.D_N, self.matrix = D_N.to(dtype), np.empty((1, 1), dtype=np.float32)
-            matrix = np.empty((k + 1, k + 1), dtype=np.float64 if self.exact else np.float32)
-            matrix[k, k] = float(self.D_N.double().sum())
-            matrix[:k, k] = matrix[k, :k] = _weighted_gram(XT_WN, self.D_N, out=matrix[:k, :k])
-            self.W, self.matrix = W, matrix
-            return matrix
-        D_N = self.D_N
+            self.D_N = weights = D_N.to(dtype)
+            self.matrix = np.empty((1, 1), dtype=np.float32)
+        else:
+            weights = self.D_N
         matrix = np.empty((k + 1, k + 1), dtype=np.float64 if self.exact else np.float32)
-        matrix[k, k] = float(D_N.double().sum())
+        matrix[k, k] = float(weights.double().sum())
+        if whole:
+            matrix[:k, k] = matrix[k, :k] = _weighted_gram(XT_WN, weights, matrix[:k, :k], self.workspace)
+        else:
+            self._grow(XT_WN, W, weights, matrix)
+        ids = np.append(W, INTERCEPT)
+        if whole:
+            self.factor = FactorOnSet(matrix, ids)
+        else:  # the entries of the coordinates kept are the same numbers: the factor on them holds
+            self.factor.rebase(matrix, ids)
+        self.W, self.matrix = W, matrix
+        return matrix
+
+    def _grow(self, XT_WN: torch.Tensor, W: np.ndarray, D_N: torch.Tensor, matrix: np.ndarray) -> None:
+        """Fills ``matrix`` for the working set ``W`` from the last one's: the rows both share copied,
+        the new rows and the intercept's column computed with the same weights ``D_N``."""
+        k = W.size
         shared = np.isin(W, self.W, assume_unique=True)
         old, new = np.flatnonzero(shared), np.flatnonzero(~shared)
         at = np.searchsorted(self.W, W[shared])
         matrix[np.ix_(old, old)] = self.matrix.take(at, 0).take(at, 1)
-        column = torch.zeros(k, dtype=dtype, device=XT_WN.device)
-        rows = torch.zeros((new.size, k), dtype=dtype, device=XT_WN.device)
+        column = torch.zeros(k, dtype=D_N.dtype, device=XT_WN.device)
+        rows = torch.zeros((new.size, k), dtype=D_N.dtype, device=XT_WN.device)
         new_rows = torch.from_numpy(new).to(XT_WN.device)
-        for n, X_KN in _in_dtype(XT_WN, dtype):
+        for n, X_KN in _in_dtype(XT_WN, D_N.dtype):
             column += X_KN @ D_N[n]
             if new.size:
-                rows += (X_KN[new_rows] * D_N[n]) @ X_KN.T
+                rows += self.workspace.rows("new rows", X_KN, new_rows).mul_(D_N[n]) @ X_KN.T
         matrix[:k, k] = matrix[k, :k] = column.cpu().numpy()
         matrix[new, :k] = rows.cpu().numpy()
         matrix[:k, new] = matrix[new, :k].T
-        self.W, self.matrix = W, matrix
-        return matrix
+
+
+class _Workspace:
+    """A sweep's reused CPU memory for the copies every outer iteration makes: a working set's rows of
+    X, their scaled copy for the Hessian, the rows new to the lazy Hessian. A fresh large tensor is
+    fresh pages, mapped 4 KB at a time as they are first touched: gathering 1,800 rows of SST-sized
+    features into a new tensor took 22 ms, into one already touched 3 (docs/benchmarks.md, Probe).
+    Each buffer grows to a quarter past the largest size asked of it, so the sweep's growing working
+    sets reallocate it a few times, not every iteration. Off the CPU the caching allocator does this."""
+
+    GROWTH = 1.25
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def empty(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` in ``like``'s dtype and device, from the buffer ``name``:
+        valid until the next call with that name."""
+        if like.device.type != "cpu":
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        size = int(np.prod(shape))
+        key = (name, like.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            self._buffers.pop(key, None)  # the old one's memory is free before the new is allocated
+            buffer = self._buffers[key] = torch.empty(int(size * self.GROWTH), dtype=like.dtype)
+        return buffer[:size].view(shape)
+
+    def rows(self, name: str, XT_KN: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``XT_KN[rows]`` into the buffer ``name``."""
+        out = self.empty(name, (rows.numel(), *XT_KN.shape[1:]), XT_KN)
+        return torch.index_select(XT_KN, 0, rows, out=out)
 
 
 def _in_dtype(XT_KN: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -342,9 +392,12 @@ def _in_dtype(XT_KN: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, 
         yield n, XT_KN[:, n].to(dtype)
 
 
-def _weighted_gram(XT_KN: torch.Tensor, D_N: torch.Tensor, out: np.ndarray) -> np.ndarray:
+def _weighted_gram(
+    XT_KN: torch.Tensor, D_N: torch.Tensor, out: np.ndarray, workspace: _Workspace
+) -> np.ndarray:
     """X_Kᵀ diag(D) X_K [K, K] written into ``out``, and X_Kᵀ D [K] returned, summed in D's dtype: syrk
-    on the CPU (one triangle, half the work of a product), accumulated over ``_in_dtype``'s parts."""
+    on the CPU (one triangle, half the work of a product), accumulated over ``_in_dtype``'s parts, the
+    scaled rows in ``workspace``."""
     K = XT_KN.shape[0]
     dtype = D_N.dtype
     float64 = dtype == torch.float64
@@ -356,7 +409,10 @@ def _weighted_gram(XT_KN: torch.Tensor, D_N: torch.Tensor, out: np.ndarray) -> n
     for n, X_KN in _in_dtype(XT_KN, dtype):
         column += X_KN @ D_N[n]
         root = D_N[n].sqrt()
-        scaled = X_KN.mul_(root) if X_KN is not XT_KN else X_KN * root  # a converted part is its own
+        if X_KN is not XT_KN:  # a converted part is its own
+            scaled = X_KN.mul_(root)
+        else:
+            scaled = torch.mul(X_KN, root, out=workspace.empty("scaled", X_KN.shape, X_KN))
         if 0 in scaled.shape:  # BLAS refuses an empty matrix with a message on stdout, which --json owns
             continue
         if scaled.device.type != "cpu":

@@ -51,6 +51,7 @@ def model_minimiser(
     target: float,
     anderson: int = ANDERSON,
     exact_every: int | None = None,
+    factor: FactorOnSet | None = None,
 ) -> tuple[np.ndarray, int]:
     """The step d minimising g·d + ½ dᵀ hessian d + Σ lam|w + d|, to a residual ≤ ``target``, and the
     sweeps it took.
@@ -71,6 +72,11 @@ def model_minimiser(
     Past a few hundred coordinates one solve costs about 50 sweeps' time, so they are 20 sweeps apart
     there: at 10 they were a third of a 4,096-wide SST-sized sweep, at 40 the IMDB-sized one slowed
     again. On small models a solve costs a few sweeps, and the collinear ones need them 10 apart.
+
+    ``factor``, a ``FactorOnSet`` holding ``hessian``'s form, carries the exact steps' Cholesky factor
+    from one call to the next: the models of one C share their Hessian's entries and their supports
+    move by a few coordinates, so a solve updates the factor (about k² operations) instead of
+    factoring afresh (k³/3). Without it each exact step factors its support afresh.
     """
     k = g.size
     if exact_every is None:
@@ -92,7 +98,7 @@ def model_minimiser(
             if kept == anderson + 1:
                 extrapolate(us, hds, g, w, lam, u, hd)
                 us[0], hds[0], kept = u, hd, 1
-        if exact_every and sweeps % exact_every == 0 and orthant_step(hessian, g, w, lam, u, hd):
+        if exact_every and sweeps % exact_every == 0 and orthant_step(hessian, g, w, lam, u, hd, factor):
             us[0], hds[0], kept = u, hd, 1  # a jump: the extrapolation starts again from here
         residual = min_subgradient(g + hd, u, lam)
         if residual.max() <= target:
@@ -107,7 +113,13 @@ def model_minimiser(
 
 
 def orthant_step(
-    hessian: np.ndarray, g: np.ndarray, w: np.ndarray, lam: np.ndarray, u: np.ndarray, hd: np.ndarray
+    hessian: np.ndarray,
+    g: np.ndarray,
+    w: np.ndarray,
+    lam: np.ndarray,
+    u: np.ndarray,
+    hd: np.ndarray,
+    factor: FactorOnSet | None = None,
 ) -> bool:
     """Moves ``u`` (and ``hd``) in place toward the model's minimiser with the signs of u held; says
     whether the model fell.
@@ -123,7 +135,7 @@ def orthant_step(
     if S.size == 0:
         return False
     sign = np.sign(u[S])
-    step = _newton_on_signs(hessian, S, g[S] + hd[S] + lam[S] * sign)
+    step = _newton_on_signs(hessian, S, g[S] + hd[S] + lam[S] * sign, factor)
     if step is None:
         return False
     crossing = np.flatnonzero((u[S] + step) * sign < 0)
@@ -149,14 +161,20 @@ def orthant_step(
     return True
 
 
-def _newton_on_signs(hessian: np.ndarray, S: np.ndarray, slope_S: np.ndarray) -> np.ndarray | None:
+def _newton_on_signs(
+    hessian: np.ndarray, S: np.ndarray, slope_S: np.ndarray, factor: FactorOnSet | None = None
+) -> np.ndarray | None:
     """The step on the coordinates ``S`` to the minimiser of the model with their signs held, whose slope
     there (the model's gradient plus lam times the signs) is ``slope_S``: a Cholesky solve, float64, with
-    a ridge (``cholesky.ridged_cholesky``); None where no ridge tried makes the matrix factorise.
+    a ridge (``cholesky.ridged_cholesky``), through ``factor`` where one is given (updated from its last
+    set); None where no ridge tried makes the matrix factorise.
 
     Without the ridge grown on failure, cell states of a briefly trained 4,096-unit model at C = 4 left
     every model to the sweeps and the C ran to its outer cap (115 s; 19 s with it)."""
     with one_thread():
+        if factor is not None:
+            solution = factor.solve(S, slope_S)
+            return None if solution is None else -solution
         factored = ridged_cholesky(hessian[np.ix_(S, S)].astype(np.float64))
         if factored is None:
             return None
@@ -183,6 +201,7 @@ def active_set_minimiser(
     lam: np.ndarray,
     target: float,
     max_steps: int = MAX_ACTIVE,
+    factor: FactorOnSet | None = None,
 ) -> tuple[np.ndarray, int]:
     """The step d minimising g·d + ½ dᵀ hessian d + Σ lam|w + d| (as ``model_minimiser``), to a residual
     ≤ ``target``, and the solves it took: an active-set method, for models too ill-conditioned for
@@ -197,11 +216,12 @@ def active_set_minimiser(
     C = 4, coordinate descent with exact steps stopped at its cap of 200 sweeps on 168 of 171 models,
     10 to 100 times short of the target; this solved every model of the sweep, in 1 to 53 solves.
     Successive solves differ by a coordinate or two, so they share one factor, updated rather than
-    factored afresh (``FactorOnSet``): about k² operations a solve instead of k³/3.
+    factored afresh (``FactorOnSet``): about k² operations a solve instead of k³/3. ``factor``, one
+    holding ``hessian``'s form (``model_minimiser``'s), carries it over from the models before.
     """
     k = g.size
     u, hd = w.copy(), np.zeros(k)
-    factor = FactorOnSet(hessian)
+    factor = FactorOnSet(hessian) if factor is None else factor
     step_hd = np.empty(k)
     solves = 0
     while solves < max_steps:
