@@ -352,7 +352,7 @@ class _Workspace:
     """A sweep's reused CPU memory for the copies every outer iteration makes: a working set's rows of
     X, their scaled copy for the Hessian, the rows new to the lazy Hessian. A fresh large tensor is
     fresh pages, mapped 4 KB at a time as they are first touched: gathering 1,800 rows of SST-sized
-    features into a new tensor took 22 ms, into one already touched 3 (docs/benchmarks.md, Probe).
+    features into a new tensor took 22 ms, into one already touched 3 (docs/transfer.md, Solvers).
     Each buffer grows to a quarter past the largest size asked of it, so the sweep's growing working
     sets reallocate it a few times, not every iteration. Off the CPU the caching allocator does this."""
 
