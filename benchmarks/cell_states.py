@@ -41,15 +41,21 @@ from models.features import featurize
 from models.mlstm import MLSTM
 from models.text import encode
 from tasks.corpus.reviews import Rejects, parse_block
+from tasks.corpus.sample import write_labelled_sample, write_sample
 from tasks.pretrain.step import optimizer_step
 from tasks.pretrain.stream import ByteStream
 from tasks.pretrain.train import bits_per_byte
-from tasks.transfer.datasets import load_dataset
+from tasks.transfer.datasets import Dataset, load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 # The shared data beside the checkout (MLSTM_SHARED_DIR overrides, as in the tests).
 SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) / "data"
 DATASETS = {"sst": "sst2", "imdb": "imdb"}
+# The demo's own reviews (``tasks.corpus.sample``), generated into the cache, no shared data needed: a
+# text whose tone follows its stars, so a model trained on it briefly learns sentiment. ``sample`` is
+# both a training text (the demo's corpus) and a labelled dataset, sized to SST's 6,920 train rows.
+SAMPLE = "sample"
+SAMPLE_LABELLED_REVIEWS = 11_300  # 3-star reviews are left out, then 70:15:15: 6,920 train rows
 # The 2018 "small" 5-core files: real review text, 9 MB of it.
 AMAZON_FILES = ("All_Beauty_5.json.gz", "AMAZON_FASHION_5.json.gz", "Appliances_5.json.gz")
 BATCH, SEQ_LEN, LR = 32, 128, 2e-3
@@ -71,15 +77,15 @@ def real_cell_states(
     """Train, dev and test features of ``dataset`` (sst or imdb) from ``preset`` trained ``train_steps`` steps
     on ``text`` (one of ``TEXTS``), read in ``precision`` (``featurize``'s: bf16 reads IMDB's 50,000
     reviews about 3× faster on a CPU with bf16 in hardware; the same model either way)."""
-    if dataset not in DATASETS:
-        raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join(DATASETS)}")
-    if text not in TEXTS:
-        raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join(TEXTS)}")
-    sources, read = training_text(text)
-    data = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
+    if dataset not in (*DATASETS, SAMPLE):
+        raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join((*DATASETS, SAMPLE))}")
+    if text not in (*TEXTS, SAMPLE):
+        raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join((*TEXTS, SAMPLE))}")
+    cache.mkdir(parents=True, exist_ok=True)
+    sources, read = training_text(text, cache)
+    data = labelled(dataset, cache)
     if missing := [str(p) for p in sources if not p.is_file()]:
         raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
-    cache.mkdir(parents=True, exist_ok=True)
     model_path = cached_model(cache, preset, train_steps, seed, text)
     in_dtype = "" if precision == "fp32" else f"-{precision}"  # fp32's name is the one it always had
     features_path = cache / f"{dataset}-{model_path.stem}-{data.checksum[:16]}{in_dtype}.npz"
@@ -103,15 +109,28 @@ def real_cell_states(
     return [(arrays[f"{s}_X"], arrays[f"{s}_y"]) for s in ("train", "dev", "test")]
 
 
-def training_text(text: str) -> tuple[list[Path], Callable[[list[Path]], np.ndarray]]:
-    """``text``'s files under the shared data, and the reader of their review texts (``TEXTS``)."""
+def training_text(text: str, cache: Path) -> tuple[list[Path], Callable[[list[Path]], np.ndarray]]:
+    """``text``'s files under the shared data (``TEXTS``), or the demo's corpus written into ``cache``
+    (``SAMPLE``), and the reader of their review texts."""
+    if text == SAMPLE:  # the same files every time (seeded): the model's cache name stays the same
+        return write_sample(cache / "sample-corpus"), amazon_bytes
     files, read = TEXTS[text]
     return [SHARED_DATA / name for name in files], read
 
 
+def labelled(dataset: str, cache: Path) -> Dataset:
+    """``dataset``'s texts and labels: SST or IMDB from the shared data, or the demo's labelled reviews
+    (``SAMPLE``) written into ``cache``."""
+    if dataset == SAMPLE:
+        return load_dataset(
+            f"{SAMPLE}={write_labelled_sample(cache / 'sample-labelled', num_reviews=SAMPLE_LABELLED_REVIEWS)}"
+        )
+    return load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
+
+
 def cached_model(cache: Path, preset: str, train_steps: int, seed: int, text: str) -> Path:
     """Where the model trained on ``text`` is cached: named by a hash of everything its weights depend on."""
-    sources, _ = training_text(text)
+    sources, _ = training_text(text, cache)
     settings = {
         "preset": preset,
         "train_steps": train_steps,
@@ -138,7 +157,7 @@ def what_it_learned(
     model = MLSTM(getattr(presets, preset)())
     model.load_state_dict(torch.load(model_path, weights_only=True))
     model.eval()
-    texts = load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}").dev.texts
+    texts = labelled(dataset, cache).dev.texts
     held_out = np.frombuffer(b"\n".join(encode(t) for t in texts), dtype=np.uint8)[:HELD_OUT_BYTES]
     started = time.perf_counter()
     bits = bits_per_byte(model, ByteStream.of(held_out), BATCH, SEQ_LEN)

@@ -179,7 +179,7 @@ def recorded_baselines(
 class Case:
     """One row of the benchmark: ``ROWS:WIDTH[:SCALES[:NOISE[:RANK]]]`` synthetic, or ``real-ROWS:WIDTH``."""
 
-    rows: str  # sst or imdb
+    rows: str  # sst or imdb; a real case's also sample (the demo's generated reviews)
     width: int
     scales: str | None  # None: real cell states
     noise: float
@@ -212,8 +212,10 @@ def parse_case(text: str) -> Case:
     real = rows.startswith("real-")
     rows = rows.removeprefix("real-")
     problems = []
-    if rows not in ROWS:
-        problems.append(f"ROWS is one of {', '.join(ROWS)} (real-{'/real-'.join(ROWS)} for real cell states)")
+    if rows not in ROWS and not (real and rows == "sample"):
+        problems.append(
+            f"ROWS is one of {', '.join(ROWS)} (real-{'/real-'.join(ROWS)}/real-sample for real cell states)"
+        )
     if not width.isdigit() or int(width) < 1:
         problems.append("WIDTH is a number of features")
     elif real and int(width) not in PRESET_OF_WIDTH:
@@ -420,10 +422,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--train-text",
-        choices=("amazon", "imdb-unsup"),  # cell_states.TEXTS, imported only by a run with real cases
+        choices=(
+            "amazon",
+            "imdb-unsup",
+            "sample",
+        ),  # cell_states.TEXTS and SAMPLE, imported only by a real run
         default="amazon",
         help="real cases: what the model trains on (imdb-unsup: IMDB's 50,000 unlabelled reviews, enough "
-        "for a model that learns something)",
+        "for a model that learns something; sample: the demo's generated reviews)",
     )
     parser.add_argument(
         "--cache", type=Path, default=CACHE, help="real cases: where the trained model and features are kept"
