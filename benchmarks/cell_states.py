@@ -6,7 +6,9 @@ model is trained here for a stated budget of steps (truncated BPTT with the pret
 step, ``tasks.pretrain.step.optimizer_step``, on the shared Amazon reviews, or with ``text="imdb-unsup"``
 on IMDB's 50,000 unlabelled reviews: 65 MB of movie reviews, SST's domain, enough text for thousands of
 steps without a second pass, where the three Amazon files hold 0.5 MB) and its features are read
-with the features path every stage uses (``models.features.featurize``). What the probe sees is then
+with the features path every stage uses (``models.features.featurize``). ``SAMPLE`` needs no shared
+data: the demo's generated reviews, whose tone follows their stars, as both the training text and the
+labelled splits, so that a model trained on two cores has learned the sentiment its probe reads. What the probe sees is then
 what it sees in the pipeline: unstandardised cell states of a real text model, correlated and with
 heavy-tailed unit scales, not synthetic ones. Both steps take minutes to hours on two cores, so both
 are cached: the model by its preset, steps, seed and training files; the features by the model and the

@@ -31,7 +31,9 @@ follow the real splits: SST-sized 6,920 / 872 / 1,821, IMDB-sized 22,500 / 2,500
 ``real-ROWS:WIDTH``: real cell states (``cell_states.py``): the preset of that width (64 tiny, 1,024
 small) trained ``--train-steps`` steps on the shared Amazon reviews (``--train-text imdb-unsup``: on IMDB's
 unlabelled reviews, enough text for a model that learns something), its final cell states of the real SST
-or IMDB texts and labels; model and features cached in ``--cache`` by their settings. Its rows also say
+or IMDB texts and labels (``real-sample:WIDTH`` with ``--train-text sample``: the demo's own generated
+reviews, its corpus to train on and its labelled reviews at SST's train size, written into the cache:
+a model that learns sentiment on two cores); model and features cached in ``--cache`` by their settings. Its rows also say
 what the model learned: its bits per byte on the dataset's dev texts, and its training. ``--features-precision
 bf16`` reads them in bf16 (the same model; IMDB's 50,000 reviews in about a third of fp32's time on a CPU
 with bf16 in hardware), said in the case's name.

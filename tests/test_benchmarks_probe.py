@@ -159,6 +159,25 @@ def test_real_cell_states_of_a_model_trained_on_imdb_unsup_are_cached_apart(
         cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, text="wiki")
 
 
+def test_a_real_sample_case_needs_no_shared_data_and_reads_the_demo_s_reviews_at_sst_s_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``real-sample`` with ``--train-text sample``: the demo's generated corpus is the training text and
+    its labelled reviews the splits, both written into the cache, so the case runs without the shared
+    data; its train split is SST's size, both labels in each split. ``sample`` is a real case's only."""
+    cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
+    monkeypatch.setattr(cell_states, "SHARED_DATA", tmp_path / "no shared data")
+    splits = cell_states.real_cell_states("sample", "tiny", train_steps=2, cache=tmp_path, text="sample")
+    train_X, train_y = splits[0]
+    assert abs(len(train_y) - 6_920) <= 50 and train_X.shape[1] == 64
+    assert all(set(y.tolist()) == {0, 1} for _, y in splits)
+    assert len(list(tmp_path.glob("*.pt"))) == 1 and (tmp_path / "sample-corpus").is_dir()
+    probe = load_benchmark("probe.py", "probe_benchmark", monkeypatch)
+    assert probe.parse_case("real-sample:64").name == "real SAMPLE × 64 (tiny)"
+    with pytest.raises(SystemExit, match="ROWS is one of sst, imdb"):
+        probe.parse_case("sample:64")
+
+
 def test_a_real_case_s_model_is_scored_on_held_out_text_and_its_training_recorded(
     shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
