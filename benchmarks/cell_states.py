@@ -8,8 +8,8 @@ on IMDB's 50,000 unlabelled reviews: 65 MB of movie reviews, SST's domain, enoug
 steps without a second pass, where the three Amazon files hold 0.5 MB) and its features are read
 with the features path every stage uses (``models.features.featurize``). ``SAMPLE`` needs no shared
 data: the demo's generated reviews, whose tone follows their stars, as both the training text and the
-labelled splits, so that a model trained on two cores has learned the sentiment its probe reads. What the probe sees is then
-what it sees in the pipeline: unstandardised cell states of a real text model, correlated and with
+labelled splits, so that a model trained on two cores has learned the sentiment its probe reads.
+What the probe sees is then what it sees in the pipeline: unstandardised cell states of a real text model, correlated and with
 heavy-tailed unit scales, not synthetic ones. Both steps take minutes to hours on two cores, so both
 are cached: the model by its preset, steps, seed and training files; the features by the model and the
 dataset's checksum. The budget is in steps, not seconds, so that the model is the same on any machine.
@@ -55,9 +55,9 @@ SHARED_DATA = Path(os.environ.get("MLSTM_SHARED_DIR", REPO.parent / "shared")) /
 DATASETS = {"sst": "sst2", "imdb": "imdb"}
 # The demo's own reviews (``tasks.corpus.sample``), generated into the cache, no shared data needed: a
 # text whose tone follows its stars, so a model trained on it briefly learns sentiment. ``sample`` is
-# both a training text (the demo's corpus) and a labelled dataset, sized to SST's 6,920 train rows.
+# both a training text (the demo's corpus) and a labelled dataset, about SST's size (6,920 train rows).
 SAMPLE = "sample"
-SAMPLE_LABELLED_REVIEWS = 11_300  # 3-star reviews are left out, then 70:15:15: 6,920 train rows
+SAMPLE_LABELLED_REVIEWS = 11_300  # 3-star reviews are left out, then 70:15:15: 6,906 train rows
 # The 2018 "small" 5-core files: real review text, 9 MB of it.
 AMAZON_FILES = ("All_Beauty_5.json.gz", "AMAZON_FASHION_5.json.gz", "Appliances_5.json.gz")
 BATCH, SEQ_LEN, LR = 32, 128, 2e-3
@@ -76,7 +76,7 @@ def real_cell_states(
     precision: str = "fp32",
     text: str = "amazon",
 ) -> Splits:
-    """Train, dev and test features of ``dataset`` (sst or imdb) from ``preset`` trained ``train_steps`` steps
+    """Train, dev and test features of ``dataset`` (sst, imdb or ``SAMPLE``) from ``preset`` trained ``train_steps`` steps
     on ``text`` (one of ``TEXTS``), read in ``precision`` (``featurize``'s: bf16 reads IMDB's 50,000
     reviews about 3× faster on a CPU with bf16 in hardware; the same model either way)."""
     if dataset not in (*DATASETS, SAMPLE):

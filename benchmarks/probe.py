@@ -33,9 +33,9 @@ small) trained ``--train-steps`` steps on the shared Amazon reviews (``--train-t
 unlabelled reviews, enough text for a model that learns something), its final cell states of the real SST
 or IMDB texts and labels (``real-sample:WIDTH`` with ``--train-text sample``: the demo's own generated
 reviews, its corpus to train on and its labelled reviews at SST's train size, written into the cache:
-a model that learns sentiment on two cores); model and features cached in ``--cache`` by their settings. Its rows also say
-what the model learned: its bits per byte on the dataset's dev texts, and its training. ``--features-precision
-bf16`` reads them in bf16 (the same model; IMDB's 50,000 reviews in about a third of fp32's time on a CPU
+a model that learns sentiment on two cores); model and features cached in ``--cache`` by their
+settings. Its rows also say what the model learned: its bits per byte on the dataset's dev texts, and
+its training. ``--features-precision bf16`` reads them in bf16 (the same model; IMDB's 50,000 reviews in about a third of fp32's time on a CPU
 with bf16 in hardware), said in the case's name.
 
     PYTHONPATH=. .venv/bin/python benchmarks/probe.py                           # the default cases
@@ -424,11 +424,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--train-text",
-        choices=(
-            "amazon",
-            "imdb-unsup",
-            "sample",
-        ),  # cell_states.TEXTS and SAMPLE, imported only by a real run
+        # cell_states.TEXTS and its SAMPLE: that module is imported only by a run with real cases
+        choices=("amazon", "imdb-unsup", "sample"),
         default="amazon",
         help="real cases: what the model trains on (imdb-unsup: IMDB's 50,000 unlabelled reviews, enough "
         "for a model that learns something; sample: the demo's generated reviews)",
