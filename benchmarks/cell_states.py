@@ -76,18 +76,19 @@ def real_cell_states(
     precision: str = "fp32",
     text: str = "amazon",
 ) -> Splits:
-    """Train, dev and test features of ``dataset`` (sst, imdb or ``SAMPLE``) from ``preset`` trained ``train_steps`` steps
-    on ``text`` (one of ``TEXTS``), read in ``precision`` (``featurize``'s: bf16 reads IMDB's 50,000
-    reviews about 3× faster on a CPU with bf16 in hardware; the same model either way)."""
-    if dataset not in (*DATASETS, SAMPLE):
-        raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join((*DATASETS, SAMPLE))}")
-    if text not in (*TEXTS, SAMPLE):
-        raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join((*TEXTS, SAMPLE))}")
+    """Train, dev and test features of ``dataset`` (sst, imdb or ``SAMPLE``) from ``preset`` trained
+    ``train_steps`` steps on ``text`` (one of ``TEXTS`` or ``SAMPLE``), read in ``precision``
+    (``featurize``'s: bf16 reads IMDB's 50,000 reviews about 3× faster on a CPU with bf16 in hardware;
+    the same model either way)."""
+    if dataset not in REAL_DATASETS:
+        raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join(REAL_DATASETS)}")
+    if text not in TRAINING_TEXTS:
+        raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join(TRAINING_TEXTS)}")
     cache.mkdir(parents=True, exist_ok=True)
     sources, read = training_text(text, cache)
-    data = labelled(dataset, cache)
-    if missing := [str(p) for p in sources if not p.is_file()]:
+    if missing := [str(p) for p in sources if not p.is_file()]:  # before the dataset is read
         raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
+    data = labelled(dataset, cache)
     model_path = cached_model(cache, preset, train_steps, seed, text)
     in_dtype = "" if precision == "fp32" else f"-{precision}"  # fp32's name is the one it always had
     features_path = cache / f"{dataset}-{model_path.stem}-{data.checksum[:16]}{in_dtype}.npz"
@@ -203,6 +204,8 @@ TEXTS: dict[str, tuple[tuple[str, ...], Callable[[list[Path]], np.ndarray]]] = {
     "amazon": (tuple(f"amazon/{name}" for name in AMAZON_FILES), amazon_bytes),
     "imdb-unsup": (("imdb/unsup.csv.gz",), unsup_bytes),
 }
+TRAINING_TEXTS = (*TEXTS, SAMPLE)
+REAL_DATASETS = (*DATASETS, SAMPLE)
 
 
 def train(model: MLSTM, data: np.ndarray, steps: int, seed: int) -> dict[str, float]:
