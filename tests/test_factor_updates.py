@@ -123,3 +123,18 @@ def test_a_factor_rebased_onto_matrices_that_gain_and_lose_coordinates_solves_as
         ids = np.union1d(ids, rng.choice(k, 3))
         factor.rebase(H[np.ix_(ids, ids)], ids)
     assert factor.refactorisations < solves // 4
+
+
+def test_a_set_growing_a_coordinate_at_a_time_reallocates_the_factor_a_few_times_within_the_matrix() -> None:
+    # Each allocation copies the factor (about 1 % of a near-low-rank sweep when it came on every join):
+    # room a quarter past the set, up to the matrix's size, so 10 to 60 coordinates take a handful.
+    H = _near_low_rank_hessian(60, rank=20, seed=5)
+    factor, memories = FactorOnSet(H), set()
+    for n in range(10, 61):
+        S = np.arange(n)
+        x = factor.solve(S, np.ones(n))
+        assert x is not None
+        np.testing.assert_allclose(H[np.ix_(S, S)] @ x + factor.ridge * x, 1.0, atol=1e-6)
+        memories.add(factor.U.ctypes.data)
+        assert n <= factor.U.shape[0] <= 60
+    assert len(memories) <= 10

@@ -158,8 +158,8 @@ def test_the_lazy_hessian_keeps_its_first_weights_and_reuses_shared_rows(
 ) -> None:
     # Against X_Wᵀ diag(D) X_W in float64, D the first call's weights, for a working set that grows
     # and one that drops coordinates; the intercept is the last row and column. Exact: float64 sums of
-    # the float32 features, converted 64 rows of X at a time (five parts).
-    monkeypatch.setattr(newton, "CONVERT_ROWS", 64)
+    # the float32 features, converted in parts of 64 rows of X on the 3-wide sets (38 on the 5-wide).
+    monkeypatch.setattr(newton, "CONVERT_BYTES", 64 * 3 * 8)
     rng = np.random.default_rng(0)
     XT_HN = torch.from_numpy(rng.standard_normal((40, 300)).astype(np.float32))
     first_D, later_D = (torch.from_numpy(rng.uniform(0.05, 0.25, 300)) for _ in range(2))
@@ -213,12 +213,13 @@ def test_the_lazy_hessian_carries_one_cholesky_factor_through_a_C_and_a_new_one_
 
 def test_the_workspace_gathers_rows_into_memory_it_reuses() -> None:
     # The same rows as indexing does, written into one buffer while the sets fit in it (fresh memory's
-    # first touch was most of each gather's time); a larger set grows it.
+    # first touch was most of each gather's time); a larger set grows it, never past all the rows.
     rng = np.random.default_rng(2)
     XT = torch.from_numpy(rng.standard_normal((50, 70)).astype(np.float32))
     workspace = newton._Workspace()
-    first = workspace.rows("working set", XT, torch.arange(0, 40))
-    torch.testing.assert_close(first, XT[:40])
+    first = workspace.rows("working set", XT, torch.arange(0, 45))
+    torch.testing.assert_close(first, XT[:45])
+    assert first.untyped_storage().nbytes() == XT.untyped_storage().nbytes()  # 56 rows' room, capped at 50
     rows = torch.tensor([1, 5, 9, 33])
     again = workspace.rows("working set", XT, rows)
     torch.testing.assert_close(again, XT[rows])
@@ -492,6 +493,7 @@ def test_a_pass_whose_line_search_finds_no_descent_ends_the_C_unconverged(
         1e-6,
         50,
         newton._LazyHessian(),
+        newton._Workspace(),
     )
     assert not converged and steps == 1, steps
     assert not w_H.any() and b == 0.0
@@ -836,15 +838,18 @@ def test_on_real_features_newton_matches_liblinear_at_every_C_and_chooses_its_C(
     assert reference.test_accuracy > 0.52
 
 
+@pytest.mark.parametrize("syrk", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 200])
 def test_the_weighted_gram_is_the_whole_symmetric_product_also_into_a_view(
-    rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    rows: int, dtype: torch.dtype, syrk: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # syrk fills one triangle, accumulated over the parts that float32 features are converted to float64
-    # in (five here); the compiled mirror, blocked by 64, must fill the other at every size, also into
-    # the corner of a larger matrix (the lazy Hessian's, whose last row is the intercept's).
-    monkeypatch.setattr(newton, "CONVERT_ROWS", 64)
+    # syrk fills one triangle, torch's product both, accumulated over the parts that float32 features
+    # are converted to float64 in (five here); the compiled mirror, blocked by 64, must fill the other
+    # triangle from the lower one at every size, also into the corner of a larger matrix (the lazy
+    # Hessian's, whose last row is the intercept's), so that either way the matrix is symmetric.
+    monkeypatch.setattr(newton, "CONVERT_BYTES", 64 * rows * 8)
+    monkeypatch.setattr(newton, "SYRK_FROM", 0 if syrk else rows + 1)
     rng = np.random.default_rng(rows)
     A = torch.from_numpy(rng.standard_normal((rows, 300)).astype(np.float32))
     D = torch.from_numpy(rng.uniform(0.05, 0.25, 300)).to(dtype)
@@ -856,6 +861,21 @@ def test_the_weighted_gram_is_the_whole_symmetric_product_also_into_a_view(
     np.testing.assert_allclose(matrix[:rows, :rows], (X * D64) @ X.T, **tolerance)
     np.testing.assert_allclose(column, X @ D64, **tolerance)
     assert (matrix[rows] == -1).all() and (matrix[:, rows] == -1).all()
+    assert (matrix[:rows, :rows] == matrix[:rows, :rows].T).all()
+
+
+@pytest.mark.parametrize("wide", [1, 3, 7])
+def test_features_are_converted_in_parts_of_at_most_the_byte_budget_in_order(
+    wide: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An exact Hessian's float64 copies of X are bounded by bytes, whatever the working set's width:
+    # the parts cover every row of X once, in order, each within the budget (40 float64 numbers).
+    monkeypatch.setattr(newton, "CONVERT_BYTES", 40 * 8)
+    XT_KN = torch.from_numpy(np.random.default_rng(wide).standard_normal((wide, 300)).astype(np.float32))
+    parts = list(newton._in_dtype(XT_KN, torch.float64))
+    assert all(part.dtype == torch.float64 and part.numel() <= 40 for _, part in parts)
+    assert [n.start for n, _ in parts] == [0, *(n.stop for n, _ in parts[:-1])] and parts[-1][0].stop == 300
+    np.testing.assert_array_equal(torch.cat([part for _, part in parts], 1).numpy(), XT_KN.double().numpy())
 
 
 @pytest.mark.parametrize("shape", [(3, 0), (0, 5)])

@@ -4,9 +4,10 @@ date as the set S gains and loses a few coordinates.
 The active-set method (``quadratic.active_set_minimiser``) solves one system per step on sets that
 differ from the last by a coordinate or two; the coordinate-descent models' exact steps on the signs
 (``quadratic.orthant_step``) solve one on each model's support, which moves little from one model of a
-C to the next, while the lazy Hessian holding H gains rows for coordinates new to the working set. Factoring each afresh costs k³/3 multiply-adds; at the
-large-C end of a 4,096-wide SST-sized sweep of near-low-rank features (k ≈ 2,000, hundreds of solves
-per C) those factorisations were most of the sweep's time. Here a coordinate joins by one triangular
+C to the next, while the lazy Hessian holding H gains rows for coordinates new to the working set.
+Factoring each afresh costs k³/3 multiply-adds; at the large-C end of a 4,096-wide SST-sized sweep of
+near-low-rank features (k ≈ 2,000, hundreds of solves per C) those factorisations were most of the
+sweep's time. Here a coordinate joins by one triangular
 solve (a new row of the factor) and leaves by a rank-one update of the rows below it (Givens-style,
 Golub & Van Loan §6.5.4), each about k² operations; a set that moved too far, or a join that would
 lose positive definiteness, is factored afresh by LAPACK with the ridge grown as needed.
@@ -21,6 +22,7 @@ import torch
 RIDGE = 1e-7  # the ridge, relative to the mean of the factored diagonal: float32 resolution's scale
 RIDGE_TRIES = 8  # tenfold ridges tried on a factorisation: up to the mean of its diagonal
 REFRESH_AFTER = 64  # updates between fresh factorisations: their rounding accumulates
+ROOM_GROWTH = 1.25  # the factor's memory grows to this many times the rows asked for
 
 
 class FactorOnSet:
@@ -109,9 +111,12 @@ class FactorOnSet:
 
     def _room(self, n: int) -> None:
         """Room for a factor of n rows, the current one kept: allocated as sets grow, not at the
-        matrix's size, so a form whose factor is never asked for costs nothing."""
+        matrix's size, so a form whose factor is never asked for costs nothing; a quarter past n, up
+        to the matrix's size, so that a set growing by a coordinate at a time does not copy U each
+        time (about 1 % of a near-low-rank sweep)."""
         if n <= self.U.shape[0]:
             return
+        n = max(n, min(int(n * ROOM_GROWTH), self.ids.size))
         U, order = np.zeros((n, n)), np.empty(n, dtype=np.intp)
         U[: self.n, : self.n] = self.U[: self.n, : self.n]
         order[: self.n] = self.order[: self.n]

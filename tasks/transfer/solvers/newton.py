@@ -13,7 +13,8 @@ many (at least 100). On W it takes proximal Newton steps (Lee, Sun & Saunders 20
 2012) with a backtracking (Armijo) line search on the true objective, so every step is a descent:
 
 - The Hessian restricted to W, X_Wᵀ diag(p(1-p)) X_W, is one dense symmetric product (BLAS's syrk on
-  CPU threads, half a general product's work; a matrix product on the GPU). It is lazy (Doikov, Chayti
+  CPU threads, half a general product's work, on wide sets; torch's product on narrow ones, where
+  switching thread pools costs more than syrk saves, and on the GPU). It is lazy (Doikov, Chayti
   & Jaggi 2023): its weights are those of each C's first Newton step, and later steps reuse it, adding
   only the rows of coordinates new to W; any positive semi-definite matrix still gives a descent
   direction, and building it is most of a sweep's time. It is rebuilt after a poor step (one the line
@@ -26,7 +27,7 @@ many (at least 100). On W it takes proximal Newton steps (Lee, Sun & Saunders 20
   ``ROUNDING`` of the tolerance, and float64 sums otherwise (from a float64 copy of the features):
   on features with heavy-tailed scales a float32 gradient entry can be off by more than the tolerance.
 
-Dense linear algebra other than syrk goes through torch (MKL) or compiled loops, not scipy's or numpy's
+Dense linear algebra other than a wide syrk goes through torch (MKL) or compiled loops, not scipy's or numpy's
 OpenBLAS, whose threads spin against torch's on few cores. docs/transfer.md (Solvers) says why each
 part is there; docs/benchmarks.md (Probe) has the measurements against liblinear.
 
@@ -64,7 +65,8 @@ SLOW_STEP = 0.5  # a Newton step that leaves more than this of the residual rebu
 ROUNDING = 0.1  # sums in float64 where float32's rounding of the gradient exceeds this share of the tolerance
 WHOLE_ABOVE = 0.25  # float64 working sets wider than this share of the features are not gathered
 INTERCEPT = np.iinfo(np.intp).max  # the intercept's id among the features' in the exact steps' factor
-CONVERT_ROWS = 1024  # rows of X converted to float64 at a time for an exact Hessian: MBs, not a copy of X
+CONVERT_BYTES = 64 * 2**20  # an exact Hessian's float64 copies of X's rows, at most this much at a time
+SYRK_FROM = 512  # Hessians at least this wide are BLAS's syrk on the CPU; narrower ones, torch's product
 
 
 def l1_logistic_path(
@@ -93,14 +95,15 @@ def l1_logistic_path(
     solved: list[tuple[np.ndarray, float, float]] = []  # the last two Cs' weights, intercepts and Cs
     # One along the path: once its models need float64 (``exact``), so do the larger C's after, nearer
     # separability.
-    hessian = _LazyHessian()
+    workspace = _Workspace()  # memory reused by the sweep's copies of X's rows
+    hessian = _LazyHessian(workspace)
     for C in Cs:
         start = (w_H, b, z_N)
         if len(solved) == 2 and solved[0][2] < solved[1][2] < C:
             start = _extrapolated_start(XT64_HN, s_N, C, start, solved)
         hessian.forget()  # each C's Hessian weighs its rows by that C's first step
         w_H, b, z_N, iterations, converged = _solve(
-            XT_HN, XT64_HN, s_N, *start, 1.0 / C, tol, max_outer, hessian
+            XT_HN, XT64_HN, s_N, *start, 1.0 / C, tol, max_outer, hessian, workspace
         )
         solved = [*solved[-1:], (w_H, b, C)]
         yield PathPoint(C=float(C), coef=w_H.copy(), intercept=b, iterations=iterations, converged=converged)
@@ -152,6 +155,7 @@ def _solve(
     tol: float,
     max_outer: int,
     hessian: _LazyHessian,
+    workspace: _Workspace,
 ) -> tuple[np.ndarray, float, torch.Tensor, int, bool]:
     newton_steps = 0
     # Gradients and scores are sums over the rows: float32 sums where their rounding, measured here,
@@ -177,13 +181,13 @@ def _solve(
             violators = violators[np.argsort(-residual_H[violators], kind="stable")[:room]]
         W = np.sort(np.concatenate([support, violators]))
         rows = torch.from_numpy(W).to(XT_HN.device)
-        XT_WN = hessian.workspace.rows("working set", XT_HN, rows)
+        XT_WN = workspace.rows("working set", XT_HN, rows)
         if XG_HN is XT_HN:
             sums = _Sums(XT_WN)
         elif W.size > WHOLE_ABOVE * XG_HN.shape[0]:
             sums = _Sums(XG_HN, W)
         else:
-            sums = _Sums(hessian.workspace.rows("working set, float64", XG_HN, rows))
+            sums = _Sums(workspace.rows("working set, float64", XG_HN, rows))
         u_W = np.append(w_H[W], b)  # the intercept is the last coordinate
         target = max(tol * lam, INNER * worst)
         u_W, z_N, steps, stalled = _newton(XT_WN, sums, W, hessian, s_N, z_N, u_W, lam, target)
@@ -282,8 +286,8 @@ class _LazyHessian:
     1.2e7, hundreds of them below float32's resolution of the largest), and the float32 matrix there
     is indefinite noise in most directions."""
 
-    def __init__(self) -> None:
-        self.workspace = _Workspace()  # the sweep's reused memory, for the Hessian's copies and _solve's
+    def __init__(self, workspace: _Workspace | None = None) -> None:
+        self.workspace = workspace or _Workspace()  # reused memory for its copies: the sweep's, shared
         self.D_N: torch.Tensor | None = None
         self.W = np.empty(0, dtype=np.intp)
         self.matrix = np.empty((1, 1), dtype=np.float32)
@@ -304,26 +308,24 @@ class _LazyHessian:
     def on(self, XT_WN: torch.Tensor, W: np.ndarray, D_N: torch.Tensor) -> np.ndarray:
         if self.D_N is not None and np.array_equal(W, self.W):
             return self.matrix
-        # Exact: the float32 features' values, the products summed in float64, converted ``CONVERT_ROWS``
-        # rows of X at a time (a float64 copy of the working set was the sweep's peak memory).
-        dtype = torch.float64 if self.exact else XT_WN.dtype
+        # Exact: the float32 features' values, the products summed in float64, converted ``CONVERT_BYTES``
+        # at a time (a float64 copy of the working set was the sweep's peak memory).
         k = W.size
         whole = self.D_N is None
-        if self.D_N is None:  # a whole new matrix: the old one's memory is free before it is built
-            self.D_N = weights = D_N.to(dtype)
+        if self.D_N is None:  # the old matrix and the factor on it are freed before the new one is built
+            self.D_N = D_N.to(torch.float64 if self.exact else XT_WN.dtype)
             self.matrix = np.empty((1, 1), dtype=np.float32)
-        else:
-            weights = self.D_N
+            self.factor = FactorOnSet(self.matrix)
+        weights = self.D_N
         matrix = np.empty((k + 1, k + 1), dtype=np.float64 if self.exact else np.float32)
         matrix[k, k] = float(weights.double().sum())
-        if whole:
-            matrix[:k, k] = matrix[k, :k] = _weighted_gram(XT_WN, weights, matrix[:k, :k], self.workspace)
-        else:
-            self._grow(XT_WN, W, weights, matrix)
         ids = np.append(W, INTERCEPT)
         if whole:
+            gram = matrix[:k, :k]
+            matrix[:k, k] = matrix[k, :k] = _weighted_gram(XT_WN, weights, gram, self.workspace)
             self.factor = FactorOnSet(matrix, ids)
         else:  # the entries of the coordinates kept are the same numbers: the factor on them holds
+            self._grow(XT_WN, W, weights, matrix)
             self.factor.rebase(matrix, ids)
         self.W, self.matrix = W, matrix
         return matrix
@@ -361,9 +363,12 @@ class _Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def empty(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    def empty(
+        self, name: str, shape: tuple[int, ...], like: torch.Tensor, most: int | None = None
+    ) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` in ``like``'s dtype and device, from the buffer ``name``:
-        valid until the next call with that name."""
+        valid until the next call with that name. ``most``: the largest size that name will ask for,
+        which its growth does not pass."""
         if like.device.type != "cpu":
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         size = int(np.prod(shape))
@@ -371,41 +376,56 @@ class _Workspace:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < size:
             self._buffers.pop(key, None)  # the old one's memory is free before the new is allocated
-            buffer = self._buffers[key] = torch.empty(int(size * self.GROWTH), dtype=like.dtype)
+            grown = int(size * self.GROWTH) if most is None else max(size, min(int(size * self.GROWTH), most))
+            buffer = self._buffers[key] = torch.empty(grown, dtype=like.dtype)
         return buffer[:size].view(shape)
 
     def rows(self, name: str, XT_KN: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``XT_KN[rows]`` into the buffer ``name``."""
-        out = self.empty(name, (rows.numel(), *XT_KN.shape[1:]), XT_KN)
+        """``XT_KN[rows]`` into the buffer ``name``, which never grows past all of ``XT_KN``'s rows."""
+        out = self.empty(name, (rows.numel(), *XT_KN.shape[1:]), XT_KN, most=XT_KN.numel())
         return torch.index_select(XT_KN, 0, rows, out=out)
 
 
 def _in_dtype(XT_KN: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, torch.Tensor]]:
     """``XT_KN``'s rows of X (its columns) in ``dtype``, with their slice: the tensor itself where it is
-    in that dtype already, else converted ``CONVERT_ROWS`` at a time, each a copy of its own."""
-    N = XT_KN.shape[1]
+    in that dtype already, else converted in parts of at most ``CONVERT_BYTES``, each a copy of its own.
+
+    Parts sized by bytes, not rows: a narrow working set's whole copy is small, and each part is a
+    round of small calls (on ~100-wide sets of 6,906 rows, seven 1,024-row parts took 67 ms a Hessian,
+    one 11: the switches between syrk's threads and torch's, below)."""
+    K, N = XT_KN.shape
     if XT_KN.dtype == dtype:
         yield slice(0, N), XT_KN
         return
-    for n0 in range(0, N, CONVERT_ROWS):
-        n = slice(n0, min(n0 + CONVERT_ROWS, N))
+    rows = max(1, CONVERT_BYTES // (max(K, 1) * dtype.itemsize))
+    for n0 in range(0, N, rows):
+        n = slice(n0, min(n0 + rows, N))
         yield n, XT_KN[:, n].to(dtype)
 
 
 def _weighted_gram(
     XT_KN: torch.Tensor, D_N: torch.Tensor, out: np.ndarray, workspace: _Workspace
 ) -> np.ndarray:
-    """X_Kᵀ diag(D) X_K [K, K] written into ``out``, and X_Kᵀ D [K] returned, summed in D's dtype: syrk
-    on the CPU (one triangle, half the work of a product), accumulated over ``_in_dtype``'s parts, the
-    scaled rows in ``workspace``."""
+    """X_Kᵀ diag(D) X_K [K, K] written into ``out``, and X_Kᵀ D [K] returned, summed in D's dtype and
+    accumulated over ``_in_dtype``'s parts, the scaled rows in ``workspace``.
+
+    Wide sets on the CPU take syrk (one triangle, half a product's work); narrower ones, and any set
+    off the CPU, torch's product. syrk is scipy's OpenBLAS, whose threads spin after each call and
+    slow torch's next calls on two cores: a switch cost milliseconds, more than syrk saved on a
+    narrow set (at 100 × 6,906 float64, 11 ms a Hessian against 2.6 through torch; at 2,000 wide,
+    syrk 412 ms against 637)."""
     K = XT_KN.shape[0]
     dtype = D_N.dtype
     float64 = dtype == torch.float64
     column = torch.zeros(K, dtype=dtype, device=XT_KN.device)
-    # Fortran order: syrk accumulates into it in place; its column-major upper triangle is, read
-    # row-major (its transpose), the lower one.
-    upper = np.zeros((K, K), dtype=np.float64 if float64 else np.float32, order="F")
-    syrk = scipy.linalg.blas.dsyrk if float64 else scipy.linalg.blas.ssyrk
+    blas = XT_KN.device.type == "cpu" and K >= SYRK_FROM
+    if blas:
+        # Fortran order: syrk accumulates into it in place; its column-major upper triangle is, read
+        # row-major (its transpose), the lower one.
+        upper = np.zeros((K, K), dtype=np.float64 if float64 else np.float32, order="F")
+        syrk = scipy.linalg.blas.dsyrk if float64 else scipy.linalg.blas.ssyrk
+    else:
+        product = torch.zeros((K, K), dtype=dtype, device=XT_KN.device)
     for n, X_KN in _in_dtype(XT_KN, dtype):
         column += X_KN @ D_N[n]
         root = D_N[n].sqrt()
@@ -415,12 +435,13 @@ def _weighted_gram(
             scaled = torch.mul(X_KN, root, out=workspace.empty("scaled", X_KN.shape, X_KN))
         if 0 in scaled.shape:  # BLAS refuses an empty matrix with a message on stdout, which --json owns
             continue
-        if scaled.device.type != "cpu":
-            upper += (scaled @ scaled.T).cpu().numpy()
-        else:
+        if blas:
             # Aᵀ of a row-major [K, N] array is column-major [N, K]: what syrk reads without a copy.
             syrk(1.0, scaled.numpy().T, beta=1.0, c=upper, trans=1, overwrite_c=1)
-    _mirror(upper.T, out)
+        else:
+            product.addmm_(scaled, scaled.T)
+    # The product's lower triangle too, so that the matrix is symmetric to the bit either way.
+    _mirror(upper.T if blas else product.cpu().numpy(), out)
     return column.cpu().numpy()
 
 
