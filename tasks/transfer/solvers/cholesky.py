@@ -7,10 +7,10 @@ differ from the last by a coordinate or two; the coordinate-descent models' exac
 C to the next, while the lazy Hessian holding H gains rows for coordinates new to the working set.
 Factoring each afresh costs k³/3 multiply-adds; at the large-C end of a 4,096-wide SST-sized sweep of
 near-low-rank features (k ≈ 2,000, hundreds of solves per C) those factorisations were most of the
-sweep's time. Here a coordinate joins by one triangular
-solve (a new row of the factor) and leaves by a rank-one update of the rows below it (Givens-style,
-Golub & Van Loan §6.5.4), each about k² operations; a set that moved too far, or a join that would
-lose positive definiteness, is factored afresh by LAPACK with the ridge grown as needed.
+sweep's time. Here a coordinate joins by one triangular solve (a new row of the factor) and leaves by
+a rank-one update of the rows below it (Givens-style, Golub & Van Loan §6.5.4), each about k²
+operations; a set that moved too far, or a join that would lose positive definiteness, is factored
+afresh by LAPACK with the ridge grown as needed.
 """
 
 from __future__ import annotations

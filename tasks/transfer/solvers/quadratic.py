@@ -26,7 +26,7 @@ import numba
 import numpy as np
 import torch
 
-from tasks.transfer.solvers.cholesky import FactorOnSet, ridged_cholesky
+from tasks.transfer.solvers.cholesky import FactorOnSet
 
 MAX_SWEEPS = 200  # coordinate-descent sweeps on one quadratic model
 ANDERSON = 5  # coordinate-descent sweeps between Anderson extrapolations (skglm's choice)
@@ -76,8 +76,9 @@ def model_minimiser(
     ``factor``, a ``FactorOnSet`` holding ``hessian``'s form, carries the exact steps' Cholesky factor
     from one call to the next: the models of one C share their Hessian's entries and their supports
     move by a few coordinates, so a solve updates the factor (about k² operations) instead of
-    factoring afresh (k³/3). Without it each exact step factors its support afresh.
+    factoring afresh (k³/3). Without one, the model's exact steps share one of their own.
     """
+    factor = FactorOnSet(hessian) if factor is None else factor
     k = g.size
     if exact_every is None:
         exact_every = EXACT_EVERY[k > EXACT_CHEAP_BELOW]
@@ -166,26 +167,23 @@ def _newton_on_signs(
 ) -> np.ndarray | None:
     """The step on the coordinates ``S`` to the minimiser of the model with their signs held, whose slope
     there (the model's gradient plus lam times the signs) is ``slope_S``: a Cholesky solve, float64, with
-    a ridge (``cholesky.ridged_cholesky``), through ``factor`` where one is given (updated from its last
-    set); None where no ridge tried makes the matrix factorise.
+    a ridge (``cholesky.ridged_cholesky``), through ``factor`` (updated from its last set; by default
+    one of its own); None where no ridge tried makes the matrix factorise.
 
     Without the ridge grown on failure, cell states of a briefly trained 4,096-unit model at C = 4 left
     every model to the sweeps and the C ran to its outer cap (115 s; 19 s with it)."""
+    factor = FactorOnSet(hessian) if factor is None else factor
     with one_thread():
-        if factor is not None:
-            solution = factor.solve(S, slope_S)
-            return None if solution is None else -solution
-        factored = ridged_cholesky(hessian[np.ix_(S, S)].astype(np.float64))
-        if factored is None:
-            return None
-        return -torch.cholesky_solve(torch.from_numpy(slope_S)[:, None], factored[0])[:, 0].numpy()
+        solution = factor.solve(S, slope_S)
+    return None if solution is None else -solution
 
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
     """torch on one thread within: on the 2-core machine, shared, an exact step on 900 coordinates took
-    about 22 ms on one thread and 70 to 275 ms on two, most of it in ``cholesky_solve`` (3.5 ms
-    against 30 to 180), whose threads wait on each other for a core (docs/benchmarks.md, Probe)."""
+    about 22 ms on one thread and 70 to 275 ms on two, most of it in torch's ``cholesky_solve`` then
+    (3.5 ms against 30 to 180), whose threads wait on each other for a core (docs/benchmarks.md,
+    Probe); the factorisations, torch's still, are the same kind of call."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
