@@ -89,7 +89,7 @@ def real_cell_states(
     if missing := [str(p) for p in sources if not p.is_file()]:  # before the dataset is read
         raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
     data = labelled(dataset, cache)
-    model_path = cached_model(cache, preset, train_steps, seed, text)
+    model_path = cached_model(cache, preset, train_steps, seed, sources)
     in_dtype = "" if precision == "fp32" else f"-{precision}"  # fp32's name is the one it always had
     features_path = cache / f"{dataset}-{model_path.stem}-{data.checksum[:16]}{in_dtype}.npz"
     if features_path.exists():
@@ -131,9 +131,9 @@ def labelled(dataset: str, cache: Path) -> Dataset:
     return load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
 
 
-def cached_model(cache: Path, preset: str, train_steps: int, seed: int, text: str) -> Path:
-    """Where the model trained on ``text`` is cached: named by a hash of everything its weights depend on."""
-    sources, _ = training_text(text, cache)
+def cached_model(cache: Path, preset: str, train_steps: int, seed: int, sources: list[Path]) -> Path:
+    """Where the model trained on ``sources`` (``training_text``'s) is cached: named by a hash of
+    everything its weights depend on."""
     settings = {
         "preset": preset,
         "train_steps": train_steps,
@@ -156,7 +156,7 @@ def what_it_learned(
     per byte on ``dataset``'s dev texts (which it never trained on), computed here from the cached
     weights, and its training as ``train`` wrote it when the model was trained (steps, seconds, the mean
     loss of its last steps; None for a model cached before that was written)."""
-    model_path = cached_model(cache, preset, train_steps, seed, text)
+    model_path = cached_model(cache, preset, train_steps, seed, training_text(text, cache)[0])
     model = MLSTM(getattr(presets, preset)())
     model.load_state_dict(torch.load(model_path, weights_only=True))
     model.eval()
