@@ -33,14 +33,15 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import corpus as full_bench  # benchmarks/corpus.py: its input, sampler and measure
 from common import add_record_option, fastest_of, machine, new_parser, record, say
+from corpus_input import DEFAULT_SOURCE_DIR, InputSet, prepare_inputs  # corpus.py's input
+from corpus_measure import Row, in_workdir, measure  # corpus.py's sampler and measure
 
 GOAL_RATIO = 0.10  # the delta build within 10% of the full build's time
 DELTA_SHARE = 0.05
 
 
-def split_inputs(inputs: full_bench.InputSet, folder: Path) -> tuple[list[Path], list[Path]]:
+def split_inputs(inputs: InputSet, folder: Path) -> tuple[list[Path], list[Path]]:
     """Each input file cut at ~95% of its bytes, on a line end: the base's part keeps the file's
     name, the rest becomes a new file ``week2_<name>``."""
     base_dir, delta_dir = folder / "base", folder / "delta"
@@ -139,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeat", type=int, default=1, help="Runs of each row; the fastest is kept.")
     parser.add_argument("--fixed-repeat", type=int, default=2, help="Runs of each fixed-cost case.")
-    parser.add_argument("--source-dir", type=Path, default=full_bench.DEFAULT_SOURCE_DIR)
+    parser.add_argument("--source-dir", type=Path, default=DEFAULT_SOURCE_DIR)
     parser.add_argument("--workdir", type=Path, help="Keep the generated input here between runs.")
     add_record_option(parser)
     args = parser.parse_args(argv)
     args.partial, args.gzip = True, False  # corpus.py's input: every file, plain JSON lines
-    return full_bench.in_workdir(args, _benchmark, prefix="mlstm-delta-")
+    return in_workdir(args, _benchmark, prefix="mlstm-delta-")
 
 
 def _benchmark(args: Any, workdir: Path, run_dir: Path) -> int:
@@ -152,7 +153,7 @@ def _benchmark(args: Any, workdir: Path, run_dir: Path) -> int:
     from tasks.corpus.delta import plan_build
     from tasks.store import LocalStore
 
-    inputs = full_bench.prepare_inputs(args, workdir)
+    inputs = prepare_inputs(args, workdir)
     base_files, delta_files = split_inputs(inputs, run_dir / "inputs")
     sizes = {
         "base": sum(p.stat().st_size for p in base_files),
@@ -165,13 +166,13 @@ def _benchmark(args: Any, workdir: Path, run_dir: Path) -> int:
     every = [str(p) for p in [*base_files, *delta_files]]
     config = CorpusConfig()
     plan_corpus(every, config, cache_path=cache)  # the fingerprint cache warm for every row
-    rows: list[full_bench.Row] = []
+    rows: list[Row] = []
     stores = {name: run_dir / f"store-{name}" for name in ("full", "grown")}
 
     def fresh(name: str) -> None:
         shutil.rmtree(stores[name], ignore_errors=True)
 
-    full = full_bench.measure(
+    full = measure(
         "full build (all files)",
         lambda attempt: (
             fresh("full"),
@@ -181,7 +182,7 @@ def _benchmark(args: Any, workdir: Path, run_dir: Path) -> int:
         notes="every file parsed, deduplicated and written",
     )
     rows.append(full)
-    base = full_bench.measure(
+    base = measure(
         "base build (95%)",
         lambda attempt: (
             fresh("grown"),
@@ -203,7 +204,7 @@ def _benchmark(args: Any, workdir: Path, run_dir: Path) -> int:
         shutil.rmtree(stores["grown"] / plan.prefix, ignore_errors=True)
         return run_plan(plan, stores["grown"], args.workers)
 
-    delta = full_bench.measure(
+    delta = measure(
         "delta build (--base)",
         delta_run,
         args.repeat,

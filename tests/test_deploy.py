@@ -73,7 +73,7 @@ def _deploy(env: dict[str, str]) -> Invoked:
     finally:
         # Prefect's loader (the deployments' names) leaves each flow script in sys.modules under its
         # file's name (`corpus`, `score`) and flows/ on sys.path: a later test of this worker importing
-        # `corpus` (benchmarks/corpus_delta.py does) would get flows/corpus.py.
+        # `score` (benchmarks/score_fixed.py does) would get flows/score.py.
         sys.path[:] = path
         for name in set(sys.modules) - before:  # the scripts' bare names, not the package or its flows.*
             file = Path(getattr(sys.modules[name], "__file__", None) or "/")
