@@ -26,6 +26,10 @@ large matrix product measured in the same run, on the same device, in the precis
 CPU without bf16 units takes minutes over a bf16 product that no CPU row uses). The reference rate is Puri et al. (2018):
 3 epochs of 40 GB in four hours on 128 V100s, about 65k chars/s per GPU.
 
+This file is the command: its arguments, the utilisation, checks and goals over the rows, the report.
+The implementations compared are in ``benchmarks/pretrain_models.py``; a row's timed steps, the device's
+memory and matmul peak in ``benchmarks/pretrain_measure.py``.
+
     PYTHONPATH=. .venv/bin/python benchmarks/pretrain.py --json bench.json       # on a GPU: the defaults
     PYTHONPATH=. .venv/bin/python benchmarks/pretrain.py --presets tiny,small --batch 32 --seq-len 64 --steps 3
 """
@@ -33,17 +37,11 @@ CPU without bf16 units takes minutes over a bf16 product that no CPU row uses). 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import json
 import math
-import resource
 import shlex
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -52,311 +50,38 @@ from common import (  # the working tree on the path
     add_record_option,
     machine,
     new_parser,
-    profile_table,
     record,
     say,
 )
-from torch import nn
+from pretrain_measure import (
+    CLIP,
+    DTYPE_NAMES,
+    LR,
+    PAPER_CHARS_PER_S,
+    Row,
+    matmul_peak,
+    profile_step,
+    release_memory,
+    train_row,
+)
+from pretrain_models import IMPLEMENTATIONS
 
-from models.mlstm import MLSTM, PRESETS, MLSTMConfig, State, preset, weight_norm
-from models.precision import PRECISION_CHOICES, PRECISION_NAMES, resolve_precision
-from tasks.jobs.config import OptimizerSettings
-from tasks.jobs.optim import build_optimizer
-from tasks.pretrain.config import TrainConfig
-from tasks.pretrain.graphed import GraphedStep
-from tasks.pretrain.memory import per_gpu_bytes
+from models.mlstm import PRESETS
+from models.precision import PRECISION_CHOICES, resolve_precision
 from tasks.pretrain.metrics import MEASURED_PEAKS, datasheet_flops
-from tasks.pretrain.step import optimizer_step
 from tasks.settings import get_settings
 
-# 3 epochs × 40 GB of Amazon reviews in 4 hours on 128 V100s: 120e9 / 14,400 s / 128 ≈ 65k chars/s.
-PAPER_CHARS_PER_S = 65_000
 GOAL_PRESET = "paper_4096"
 # Issue 13: ≥ 55% MFU at batch 256 and ≥ 60% at 512 in bf16 on one H100 (≥ 13× the paper's per-GPU rate).
 GOAL_MFU = {256: 0.55, 512: 0.60}
 GOAL_VS_PAPER = 13.0
-# The job's defaults: the rate does not change a step's cost, but clipping is part of the step.
-LR: float = TrainConfig.model_fields["lr"].default
-CLIP: float = TrainConfig.model_fields["clip"].default
 # Fused and baseline agree to rounding on the same weights in fp32 (tests/test_mlstm.py checks 1e-10
 # in float64); anything near this is a wrong baseline, not rounding.
 PARITY_TOLERANCE = 1e-4
-DTYPE_NAMES = PRECISION_NAMES  # the names the job reads measured peaks by
-
-
-class StepwiseMLSTM(MLSTM):
-    """The baseline: the same cell and parameters as a plain PyTorch loop would run them, one time step
-    at a time, with no fused input projections (``tests/test_mlstm.py::naive_forward``, trainable)."""
-
-    def forward(
-        self, bytes_BT: torch.Tensor, state: State | None = None
-    ) -> tuple[torch.Tensor, State, torch.Tensor]:
-        h_BH, c_BH = (
-            state if state is not None else self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
-        )
-        logits, cells = [], []
-        for t in range(bytes_BT.shape[1]):
-            x_BE = self.embed(bytes_BT[:, t])
-            W_x, W_h = weight_norm(self.w_x, self.g_x), weight_norm(self.w_h, self.g_h)
-            W_mx, W_mh = weight_norm(self.w_mx, self.g_mx), weight_norm(self.w_mh, self.g_mh)
-            m_BH = (x_BE @ W_mx) * (h_BH @ W_mh)
-            z_BG = x_BE @ W_x + m_BH @ W_h + self.b
-            i_BH, f_BH, o_BH, u_BH = z_BG.chunk(4, dim=1)
-            c_BH = torch.sigmoid(f_BH) * c_BH + torch.sigmoid(i_BH) * torch.tanh(u_BH)
-            h_BH = torch.sigmoid(o_BH) * torch.tanh(c_BH)
-            logits.append(self.out(h_BH))
-            cells.append(c_BH)
-        return torch.stack(logits, 1), (h_BH, c_BH), torch.stack(cells, 1)
-
-
-class TorchLSTM(nn.Module):
-    """The yardstick: ``torch.nn.LSTM`` of the preset's width between the same embedding and read-out."""
-
-    def __init__(self, config: MLSTMConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.embed_size)
-        self.lstm = nn.LSTM(config.embed_size, config.hidden_size, batch_first=True)
-        self.out = nn.Linear(config.hidden_size, config.vocab_size)
-
-    def zero_state(self, batch_size: int, *, device: torch.device | None = None) -> State:
-        zeros = torch.zeros(batch_size, self.config.hidden_size, device=device)
-        return zeros, zeros.clone()
-
-    def forward(
-        self, bytes_BT: torch.Tensor, state: State | None = None
-    ) -> tuple[torch.Tensor, State, torch.Tensor]:
-        h_BH, c_BH = (
-            state if state is not None else self.zero_state(bytes_BT.shape[0], device=bytes_BT.device)
-        )
-        h_BTH, (h_1BH, c_1BH) = self.lstm(self.embed(bytes_BT), (h_BH[None], c_BH[None]))
-        return self.out(h_BTH), (h_1BH[0], c_1BH[0]), h_BTH
-
-
-def reference_mlstm(config: MLSTMConfig) -> MLSTM:
-    return MLSTM(config, recurrence="reference")
-
-
-IMPLEMENTATIONS: dict[str, Callable[[MLSTMConfig], nn.Module]] = {
-    "graphed": MLSTM,  # the fused model, its step captured as a CUDA graph (CUDA only)
-    "fused": MLSTM,
-    "reference": reference_mlstm,
-    "baseline": StepwiseMLSTM,
-    "nn.LSTM": TorchLSTM,
-}
 
 
 # ---------------------------------------------------------------------------------------------
-# Device, memory and the matmul peak
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def release_memory(device: torch.device) -> None:
-    """Hand freed memory back, so one row's leftovers do not count in the next row's peak."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    else:
-        # glibc keeps freed blocks under its mmap threshold (up to 32 MiB) in the heap, still resident.
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    # Writing 5 to clear_refs resets VmHWM (Linux ≥ 4.0); without it the peak is the process's lifetime.
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as stream:
-        stream.write("5")
-
-
-def peak_memory(device: torch.device) -> int:
-    """Bytes: the CUDA caching allocator's peak on a GPU, the process's peak RSS on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    with contextlib.suppress(OSError), open("/proc/self/status") as stream:
-        for line in stream:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def matmul_peak(dtype: torch.dtype, device: torch.device, size: int) -> float:
-    """FLOP/s of the fastest of several timed [size, size] @ [size, size] products."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    # A GPU product takes about a millisecond: time a batch of them, so launch and sync do not count.
-    per_timing, timings = (20, 10) if device.type == "cuda" else (1, 3)
-    for _ in range(2):
-        a @ b
-    best = math.inf
-    for _ in range(timings):
-        synchronize(device)
-        started = time.perf_counter()
-        for _ in range(per_timing):
-            a @ b
-        synchronize(device)
-        best = min(best, (time.perf_counter() - started) / per_timing)
-    return 2 * size**3 / best
-
-
-# ---------------------------------------------------------------------------------------------
-# Measurements
-
-
-@dataclass
-class Row:
-    preset: str
-    impl: str  # a key of IMPLEMENTATIONS
-    num_params: int
-    batch: int
-    seq_len: int
-    precision: str
-    status: str = "ok"  # or "out of memory"
-    step_seconds: list[float] = field(default_factory=list)
-    chars_per_s: float | None = None
-    mfu: float | None = None  # against the measured peak of the precision used
-    mfu_vs_bf16_peak: float | None = None
-    mfu_vs_datasheet: float | None = None  # tasks.pretrain.metrics.GPU_PEAK_FLOPS, on a GPU it knows
-    vs_baseline: float | None = None  # chars/s over the baseline's at the same preset, batch, precision
-    vs_reference: float | None = None  # chars/s over the reference recurrence's (graphed, fused rows)
-    vs_paper: float | None = None  # chars/s over PAPER_CHARS_PER_S
-    peak_memory_bytes: int = 0
-    # tasks.pretrain.memory's planned peak for this row's step, without the CUDA context (the mLSTM rows)
-    planned_allocated_bytes: int | None = None
-    first_loss: float | None = None
-    last_loss: float | None = None
-    parity_max_abs_diff: float | None = None  # reference, baseline: its logits against the fused forward's
-
-
-@torch.no_grad()
-def fused_difference(model: MLSTM) -> float:
-    """Largest |logit| difference between the fused forward and the model's own, on its weights, in fp32."""
-    bytes_BT = torch.randint(0, 256, (2, 8), device=model.b.device)
-    fused = MLSTM(model.config).to(model.b.device)
-    fused.load_state_dict(model.state_dict())
-    return (fused(bytes_BT)[0] - model(bytes_BT)[0]).abs().max().item()
-
-
-def train_row(
-    name: str, impl: str, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
-) -> Row:
-    config: MLSTMConfig = preset(name)
-    release_memory(device)
-    reset_peak_memory(device)
-    torch.manual_seed(0)  # every mLSTM row of a preset starts from the same weights, on any device
-    model = IMPLEMENTATIONS[impl](config).to(device)
-    num_params = sum(p.numel() for p in model.parameters())
-    row = Row(name, impl, num_params, batch, args.seq_len, DTYPE_NAMES[dtype])
-    # The job's Adam, for a captured step (lr a device tensor the schedule fills, fused, capturable) or not.
-    path = "captured" if impl == "graphed" else "eager"
-    optimizer = build_optimizer(model.parameters(), OptimizerSettings(), lr=LR, path=path)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    state = model.zero_state(batch, device=device)
-    torch.manual_seed(1)  # and see the same batches
-    losses = []
-    graph: GraphedStep | None = None
-    try:
-        for step in range(args.warmup + args.steps):
-            bytes_BT = torch.randint(0, 256, (batch, args.seq_len + 1), device=device)
-            if impl == "graphed" and graph is None:  # warm-up and capture, outside the clock
-                graph = GraphedStep(
-                    model, optimizer, scaler, state, bytes_BT[:, :-1], bytes_BT[:, 1:], dtype=dtype, clip=CLIP
-                )
-            synchronize(device)
-            started = time.perf_counter()
-            if graph is not None:
-                loss = graph(bytes_BT[:, :-1], bytes_BT[:, 1:])  # the state carries inside the graph
-            else:
-                loss, state, _ = optimizer_step(
-                    model, optimizer, scaler, bytes_BT[:, :-1], bytes_BT[:, 1:], state, dtype=dtype, clip=CLIP
-                )
-            synchronize(device)
-            seconds = time.perf_counter() - started
-            losses.append(loss.item())  # after the clock: .item() waits for the device
-            if step >= args.warmup:
-                row.step_seconds.append(seconds)
-            say(f"  {name} {impl} step {step + 1}/{args.warmup + args.steps}: {seconds:.3f} s")
-    except torch.OutOfMemoryError:
-        row.status = "out of memory"
-    row.peak_memory_bytes = peak_memory(device)
-    if isinstance(model, MLSTM) and impl != "baseline":
-        row.planned_allocated_bytes = per_gpu_bytes(
-            config,
-            sharding="none",
-            world_size=1,
-            rows=batch,
-            seq_len=args.seq_len,
-            compute_bytes=dtype.itemsize,
-            recurrence=model.recurrence,
-            graphed=impl == "graphed",
-        ).allocated
-    if losses:
-        row.first_loss, row.last_loss = losses[0], losses[-1]
-    if row.step_seconds:
-        row.chars_per_s = batch * args.seq_len * len(row.step_seconds) / sum(row.step_seconds)
-        row.vs_paper = row.chars_per_s / PAPER_CHARS_PER_S
-    if impl in ("reference", "baseline") and row.status == "ok" and isinstance(model, MLSTM):
-        row.parity_max_abs_diff = fused_difference(model)
-    del model, optimizer, scaler, state, graph  # the graph holds its memory pool until it goes
-    release_memory(device)
-    return row
-
-
-def profile_step(
-    name: str,
-    impl: str,
-    batch: int,
-    args: argparse.Namespace,
-    device: torch.device,
-    dtype: torch.dtype,
-    path: Path,
-) -> None:
-    """One step of ``impl`` under torch.profiler, after a warm-up one; its operators by device time to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    release_memory(device)
-    torch.manual_seed(0)
-    model = IMPLEMENTATIONS[impl](preset(name)).to(device)
-    graphed = impl == "graphed"
-    optimizer = build_optimizer(
-        model.parameters(), OptimizerSettings(), lr=LR, path="captured" if graphed else "eager"
-    )
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    state = model.zero_state(batch, device=device)
-    bytes_BT = torch.randint(0, 256, (batch, args.seq_len + 1), device=device)
-    inputs, targets = bytes_BT[:, :-1], bytes_BT[:, 1:]
-    graph = (
-        GraphedStep(model, optimizer, scaler, state, inputs, targets, dtype=dtype, clip=CLIP)
-        if graphed
-        else None
-    )
-
-    def step() -> None:
-        nonlocal state
-        if graph is not None:
-            graph(inputs, targets)
-        else:
-            _, state, _ = optimizer_step(
-                model, optimizer, scaler, inputs, targets, state, dtype=dtype, clip=CLIP
-            )
-        synchronize(device)
-
-    step()  # warm: compilation and the allocator stay out of the profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    started = time.perf_counter()
-    with profile(activities=activities) as profiler:
-        step()
-    seconds = time.perf_counter() - started
-    text = profile_table(profiler, device)
-    header = f"{name} {impl}, batch {batch} × {args.seq_len}, {DTYPE_NAMES[dtype]} on {device}: one step {seconds:.3f} s (profiled)"
-    path.write_text(header + "\n" + text + "\n")
-    say(f"profile of one step written to {path}")
+# Utilisation, checks and goals
 
 
 def add_utilisation(rows: list[Row], peaks: dict[str, float], datasheet: float | None) -> None:

@@ -67,9 +67,10 @@ def test_the_job_reads_the_peak_the_benchmark_saves(tmp_path: Path, monkeypatch:
 
     monkeypatch.setenv("MLSTM_HOME", str(tmp_path))
     module = load_benchmark("pretrain.py", "pretrain_benchmark", monkeypatch)
+    measure = load_benchmark("pretrain_measure.py", "pretrain_measure_benchmark", monkeypatch)
     gpu = "NVIDIA H100 80GB HBM3"
     module.save_peaks(
-        {module.DTYPE_NAMES[torch.bfloat16]: 7.93e14, module.DTYPE_NAMES[torch.float16]: 7.9e14}, gpu
+        {measure.DTYPE_NAMES[torch.bfloat16]: 7.93e14, measure.DTYPE_NAMES[torch.float16]: 7.9e14}, gpu
     )
     assert peak_in_file(tmp_path / MEASURED_PEAKS, gpu, torch.bfloat16) == 7.93e14
     assert peak_in_file(tmp_path / MEASURED_PEAKS, gpu, torch.float16) == 7.9e14
