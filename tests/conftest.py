@@ -4,7 +4,9 @@ server, all on loopback and all started once per session."""
 from __future__ import annotations
 
 import contextlib
+import csv
 import functools
+import gzip
 import http.server
 import importlib.util
 import os
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from processes import SESSION_VARIABLE, started_by_session
@@ -355,3 +358,65 @@ def fault_proxy(s3_server: str) -> Iterator[object]:
 
     with proxies(s3_server) as start:
         yield start
+
+
+# The score tests' champion and IMDB slice (test_score.py, test_score_workers.py): module-scoped, so each
+# file of them trains and registers its own champion under an MLSTM_HOME of its own. score_helpers is
+# imported inside them, so nothing of the project's is imported before the environment above is set.
+
+
+@pytest.fixture(scope="module")
+def scoring_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """MLSTM_HOME for the module: its MLflow database holds the champion. A run has one worker process
+    (conftest); the test of every row once takes two."""
+    home = tmp_path_factory.mktemp("score-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLSTM_HOME", str(home))
+        yield home
+
+
+@pytest.fixture(scope="module")
+def champion(scoring_home: Path, shared_data: Path, prefect_api_url: str) -> dict[str, Any]:
+    """A tiny classifier trained here: a random tiny mLSTM's features of 200 IMDB train reviews and an
+    L2 logistic probe on them, logged and registered as models:/mlstm-sentiment@champion."""
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+    from score_helpers import imdb_rows
+    from sklearn.linear_model import LogisticRegression
+
+    from models.classifier import SentimentClassifier
+    from models.features import featurize
+    from models.mlstm import MLSTM, tiny
+    from tasks.settings import get_settings
+    from tasks.tracking import connect
+    from tasks.transfer.registry import log_classifier
+
+    rows = imdb_rows(shared_data / "imdb" / "train.csv.gz", every=125, limit=200)
+    torch.manual_seed(0)
+    model = MLSTM(tiny())
+    features_NH = featurize(model, [r["text"] for r in rows], batch_size=None)
+    probe = LogisticRegression(C=1.0, max_iter=1000).fit(features_NH, [int(r["label"]) for r in rows])
+    classifier = SentimentClassifier(model, probe.coef_[0], float(probe.intercept_[0]))
+    settings = get_settings()
+    connect(settings)
+    with mlflow.start_run() as run:
+        pass
+    uri = log_classifier(run.info.run_id, classifier, "classifier")
+    version = mlflow.register_model(uri, settings.model_name)
+    MlflowClient().set_registered_model_alias(settings.model_name, "champion", version.version)
+    return {"classifier": classifier, "version": int(version.version), "run_id": run.info.run_id}
+
+
+@pytest.fixture(scope="module")
+def imdb_slice(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SLICE_ROWS reviews of the IMDB test set, as the shared file is: gzip CSV id,rating,label,text."""
+    from score_helpers import SLICE_ROWS, imdb_rows
+
+    rows = imdb_rows(shared_data / "imdb" / "test.csv.gz", every=100, limit=SLICE_ROWS)
+    path = tmp_path_factory.mktemp("imdb-slice") / "test-slice.csv.gz"
+    with gzip.open(path, "wt", encoding="utf-8", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=["id", "rating", "label", "text"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

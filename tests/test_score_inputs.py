@@ -1,12 +1,14 @@
 """The score command's readers (issue 30): a window of a file is read from where it begins, not from the
-file's start, and gives the rows a read from the start gives. No model, no Prefect: files written here."""
+file's start, and gives the rows a read from the start gives (CSV, JSON lines, gzip, Parquet); describing
+tells its progress pass by pass; a damaged gzip file is one error naming it; a piece's task arguments do
+not grow with the plan; every format has its reader; which files a folder or a name gives. No model, no
+Prefect: files written here. What a read costs: ``test_score_read_costs.py``; s3:// inputs:
+``test_score_s3_inputs.py``."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gzip
-import io
 import itertools
 import json
 from pathlib import Path
@@ -15,55 +17,22 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from score_helpers import ROWS, read_whole, read_window, write_csv, write_jsonl
 
 from tasks.corpus.sources import SourceError
 from tasks.score import inputs
-from tasks.score.readers import base, copies, csv_file, folders, gzip_index, json_lines
+from tasks.score.readers import base, csv_file, json_lines
 from tasks.score.readers import lines as line_files
 
-ROWS = 3000  # three offsets at OFFSET_ROWS 1,024
 
-
-def _csv(path: Path) -> Path:
-    """Quoted texts over several lines, doubled quotes, and empty lines pyarrow skips."""
-    lines = ["id,text,extra"]
-    for i in range(ROWS):
-        text = f'"a review over\nlines, ""quoted"" {i}"' if i % 3 == 0 else f"plain review {i}"
-        lines.append(f"{i},{text},x{i % 7}")
-        if i % 500 == 0:
-            lines.append("")
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _jsonl(path: Path) -> Path:
-    """Blank lines (no row) and a line that is not JSON (a row, rejected later)."""
-    lines = []
-    for i in range(ROWS):
-        lines.append(json.dumps({"id": i, "text": f"review {i} " * (i % 5 + 1)}) if i % 700 else "{not json")
-        if i % 400 == 0:
-            lines.append("   ")
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _read(file: inputs.InputFile, start: int, stop: int) -> pa.Table:
-    return inputs.read_rows(file, start, stop, text_column="text", id_columns=["id"])
-
-
-def _whole(file: inputs.InputFile) -> pa.Table:
-    batches = inputs.read_batches(file.uri, file.format, text_column="text", id_columns=["id"])
-    return pa.Table.from_batches(list(batches)).combine_chunks()
-
-
-@pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
+@pytest.mark.parametrize("make", [write_csv, write_jsonl], ids=["csv", "jsonl"])
 def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_start_does(
     make: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = make(tmp_path / ("reviews.csv" if make is _csv else "reviews.jsonl"))
+    path = make(tmp_path / ("reviews.csv" if make is write_csv else "reviews.jsonl"))
     file = inputs.describe(str(path), text_column="text", id_columns=["id"])
     assert file.rows == ROWS and len(file.offsets) == 3 and list(file.offsets) == sorted(set(file.offsets))
-    whole = _whole(file)
+    whole = read_whole(file)
 
     opened: list[int] = []
     real = line_files.opened
@@ -74,10 +43,10 @@ def test_a_window_is_read_from_its_offset_and_holds_the_rows_a_read_from_the_sta
     )
     csv_file._csv_layout.cache_clear()
     for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS), (1500, 2100)]:
-        assert _read(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
+        assert read_window(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
     # The rows' reads open the file at the offset at or before their first row (a CSV's layout, the
     # header and the column types of its first block, is read from the start once, in one opening, and kept).
-    layout = [0] if make is _csv else []
+    layout = [0] if make is write_csv else []
     assert opened == [*layout, 0, file.offsets[1], file.offsets[2], file.offsets[1]], opened
 
 
@@ -88,9 +57,9 @@ def test_a_csv_of_many_blocks_whose_texts_hold_line_ends_is_read(
     failed the file ("CSV parser got out of sync with chunker"): a 33 MB CSV of reviews in paragraphs
     could not be described. Blocks of 4 KiB here: the file is a dozen of them."""
     monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", 2**12)
-    file = inputs.describe(str(_csv(tmp_path / "reviews.csv")), text_column="text", id_columns=["id"])
+    file = inputs.describe(str(write_csv(tmp_path / "reviews.csv")), text_column="text", id_columns=["id"])
     assert file.rows == ROWS and len(file.offsets) == 3
-    window = _read(file, 1024, 2048)
+    window = read_window(file, 1024, 2048)
     assert window.column("id").to_pylist() == list(range(1024, 2048))
     assert window.column("text")[2].as_py() == b'a review over\nlines, "quoted" 1026'
 
@@ -118,10 +87,10 @@ def test_a_window_s_file_holds_its_offsets_only_and_reads_the_rows_the_whole_fil
             window.offsets,
         )
         spans.clear()
-        assert _read(window, start, stop).equals(_read(file, start, stop)), (start, stop)
+        assert read_window(window, start, stop).equals(read_window(file, start, stop)), (start, stop)
         # Both reads span the same bytes: from the offset at or before start to the one at or after stop.
         assert spans[-1] == spans[-2], spans
-        assert _read(window, start, stop).column("id").to_pylist() == list(range(start, stop))
+        assert read_window(window, start, stop).column("id").to_pylist() == list(range(start, stop))
     # A window of a window is the same window; rows outside it are refused, not read from elsewhere.
     assert file.window(4096, 5120).window(4096, 5120) == file.window(4096, 5120)
     with pytest.raises(ValueError, match="outside the offsets"):
@@ -156,13 +125,13 @@ def test_a_piece_s_task_arguments_do_not_grow_with_the_plan() -> None:
 
 
 @pytest.mark.parametrize("members", [1, 9])
-@pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
+@pytest.mark.parametrize("make", [write_csv, write_jsonl], ids=["csv", "jsonl"])
 def test_a_gzip_window_is_read_from_its_offset_in_the_uncompressed_stream(
     make: Any, members: int, tmp_path: Path
 ) -> None:
     """A gzip file's offsets are the plain file's; its windows, in any order, hold the rows a read from
     the start does, in one gzip member or several (concatenated, cut anywhere)."""
-    plain = make(tmp_path / ("reviews.csv" if make is _csv else "reviews.jsonl"))
+    plain = make(tmp_path / ("reviews.csv" if make is write_csv else "reviews.jsonl"))
     path = plain.with_name(plain.name + ".gz")
     data = plain.read_bytes()
     cut = -(-len(data) // members)
@@ -172,137 +141,9 @@ def test_a_gzip_window_is_read_from_its_offset_in_the_uncompressed_stream(
         ROWS,
         inputs.describe(str(plain), text_column="text", id_columns=[]).offsets,
     )
-    whole = _whole(file)
+    whole = read_whole(file)
     for start, stop in [(2048, ROWS), (0, 1024), (1500, 2100), (1024, 2048)]:
-        assert _read(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
-
-
-class _CountedFile:
-    """A file that counts the bytes read from it, with no ``fileno``: indexed_gzip reads through it
-    rather than from the descriptor."""
-
-    def __init__(self, raw: Any, counts: list[int]) -> None:
-        self._raw, self._counts = raw, counts
-
-    def read(self, size: int = -1) -> bytes:
-        data: bytes = self._raw.read(size)
-        self._counts.append(len(data))
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        done: int = self._raw.readinto(buffer)
-        self._counts.append(done)
-        return done
-
-    def fileno(self) -> int:
-        raise io.UnsupportedOperation("fileno")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
-
-    def __enter__(self) -> _CountedFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._raw.close()
-
-
-def _counted_gzip(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, windows: int
-) -> tuple[inputs.InputFile, list[int]]:
-    """A JSON-lines gzip file of ``windows`` × OFFSET_ROWS rows of noise (3 MB for 24), described with
-    seek points and reads as dense, for its size, as for a file of gigabytes; then every byte read from
-    it is counted."""
-    import random
-
-    noise = random.Random(0)
-    lines = [
-        json.dumps({"id": i, "text": noise.randbytes(64).hex()})
-        for i in range(windows * line_files.OFFSET_ROWS)
-    ]
-    path = tmp_path / "reviews.jsonl.gz"
-    path.write_bytes(gzip.compress("\n".join(lines).encode() + b"\n"))
-    monkeypatch.setattr(gzip_index, "GZIP_SPACING", 2**16)
-    monkeypatch.setattr(gzip_index, "GZIP_READ_BYTES", 2**14)
-    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
-    assert file.rows == windows * line_files.OFFSET_ROWS and len(file.offsets) == windows and file.gzip_index
-    counts: list[int] = []
-
-    def counted(*args: Any, **kwargs: Any) -> _CountedFile:
-        return _CountedFile(open(*args, **kwargs), counts)
-
-    _count_opens(monkeypatch, counted)
-    gzip_index.drop_index()
-    return file, counts
-
-
-def _count_opens(monkeypatch: pytest.MonkeyPatch, counted: Any) -> None:
-    """Every file a read opens, through ``counted``: a window's bytes (``line_files``) and a gzip index's."""
-    for module in (line_files, gzip_index):
-        monkeypatch.setattr(module, "open", counted, raising=False)
-
-
-def _window(file: inputs.InputFile, w: int) -> None:
-    rows = line_files.OFFSET_ROWS
-    assert _read(file, w * rows, (w + 1) * rows).column("id").to_pylist() == list(
-        range(w * rows, (w + 1) * rows)
-    )
-
-
-def test_a_window_of_a_plain_csv_reads_its_own_bytes_not_the_file_after_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """pyarrow's CSV reader reads tens of blocks ahead of the rows taken: a window streamed from its
-    offset read on into the file after it (4 windows of a 520 MB CSV took a reader 558 MB)."""
-    import random
-
-    noise = random.Random(0)
-    windows = 24
-    rows = [f"{i},{noise.randbytes(64).hex()}" for i in range(windows * line_files.OFFSET_ROWS)]
-    path = tmp_path / "reviews.csv"
-    path.write_text("id,text\n" + "\n".join(rows) + "\n")
-    monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", 2**14)  # a window is about ten blocks, as in real files
-    file = inputs.describe(str(path), text_column="text", id_columns=["id"])
-    _window(file, 3)  # the file's layout, read once a process
-    counts: list[int] = []
-    counted = lambda *a, **k: _CountedFile(open(*a, **k), counts)  # noqa: E731, SIM115 (closed by the reader)
-    _count_opens(monkeypatch, counted)
-    _window(file, windows // 2)
-    window_bytes = file.offsets[windows // 2 + 1] - file.offsets[windows // 2]
-    assert sum(counts) <= window_bytes + 2, f"{sum(counts) / window_bytes:.1f} windows' bytes read for one"
-
-
-def test_describing_a_csv_holds_a_window_of_it_not_pyarrow_s_read_ahead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """pyarrow reads a stream up to 32 blocks ahead of the rows it parses: describing a 520 MB CSV by
-    handing it the whole stream peaked at 0.6 GB. Read window by window (about two blocks each), the
-    bytes Python holds stay a few blocks, and the rows and offsets are those of a read from the start."""
-    import random
-    import tracemalloc
-
-    from tasks.corpus import sources
-
-    noise = random.Random(0)
-    rows = 64 * line_files.OFFSET_ROWS
-    body = ("id,text\n" + "".join(f"{i},{noise.randbytes(64).hex()}\n" for i in range(rows))).encode()
-    path = tmp_path / "reviews.csv"
-    path.write_bytes(body)
-    block = 2**16  # the file is 135 blocks
-    monkeypatch.setattr(csv_file, "CSV_BLOCK_BYTES", block)
-    monkeypatch.setattr(sources, "READ_CHUNK", block)  # the hashing's reads, not the point here
-    # (A gzip file's line scan holds indexed_gzip's buffer of 4 seek-point spacings, whatever its size.)
-    tracemalloc.start()
-    try:
-        file = inputs.describe(str(path), text_column="text", id_columns=["id"])
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert file.rows == rows and len(file.offsets) == 64
-    assert peak < 16 * block, f"{peak / block:.1f} blocks held at once"
-    assert _read(file, 40 * line_files.OFFSET_ROWS, 41 * line_files.OFFSET_ROWS).column(
-        "id"
-    ).to_pylist() == list(range(40 * line_files.OFFSET_ROWS, 41 * line_files.OFFSET_ROWS))
+        assert read_window(file, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
 
 
 @pytest.mark.parametrize("kind", ["csv", "csv.gz", "jsonl", "jsonl.gz", "parquet"])
@@ -320,12 +161,12 @@ def test_describing_tells_its_progress_as_each_pass_goes(
     monkeypatch.setattr(json_lines, "GZIP_CHECK_BYTES", block)
     monkeypatch.setattr(base, "BATCH_ROWS", 512)
     monkeypatch.setattr(sources, "READ_CHUNK", block)
-    csv = _csv(tmp_path / "reviews.csv")
+    csv = write_csv(tmp_path / "reviews.csv")
     if kind == "csv.gz":
         path = tmp_path / "reviews.csv.gz"
         path.write_bytes(gzip.compress(csv.read_bytes()))
     elif kind.startswith("jsonl"):
-        path = _jsonl(tmp_path / "reviews.jsonl")
+        path = write_jsonl(tmp_path / "reviews.jsonl")
         if kind == "jsonl.gz":
             path.with_suffix(".jsonl.gz").write_bytes(gzip.compress(path.read_bytes()))
             path.unlink()
@@ -391,42 +232,6 @@ def test_a_csv_that_parses_otherwise_than_its_lines_scan_is_counted_by_pyarrow(
     assert file.rows == ROWS + 1 and file.offsets == ()
 
 
-@pytest.mark.parametrize("index", ["described", "built here"])
-def test_a_gzip_file_s_windows_cost_about_one_reading_of_it_not_one_each(
-    index: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Reading every window of a gzip file, in any order, reads its compressed bytes two or three times
-    (the first windows' stream, the index built where the describing process's is not found, each
-    window's own bytes and the distance from a seek point), not once for each window before the one
-    read, as a gzip stream must."""
-    windows = 24
-    file, counts = _counted_gzip(tmp_path, monkeypatch, windows)
-    if index == "built here":  # a Dask worker on another machine
-        file = dataclasses.replace(file, gzip_index="")
-    for w in [*range(0, windows, 2), *reversed(range(1, windows, 2))]:
-        _window(file, w)
-    readings = sum(counts) / Path(file.uri).stat().st_size
-    assert readings <= 4, f"{readings:.1f} readings of the file for its {windows} windows"
-
-
-def test_a_worker_with_the_described_index_reads_its_window_only(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The index the describing process exported reaches a worker (``InputFile.gzip_index``): its one
-    window near the file's end costs that window's bytes, not the file's before it; without the index
-    the same window costs the whole file."""
-    windows = 24
-    file, counts = _counted_gzip(tmp_path, monkeypatch, windows)
-    size = Path(file.uri).stat().st_size
-    _window(file, windows - 2)
-    with_index = sum(counts) / size
-    gzip_index.drop_index()
-    counts.clear()
-    _window(dataclasses.replace(file, gzip_index=""), windows - 2)
-    without = sum(counts) / size
-    assert with_index <= 0.25 and without >= 0.9, f"{with_index:.2f}, without the index {without:.2f}"
-
-
 def test_a_csv_whose_line_ends_the_scan_does_not_see_has_no_offsets(tmp_path: Path) -> None:
     """Lone carriage returns end pyarrow's rows but not a Python line: the counts disagree, so the file's
     windows are read from its start rather than from wrong offsets."""
@@ -434,7 +239,7 @@ def test_a_csv_whose_line_ends_the_scan_does_not_see_has_no_offsets(tmp_path: Pa
     path.write_bytes(b"id,text\r" + b"".join(b"%d,review %d\r" % (i, i) for i in range(ROWS)))
     file = inputs.describe(str(path), text_column="text", id_columns=["id"])
     assert file.rows == ROWS and file.offsets == ()
-    assert _read(file, 2048, 2100).column("id").to_pylist() == list(range(2048, 2100))
+    assert read_window(file, 2048, 2100).column("id").to_pylist() == list(range(2048, 2100))
 
 
 def test_a_parquet_window_is_read_from_its_row_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -450,131 +255,14 @@ def test_a_parquet_window_is_read_from_its_row_group(tmp_path: Path, monkeypatch
         return iter_batches(self, *args, **kwargs)
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
-    assert _read(file, 2048, 2100).column("id").to_pylist() == list(range(2048, 2100))
+    assert read_window(file, 2048, 2100).column("id").to_pylist() == list(range(2048, 2100))
     assert groups == [[2]]
 
 
-def _watch_s3(monkeypatch: pytest.MonkeyPatch, seen: list[Any], opened: Any) -> None:
-    """Note each S3 download (its key) and each GET of an object (``opened(key, start)``) in ``seen``."""
-    from tasks.store import S3Store
-
-    download, open_read = S3Store.download, S3Store.open_read
-    monkeypatch.setattr(
-        S3Store,
-        "download",
-        lambda self, key, local, **kw: seen.append(key) or download(self, key, local, **kw),
-    )
-    monkeypatch.setattr(
-        S3Store,
-        "open_read",
-        lambda self, key, start=0: seen.append(opened(key, start)) or open_read(self, key, start=start),
-    )
-
-
-def test_an_s3_input_is_copied_once_a_process_whatever_number_of_windows_it_reads(
-    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Describing downloads a file once for its hash, its line scan and its parse (no stream of the
-    object besides) and drops the copy; a worker's windows of a gzip file (read through its index, from a
-    copy) then cost one download; a third file drops the oldest copy (COPIES_KEPT 2), and the folder goes
-    with the process."""
-    import boto3
-
-    downloads: list[Any] = []
-    _watch_s3(monkeypatch, downloads, lambda key, start: f"stream {key}")
-    copies.drop_copies()
-    s3 = boto3.client("s3")
-    made = {"a.csv.gz": _csv, "b.jsonl.gz": _jsonl, "c.csv.gz": _csv}
-    for name, make in made.items():
-        (tmp_path / name).write_bytes(gzip.compress(make(tmp_path / name.removesuffix(".gz")).read_bytes()))
-        s3.upload_file(str(tmp_path / name), s3_bucket, f"in/{name}")
-    files = {
-        name: inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
-        for name in made
-    }
-    assert downloads == list(made) and not any(folders._folders[folders.COPIES].iterdir())
-    local = inputs.describe(str(tmp_path / "a.csv.gz"), text_column="text", id_columns=["id"])
-    a = files["a.csv.gz"]
-    assert (a.rows, a.offsets, a.sha256) == (local.rows, local.offsets, local.sha256)
-
-    whole = _whole(local)
-    for start, stop in [(0, 1024), (1024, 2048), (2048, ROWS)]:
-        assert _read(a, start, stop).equals(whole.slice(start, stop - start))
-    assert downloads == [*made, "a.csv.gz"]
-    _read(files["b.jsonl.gz"], 2048, 2100)
-    _read(files["c.csv.gz"], 2048, 2100)
-    folder = folders._folders[folders.COPIES]
-    assert len(list(folder.iterdir())) == copies.COPIES_KEPT
-    _read(a, 0, 10)  # a's copy was the oldest: copied again
-    assert downloads == [*made, "a.csv.gz", "b.jsonl.gz", "c.csv.gz", "a.csv.gz"]
-    copies.drop_copies()
-    assert not folder.exists()
-    # A file made without describing it (gzip unknown) is read from a copy, never as plain bytes.
-    bare = inputs.InputFile(**{k: v for k, v in dataclasses.asdict(a).items() if k != "gzip"})
-    assert _read(bare, 1024, 2048).equals(whole.slice(1024, 1024))
-    assert downloads[-1] == "a.csv.gz"
-    copies.drop_copies()
-
-
-@pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
-def test_a_plain_s3_input_s_windows_are_read_by_ranged_gets_not_copied(
-    make: Any, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker reads a window of a plain s3:// file by a ranged GET of its own bytes, not from a copy of
-    the whole object (each of 8 workers scoring a 40 GB CSV copied it): no download, each GET from the
-    window's offset (a CSV's first blocks too, for its layout), the rows a local read gives."""
-    import boto3
-
-    name = "a.csv" if make is _csv else "a.jsonl"
-    boto3.client("s3").upload_file(str(make(tmp_path / name)), s3_bucket, f"in/{name}")
-    copies.drop_copies()
-    file = inputs.describe(f"s3://{s3_bucket}/in/{name}", text_column="text", id_columns=["id"])
-    assert not file.gzip and len(file.offsets) == 3
-    got: list[Any] = []
-    _watch_s3(monkeypatch, got, lambda key, start: start)
-    whole = _whole(inputs.describe(str(tmp_path / name), text_column="text", id_columns=["id"]))
-    for start, stop in [(1024, 2048), (2048, ROWS), (0, 1024)]:
-        assert _read(file, start, stop).equals(whole.slice(start, stop - start))
-    layout = [0] if make is _csv else []  # read once a process, with the first window
-    assert got == [*layout, file.offsets[1], file.offsets[2], 0], got
-    assert not any(folders._folders[folders.COPIES].iterdir())
-
-
-def test_describing_an_s3_input_tells_its_download_as_a_pass(s3_bucket: str, tmp_path: Path) -> None:
-    """A 40 GB object's download takes minutes before its hash starts: it is a pass of its own, its
-    share told as the bytes come (``S3Store.download``'s ``on_read``), then the hash, scan and parse."""
-    import boto3
-
-    boto3.client("s3").upload_file(str(_csv(tmp_path / "a.csv")), s3_bucket, "in/a.csv")
-    told: list[float] = []
-    inputs.describe(f"s3://{s3_bucket}/in/a.csv", text_column="text", id_columns=[], on_progress=told.append)
-    done = list(itertools.accumulate(told))
-    assert done[-1] == pytest.approx(1.0) and all(step > 0 for step in told)
-    assert [round(d, 9) for d in done].count(0.25) == 1, done  # the download's quarter, then the others
-    copies.drop_copies()
-
-
-def test_an_s3_download_that_fails_leaves_no_partial_copy(
-    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from tasks.store import S3Store
-
-    def broken(self: Any, key: str, local: Path, **kwargs: Any) -> None:
-        Path(local).write_bytes(b"id,text\n1,half a")
-        raise OSError("connection reset")
-
-    monkeypatch.setattr(S3Store, "download", broken)
-    copies.drop_copies()
-    with pytest.raises(OSError, match="connection reset"):
-        inputs.describe(f"s3://{s3_bucket}/in/a.csv", text_column="text", id_columns=[])
-    assert not list(folders._folders[folders.COPIES].iterdir()) and not copies._copies
-    copies.drop_copies()
-
-
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
-@pytest.mark.parametrize("make", [_csv, _jsonl], ids=["csv", "jsonl"])
+@pytest.mark.parametrize("make", [write_csv, write_jsonl], ids=["csv", "jsonl"])
 def test_a_damaged_gzip_file_is_one_error_naming_it(make: Any, damage: str, tmp_path: Path) -> None:
-    name = "reviews.csv" if make is _csv else "reviews.jsonl"
+    name = "reviews.csv" if make is write_csv else "reviews.jsonl"
     packed = gzip.compress(make(tmp_path / name).read_bytes())
     path = tmp_path / f"{name}.gz"
     if damage == "truncated":
@@ -582,30 +270,9 @@ def test_a_damaged_gzip_file_is_one_error_naming_it(make: Any, damage: str, tmp_
     else:  # a run of bytes overwritten in the middle of the stream
         middle = len(packed) // 2
         path.write_bytes(packed[:middle] + bytes(64) + packed[middle + 64 :])
-    kind = "CSV" if make is _csv else "JSON-lines"
+    kind = "CSV" if make is write_csv else "JSON-lines"
     with pytest.raises(inputs.InputError, match=f"^{path}: not a readable {kind} file"):
         inputs.describe(str(path), text_column="text", id_columns=["id"])
-
-
-def test_an_s3_gzip_input_is_read_by_windows_from_the_process_s_copy(s3_bucket: str, tmp_path: Path) -> None:
-    """The index is of the process's copy: it goes when the copy does."""
-    import boto3
-
-    plain = _csv(tmp_path / "reviews.csv")
-    path = tmp_path / "reviews.csv.gz"
-    path.write_bytes(gzip.compress(plain.read_bytes()))
-    boto3.client("s3").upload_file(str(path), s3_bucket, "in/reviews.csv.gz")
-    copies.drop_copies()
-    remote = inputs.describe(f"s3://{s3_bucket}/in/reviews.csv.gz", text_column="text", id_columns=["id"])
-    local = inputs.describe(str(path), text_column="text", id_columns=["id"])
-    assert (remote.rows, remote.offsets, remote.sha256) == (local.rows, local.offsets, local.sha256)
-    whole = _whole(local)
-    for start, stop in [(2048, ROWS), (1024, 2048), (0, 1024)]:
-        assert _read(remote, start, stop).equals(whole.slice(start, stop - start)), (start, stop)
-    folder = folders._folders[folders.COPIES]
-    assert [Path(p).parent for p, _ in gzip_index._gzip_files] == [folder]
-    copies.drop_copies()
-    assert not gzip_index._gzip_files and not folder.exists()
 
 
 def test_every_format_the_command_takes_has_its_reader() -> None:
