@@ -332,8 +332,12 @@ def tightened_line(row: dict[str, Any], key: str = "liblinear_tightened") -> str
         for p in tight["per_C"]
     ]
     other, other_C = (row["solver"], row["C"][1]) if who == "liblinear" else ("liblinear", row["C"][0])
+    # Records before the gap-certified refit tried one tolerance and say none.
+    earlier = ", ".join(f"{tol:g}" for tol in tight.get("tried", [])[:-1])
     return (
-        f"{row['case']}: {who} refitted at tol {tight['tol']:g} (its default {default})"
+        f"{row['case']}: {who} refitted at tol {tight['tol']:g} (its default {default}"
+        + (f"; at {earlier} a duality gap was above {tight['certified_gap']:g}" if earlier else "")
+        + ")"
         + ("" if who == "liblinear" else " along its path")
         + " at the two chosen C: "
         + "; ".join(parts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -99,8 +101,10 @@ def test_newton_refitted_tighter_along_its_path_gives_each_chosen_C_and_the_line
 
     monkeypatch.setattr(probe.newton, "l1_logistic_path", watched)
     row["solver_tightened"] = tight = probe.tightened_newton(splits, Cs, [1.0, 0.25], "cpu")
-    assert paths == [((0.25, 0.5, 1.0), 1e-7)]  # from the smallest C, warm-started, not past the larger
-    assert [p["C"] for p in tight["per_C"]] == [0.25, 1.0]
+    # From the smallest C, warm-started, not past the larger; at 1e-7, and tighter only if a gap asks it
+    # (on two threads torch's sums round otherwise, and this case's gap at 1e-7 lands either side of 1e-8).
+    assert paths == [((0.25, 0.5, 1.0), tol) for tol in tight["tried"]] and tight["tried"][0] == 1e-7
+    assert [p["C"] for p in tight["per_C"]] == [0.25, 1.0] and tight["tol"] == tight["tried"][-1]
     ours = {p.C: p.objective for p in new.sweep}
     for p in tight["per_C"]:
         assert p["converged"] and abs(p["objective"] - ours[p["C"]]) <= 1e-6 * ours[p["C"]]
@@ -108,12 +112,61 @@ def test_newton_refitted_tighter_along_its_path_gives_each_chosen_C_and_the_line
     best = max(p["dev_accuracy"] for p in tight["per_C"])
     assert tight["C"] == min(p["C"] for p in tight["per_C"] if p["dev_accuracy"] == best)
     line = probe.tightened_line(row, "solver_tightened")
+    tighter = "" if tight["tol"] == 1e-7 else "; at 1e-07 a duality gap was above 1e-08"
     assert line.startswith(
-        "sst-sized × 64, lognormal-2 scales, noise 0.05: newton refitted at tol 1e-07 (its default 0.001) "
-        "along its path at the two chosen C: C = 0.25: objective "
+        f"sst-sized × 64, lognormal-2 scales, noise 0.05: newton refitted at tol {tight['tol']:g} (its "
+        f"default 0.001{tighter}) along its path at the two chosen C: C = 0.25: objective "
     )
     assert line.endswith(f"; its dev accuracy picks C = {tight['C']:g} (liblinear chose {lib.C:g}).")
     assert f"(at most {tight['per_C'][0]['duality_gap']:.1e} above the minimum: its duality gap; " in line
+
+
+def test_newton_refitted_tighter_until_its_duality_gap_certifies_each_chosen_C(
+    probe: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its stopping rule bounds residuals, not the gap: a refit whose gap at a chosen C is over the bound is
+    # refitted ten times tighter, and the first tolerance whose gaps are all within it is the answer.
+    # From newton's default (1e-3) the first tolerances certify nothing on this case.
+    splits = probe.cell_state_like((800, 200, 200), 64, scales="lognormal-2", noise=0.05)
+    (X, y), Cs, chosen = splits[0], (0.25, 0.5, 1.0), [0.25, 1.0]
+    monkeypatch.setattr(probe, "SOLVER_TIGHT_TOLS", tuple(10.0**-k for k in range(3, 11)))
+    gaps: list[float] = []
+    path = probe.newton.l1_logistic_path
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        points = list(path(*args, **kwargs))  # a generator: read once here, handed on as a list
+        gaps.append(
+            max(
+                probe.duality_gap(p.coef, p.intercept, X, y, p.C)
+                / probe.objective(p.coef, p.intercept, X, y, p.C)
+                for p in points
+                if p.C in chosen
+            )
+        )
+        return points
+
+    monkeypatch.setattr(probe.newton, "l1_logistic_path", watched)
+    tight = probe.tightened_newton(splits, Cs, chosen, "cpu")
+    assert len(tight["tried"]) == len(gaps) >= 3 and tight["tried"] == list(
+        probe.SOLVER_TIGHT_TOLS[: len(gaps)]
+    )
+    assert all(gap > 1e-8 for gap in gaps[:-1]) and gaps[-1] <= 1e-8  # the first that certifies, no further
+    assert tight["tol"] == tight["tried"][-1] and max(p["duality_gap"] for p in tight["per_C"]) <= 1e-8
+    line = probe.tightened_line(
+        {
+            "case": "c",
+            "solver": "newton",
+            "C": [0.25, 1.0],
+            "per_C": [{"C": C, "objective": [1.0, 1.0]} for C in Cs],
+        }
+        | {"solver_tightened": tight},
+        "solver_tightened",
+    )
+    earlier = ", ".join(f"{tol:g}" for tol in tight["tried"][:-1])
+    assert (
+        f"refitted at tol {tight['tol']:g} (its default 0.001; at {earlier} a duality gap was above 1e-08)"
+        in line
+    )
 
 
 @pytest.mark.filterwarnings("ignore:bf16 features on a CPU")  # a CPU that emulates bf16: slower, same values
@@ -231,3 +284,17 @@ def test_a_rank_case_builds_features_near_a_manifold_of_that_rank(probe: ModuleT
 def test_a_bad_rank_is_refused_naming_the_case(probe: ModuleType, spec: str) -> None:
     with pytest.raises(SystemExit, match=f"--cases: '{spec}'.*RANK"):
         probe.parse_case(spec)
+
+
+def test_the_train_text_flag_offers_what_a_real_case_can_train_on(
+    probe: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--train-text``'s choices are listed by hand (cell_states is imported only by a run with real
+    cases): they are ``cell_states.TRAINING_TEXTS``, no more and no fewer."""
+    cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["probe.py", "--train-text", "?"])
+    with pytest.raises(SystemExit):
+        probe.main()
+    offered = re.search(r"invalid choice: '\?' \(choose from (.*)\)", capsys.readouterr().err)
+    assert offered is not None
+    assert [choice.strip("'") for choice in offered[1].split(", ")] == list(cell_states.TRAINING_TEXTS)
