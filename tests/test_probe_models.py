@@ -122,7 +122,7 @@ def test_an_exact_step_whose_signs_would_flip_keeps_the_projected_whole_step_whe
     hd = hessian.astype(np.float64) @ (u - w)
     unconstrained = -np.sign(g) * np.maximum(np.abs(g) - lam, 0.0) / 2
     assert (unconstrained < 0).sum() >= 3  # several would flip
-    assert quadratic.orthant_step(hessian, g, w, lam, u, hd)
+    assert quadratic.orthant_step(hessian, g, w, lam, u, hd, FactorOnSet(hessian))
     np.testing.assert_allclose(u, np.maximum(unconstrained, 0.0), rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9)
 
@@ -138,7 +138,7 @@ def test_an_exact_step_through_a_carried_factor_moves_as_a_fresh_one() -> None:
     S = np.flatnonzero(u)
     factor.solve(np.sort(np.append(S[2:], np.flatnonzero(u == 0)[:2])), np.ones(S.size))
     fresh_u, fresh_hd = u.copy(), hd.copy()
-    assert quadratic.orthant_step(hessian, g, w, lam, fresh_u, fresh_hd)
+    assert quadratic.orthant_step(hessian, g, w, lam, fresh_u, fresh_hd, FactorOnSet(hessian))
     assert quadratic.orthant_step(hessian, g, w, lam, u, hd, factor)
     assert factor.refactorisations == 1
     np.testing.assert_allclose(u, fresh_u, rtol=1e-6, atol=1e-9)
@@ -160,7 +160,7 @@ def test_an_exact_step_on_a_float32_matrix_indefinite_past_its_ridge_is_damped_n
     u = np.sign(-g) * 1e-3  # every coordinate non-zero, with the signs the step keeps
     hd = hessian.astype(np.float64) @ (u - w)
     before = quadratic.model_value(u, hd, g, w, lam)
-    assert quadratic.orthant_step(hessian, g, w, lam, u, hd)
+    assert quadratic.orthant_step(hessian, g, w, lam, u, hd, FactorOnSet(hessian))
     assert quadratic.model_value(u, hd, g, w, lam) < before
     np.testing.assert_allclose(hd, hessian.astype(np.float64) @ (u - w), rtol=1e-9, atol=1e-6)
 
@@ -177,7 +177,7 @@ def test_an_exact_step_on_near_low_rank_features_solves_its_system_to_rounding()
     hessian = (X.T @ X / 8).astype(np.float32)
     S = np.sort(rng.choice(300, 200, replace=False))
     slope = rng.standard_normal(S.size)
-    step = quadratic._newton_on_signs(hessian, S, slope)
+    step = quadratic._newton_on_signs(S, slope, FactorOnSet(hessian))
     assert step is not None
     H_SS = hessian[np.ix_(S, S)].astype(np.float64)
     H_SS += 1e-7 * np.trace(H_SS) / S.size * np.eye(S.size)
@@ -203,7 +203,7 @@ def test_an_exact_step_runs_torch_on_one_thread_and_gives_the_callers_threads_ba
     torch.set_num_threads(2)
     try:
         hessian = np.eye(5, dtype=np.float32) * 2
-        step = quadratic._newton_on_signs(hessian, np.arange(5), np.ones(5))
+        step = quadratic._newton_on_signs(np.arange(5), np.ones(5), FactorOnSet(hessian))
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)

@@ -312,11 +312,12 @@ class _LazyHessian:
         # at a time (a float64 copy of the working set was the sweep's peak memory).
         k = W.size
         whole = self.D_N is None
-        if self.D_N is None:  # the old matrix and the factor on it are freed before the new one is built
+        if whole:  # the old matrix and the factor on it are freed before the new one is built
             self.D_N = D_N.to(torch.float64 if self.exact else XT_WN.dtype)
             self.matrix = np.empty((1, 1), dtype=np.float32)
             self.factor = FactorOnSet(self.matrix)
         weights = self.D_N
+        assert weights is not None  # set above, or by the call that built the matrix grown here
         matrix = np.empty((k + 1, k + 1), dtype=np.float64 if self.exact else np.float32)
         matrix[k, k] = float(weights.double().sum())
         ids = np.append(W, INTERCEPT)
@@ -336,8 +337,7 @@ class _LazyHessian:
         k = W.size
         shared = np.isin(W, self.W, assume_unique=True)
         old, new = np.flatnonzero(shared), np.flatnonzero(~shared)
-        at = np.searchsorted(self.W, W[shared])
-        matrix[np.ix_(old, old)] = self.matrix.take(at, 0).take(at, 1)
+        _gather(self.matrix, np.searchsorted(self.W, W[shared]), old, matrix)
         column = torch.zeros(k, dtype=D_N.dtype, device=XT_WN.device)
         rows = torch.zeros((new.size, k), dtype=D_N.dtype, device=XT_WN.device)
         new_rows = torch.from_numpy(new).to(XT_WN.device)
@@ -443,6 +443,17 @@ def _weighted_gram(
     # The product's lower triangle too, so that the matrix is symmetric to the bit either way.
     _mirror(upper.T if blas else product.cpu().numpy(), out)
     return column.cpu().numpy()
+
+
+# Compiled: numpy's fancy indexing (``out[np.ix_(old, old)] = src.take(at, 0).take(at, 1)``) took 14 ms
+# at k ≈ 2,000, this 2.5, on every working set that grows.
+@numba.njit(cache=True)
+def _gather(src: np.ndarray, at: np.ndarray, old: np.ndarray, out: np.ndarray) -> None:
+    """out[old[a], old[b]] = src[at[a], at[b]] for every a, b: the entries a grown matrix keeps."""
+    for a in range(old.size):
+        row, i = src[at[a]], old[a]
+        for b in range(old.size):
+            out[i, old[b]] = row[at[b]]
 
 
 # Compiled and blocked: numpy's triu, transpose and add took a fifth of the Gram matrix's time at k ≈ 2,000.

@@ -120,10 +120,10 @@ def orthant_step(
     lam: np.ndarray,
     u: np.ndarray,
     hd: np.ndarray,
-    factor: FactorOnSet | None = None,
+    factor: FactorOnSet,
 ) -> bool:
-    """Moves ``u`` (and ``hd``) in place toward the model's minimiser with the signs of u held; says
-    whether the model fell.
+    """Moves ``u`` (and ``hd``) in place toward the model's minimiser with the signs of u held, through
+    ``factor`` (on ``hessian``'s form); says whether the model fell.
 
     Within the signs' orthant the model is a smooth quadratic plus a linear term: its minimiser there is
     a Cholesky solve on the support, float64, and the model falls all along the segment to it. Where
@@ -136,7 +136,7 @@ def orthant_step(
     if S.size == 0:
         return False
     sign = np.sign(u[S])
-    step = _newton_on_signs(hessian, S, g[S] + hd[S] + lam[S] * sign, factor)
+    step = _newton_on_signs(S, g[S] + hd[S] + lam[S] * sign, factor)
     if step is None:
         return False
     crossing = np.flatnonzero((u[S] + step) * sign < 0)
@@ -162,17 +162,14 @@ def orthant_step(
     return True
 
 
-def _newton_on_signs(
-    hessian: np.ndarray, S: np.ndarray, slope_S: np.ndarray, factor: FactorOnSet | None = None
-) -> np.ndarray | None:
+def _newton_on_signs(S: np.ndarray, slope_S: np.ndarray, factor: FactorOnSet) -> np.ndarray | None:
     """The step on the coordinates ``S`` to the minimiser of the model with their signs held, whose slope
     there (the model's gradient plus lam times the signs) is ``slope_S``: a Cholesky solve, float64, with
-    a ridge (``cholesky.ridged_cholesky``), through ``factor`` (updated from its last set; by default
-    one of its own); None where no ridge tried makes the matrix factorise.
+    a ridge (``cholesky.ridged_cholesky``), through ``factor`` (on the model's Hessian, updated from its
+    last set); None where no ridge tried makes the matrix factorise.
 
     Without the ridge grown on failure, cell states of a briefly trained 4,096-unit model at C = 4 left
     every model to the sweeps and the C ran to its outer cap (115 s; 19 s with it)."""
-    factor = FactorOnSet(hessian) if factor is None else factor
     with one_thread():
         solution = factor.solve(S, slope_S)
     return None if solution is None else -solution
