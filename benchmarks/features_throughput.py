@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,26 +111,31 @@ def feature_row(
     featurize(reference, warm[:2], batch_size=rows, device=device, precision=precision)
     baseline_features(model, warm[:2], device, precision)
 
-    say(f"  {name}: fast path, {n_fast} texts in batches of {rows} …")
-    synchronize(device)
-    started = time.perf_counter()
-    fast_NH = featurize(model, fast_texts, batch_size=rows, device=device, precision=precision)
-    synchronize(device)
-    seconds = time.perf_counter() - started
+    def timed(
+        what: str, run: Callable[..., np.ndarray], *args: Any, **kwargs: Any
+    ) -> tuple[np.ndarray, float]:
+        """``run(*args, **kwargs)``'s features and its seconds, the device's queue empty before and after."""
+        say(f"  {name}: {what} …")
+        synchronize(device)
+        started = time.perf_counter()
+        features = run(*args, **kwargs)
+        synchronize(device)
+        return features, time.perf_counter() - started
 
-    say(f"  {name}: reference recurrence, {n_fast} texts in batches of {rows} …")
-    synchronize(device)
-    started = time.perf_counter()
-    reference_NH = featurize(reference, fast_texts, batch_size=rows, device=device, precision=precision)
-    synchronize(device)
-    reference_seconds = time.perf_counter() - started
-
-    say(f"  {name}: baseline, {n_baseline} texts one at a time …")
-    synchronize(device)
-    started = time.perf_counter()
-    baseline_NH = baseline_features(model, baseline_texts, device, precision)
-    synchronize(device)
-    baseline_seconds = time.perf_counter() - started
+    on_device = {"batch_size": rows, "device": device, "precision": precision}
+    batches = f"{n_fast} texts in batches of {rows}"
+    fast_NH, seconds = timed(f"fast path, {batches}", featurize, model, fast_texts, **on_device)
+    reference_NH, reference_seconds = timed(
+        f"reference recurrence, {batches}", featurize, reference, fast_texts, **on_device
+    )
+    baseline_NH, baseline_seconds = timed(
+        f"baseline, {n_baseline} texts one at a time",
+        baseline_features,
+        model,
+        baseline_texts,
+        device,
+        precision,
+    )
 
     # Parity on every text the baseline read; the fast path's feature of a text does not depend on its batch.
     compare = min(n_fast, n_baseline)
