@@ -50,6 +50,15 @@ def new_parser(description: str, *, raw: bool = False) -> argparse.ArgumentParse
     return argparse.ArgumentParser(description=description, formatter_class=formatter)
 
 
+def synchronize(device: Any) -> None:
+    """Waits for the work queued on ``device`` (a torch.device): a CUDA device runs it after the call
+    that queued it returns, so a clock read around GPU work waits for it first; a CPU's is done."""
+    if device.type == "cuda":
+        import torch  # here: importing this module loads no torch (see ``machine``)
+
+        torch.cuda.synchronize(device)
+
+
 def machine(device: Any = None, **versions: str) -> dict[str, Any]:
     """What the numbers ran on: the CPU, cores this process may use, memory, Python, the platform, torch
     and the GPU when ``device`` is a CUDA one; ``versions`` adds the libraries a benchmark measures."""

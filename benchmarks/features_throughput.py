@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import profile_table, say  # the working tree on the path
+from common import profile_table, say, synchronize  # the working tree on the path
 from features_texts import take
 
 from models.features import featurize, length_batches, pack, rows_for_memory
@@ -60,11 +60,6 @@ class FeatureRow:
     # largest max|this − that| ÷ max|that| over the fast path's texts. None for the first.
     vs_first_precision: float | None = None
     first_precision_rel_diff: float | None = None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def precision_of(device: torch.device, precision: str = "auto") -> str:

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import REPO, machine, new_parser, record, say  # the working tree on the path
+from common import REPO, machine, new_parser, record, say, synchronize  # the working tree on the path
 from torch.nn import functional as F
 
 from models.config import PRESETS, preset
@@ -247,11 +247,6 @@ def learning_rate(step: int, total: int, warmup: int, peak: float) -> float:
     """Linear warm-up over ``warmup`` steps, then linear decay towards zero at step ``total``: the
     warm-up does not depend on ``total``, so the plan can be made after the first steps."""
     return peak * min(1.0, (step + 1) / warmup) * min(1.0, (total - step) / max(total - warmup, 1))
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

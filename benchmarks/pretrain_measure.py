@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import profile_table, say  # the working tree on the path
+from common import profile_table, say, synchronize  # the working tree on the path
 from pretrain_models import IMPLEMENTATIONS
 
 from models.mlstm import MLSTM, MLSTMConfig, preset
@@ -41,11 +41,6 @@ DTYPE_NAMES = PRECISION_NAMES  # the names the job reads measured peaks by
 
 # ---------------------------------------------------------------------------------------------
 # Device, memory and the matmul peak
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def release_memory(device: torch.device) -> None:
