@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
@@ -41,6 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from common import (  # the working tree on the path
@@ -242,11 +244,14 @@ def run_checks(
     common += ["--checkpoint-every", str(10 * args.steps), "--val-every", str(10 * args.steps)]
     common += ["--tracking", args.tracking]
     jobs = Jobs(home, common)
-    if not args.at_once:
-        return [check_sharding(jobs, sharding, args, device, precision) for sharding in args.shardings]
-    with ThreadPoolExecutor(len(args.shardings)) as pool:
-        checks = [pool.submit(check_sharding, jobs, s, args, device, precision) for s in args.shardings]
-        return [check.result() for check in checks]
+    # The jobs sign their checkpoints with this home's key (unless MLSTM_CHECKPOINT_KEY is set, for both):
+    # this process reads them back under the same one, not under the checkout's own home's.
+    with mock.patch.dict(os.environ, {"MLSTM_HOME": str(home)}):
+        if not args.at_once:
+            return [check_sharding(jobs, sharding, args, device, precision) for sharding in args.shardings]
+        with ThreadPoolExecutor(len(args.shardings)) as pool:
+            checks = [pool.submit(check_sharding, jobs, s, args, device, precision) for s in args.shardings]
+            return [check.result() for check in checks]
 
 
 def main(argv: list[str] | None = None) -> int:
