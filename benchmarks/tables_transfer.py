@@ -123,9 +123,12 @@ def learned_line(row: dict[str, Any]) -> str:
         if training
         else "its training was not recorded (the model was cached before it was)"
     )
+    # Records before --train-precision kept no precision: their models trained in fp32.
+    precision = model.get("precision", "fp32")
+    under = "" if precision == "fp32" else f" under {precision} autocast"
     return (
         f"{row['case']}, {row['solver']}: the model ({model['preset']}, {model['steps']:,} steps on "
-        f"{model['text']}) reads {model['held_out_bits_per_byte']} bits a byte on {model['held_out_bytes']:,} "
+        f"{model['text']}{under}) reads {model['held_out_bits_per_byte']} bits a byte on {model['held_out_bytes']:,} "
         f"bytes of {model['held_out']} texts, which it never trained on; {trained}."
     )
 

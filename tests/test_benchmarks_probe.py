@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from conftest import load_benchmark
 
 
@@ -44,6 +45,16 @@ def test_liblinears_own_tie_at_the_solvers_C_counts_too(probe: ModuleType) -> No
     fast = SimpleNamespace(C=1.0, dev_accuracy=0.79, test_accuracy=0.75)
     assert probe.same_answer(BASE, fast, {0.5: 0.8, 1.0: 0.8})
     assert not probe.same_answer(BASE, fast, LIBLINEAR_DEV)
+
+
+def test_the_speed_up_goal_is_asked_of_every_row_4096_wide_the_demo_s_reviews_as_sst_sized(
+    probe: ModuleType,
+) -> None:
+    """10× of SST-sized rows, the demo's labelled reviews (generated at SST's train size) among them, 5× of
+    IMDB-sized ones, from 4,096 features; nothing of narrower rows."""
+    specs = ("sst:4096", "real-sst:4096", "real-sample:4096", "sst:4096:lognormal-1:0.05:8", "imdb:4096")
+    assert [probe.speedup_goal(probe.parse_case(s)) for s in specs] == [10, 10, 10, 10, 5]
+    assert [probe.speedup_goal(probe.parse_case(s)) for s in ("real-sample:1024", "sst:1024")] == [None] * 2
 
 
 def test_liblinear_refitted_tighter_reaches_newtons_objective_and_the_line_says_so(probe: ModuleType) -> None:
@@ -286,15 +297,57 @@ def test_a_bad_rank_is_refused_naming_the_case(probe: ModuleType, spec: str) -> 
         probe.parse_case(spec)
 
 
-def test_the_train_text_flag_offers_what_a_real_case_can_train_on(
-    probe: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flag", "offers"), [("--train-text", "TRAINING_TEXTS"), ("--train-precision", "PRECISIONS")]
+)
+def test_a_real_case_s_training_flags_offer_what_cell_states_can_do(
+    probe: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    offers: str,
 ) -> None:
-    """``--train-text``'s choices are listed by hand (cell_states is imported only by a run with real
-    cases): they are ``cell_states.TRAINING_TEXTS``, no more and no fewer."""
+    """``--train-text``'s and ``--train-precision``'s choices are listed by hand (cell_states is imported
+    only by a run with real cases): they are cell_states' own, no more and no fewer."""
     cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
-    monkeypatch.setattr(sys, "argv", ["probe.py", "--train-text", "?"])
+    monkeypatch.setattr(sys, "argv", ["probe.py", flag, "?"])
     with pytest.raises(SystemExit):
         probe.main()
     offered = re.search(r"invalid choice: '\?' \(choose from (.*)\)", capsys.readouterr().err)
     assert offered is not None
-    assert [choice.strip("'") for choice in offered[1].split(", ")] == list(cell_states.TRAINING_TEXTS)
+    assert [choice.strip("'") for choice in offered[1].split(", ")] == list(getattr(cell_states, offers))
+
+
+def test_a_model_trained_in_bf16_is_a_model_of_its_own_and_its_record_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--train-precision bf16``: every training step runs under bf16's autocast, the model is cached
+    apart from the fp32 one (whose cache name is unchanged: fp32 stays out of the hash), its cell states
+    differ, and what it learned says how it was trained; an unknown precision is refused by name."""
+    cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
+    monkeypatch.setattr(cell_states, "SHARED_DATA", tmp_path / "no shared data")
+    dtypes: list[torch.dtype] = []
+    real_step = cell_states.optimizer_step
+
+    def step(*args: Any, dtype: torch.dtype, **kwargs: Any) -> Any:
+        dtypes.append(dtype)
+        return real_step(*args, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(cell_states, "optimizer_step", step)
+    train = {"train_steps": 2, "cache": tmp_path, "text": "sample"}
+    fp32 = cell_states.real_cell_states("sample", "tiny", **train)
+    bf16 = cell_states.real_cell_states("sample", "tiny", **train, train_precision="bf16")
+    assert dtypes == [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert len(list(tmp_path.glob("tiny-*.pt"))) == 2 and not np.array_equal(fp32[0][0], bf16[0][0])
+    # The name an fp32 model had before bf16 was offered (computed by that code, for these settings).
+    (tmp_path / "corpus.txt").write_bytes(b"x" * 1000)
+    old = cell_states.cached_model(Path("/cache"), "small", 400, 0, [tmp_path / "corpus.txt"], "fp32")
+    assert old.name == "small-bb13605d0786ca62.pt"
+    learned = cell_states.what_it_learned("sample", "tiny", **train, train_precision="bf16")
+    assert learned["precision"] == "bf16" and 0 < learned["held_out_bits_per_byte"] < 8.5
+    tables = load_benchmark("tables_transfer.py", "tables_transfer_benchmark", monkeypatch)
+    assert "2 steps on sample under bf16 autocast) reads" in tables.learned_line(
+        {"case": "c", "solver": "s", "model": learned}
+    )
+    with pytest.raises(SystemExit, match="no training precision 'fp16'; one of fp32, bf16"):
+        cell_states.real_cell_states("sample", "tiny", **train, train_precision="fp16")
