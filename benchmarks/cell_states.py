@@ -32,6 +32,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,47 +70,52 @@ Splits = list[tuple[np.ndarray, np.ndarray]]
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def real_cell_states(
-    dataset: str,
-    preset: str,
-    *,
-    train_steps: int,
-    cache: Path,
-    seed: int = 0,
-    precision: str = "fp32",
-    text: str = "amazon",
-    train_precision: str = "fp32",
-) -> Splits:
-    """Train, dev and test features of ``dataset`` (sst, imdb or ``SAMPLE``) from ``preset`` trained
-    ``train_steps`` steps on ``text`` (one of ``TEXTS`` or ``SAMPLE``) under ``train_precision``'s
-    autocast, read in ``precision`` (``featurize``'s: bf16 reads IMDB's 50,000 reviews about 3× faster on
-    a CPU with bf16 in hardware; the same model either way)."""
+@dataclass(frozen=True)
+class Training:
+    """How a real case's model is trained (``train``): the settings its weights depend on beside this
+    module's constants, which name its cache file (``cached_model``) and go into the probe's record."""
+
+    preset: str  # a models.config preset
+    steps: int
+    text: str = "amazon"  # one of TRAINING_TEXTS
+    precision: str = "fp32"  # one of PRECISIONS: the autocast it trains under
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.text not in TRAINING_TEXTS:
+            raise SystemExit(
+                f"real cell states: no training text {self.text!r}; one of {', '.join(TRAINING_TEXTS)}"
+            )
+        if self.precision not in PRECISIONS:
+            raise SystemExit(
+                f"real cell states: no training precision {self.precision!r}; one of {', '.join(PRECISIONS)}"
+            )
+
+
+def real_cell_states(dataset: str, training: Training, *, cache: Path, precision: str = "fp32") -> Splits:
+    """Train, dev and test features of ``dataset`` (sst, imdb or ``SAMPLE``) from the model ``training``
+    makes, read in ``precision`` (``featurize``'s: bf16 reads IMDB's 50,000 reviews about 3× faster on a
+    CPU with bf16 in hardware; the same model either way)."""
     if dataset not in REAL_DATASETS:
         raise SystemExit(f"real cell states: no dataset {dataset!r}; one of {', '.join(REAL_DATASETS)}")
-    if text not in TRAINING_TEXTS:
-        raise SystemExit(f"real cell states: no training text {text!r}; one of {', '.join(TRAINING_TEXTS)}")
-    if train_precision not in PRECISIONS:
-        raise SystemExit(
-            f"real cell states: no training precision {train_precision!r}; one of {', '.join(PRECISIONS)}"
-        )
     cache.mkdir(parents=True, exist_ok=True)
-    sources, read = training_text(text, cache)
+    sources, read = training_text(training.text, cache)
     if missing := [str(p) for p in sources if not p.is_file()]:  # before the dataset is read
         raise SystemExit(f"real cell states: the shared training text is missing: {', '.join(missing)}")
     data = labelled(dataset, cache)
-    model_path = cached_model(cache, preset, train_steps, seed, sources, train_precision)
+    model_path = cached_model(cache, training, sources)
     in_dtype = "" if precision == "fp32" else f"-{precision}"  # fp32's name is the one it always had
     features_path = cache / f"{dataset}-{model_path.stem}-{data.checksum[:16]}{in_dtype}.npz"
     if features_path.exists():
         say(f"  real cell states: {features_path} (cached)")
         with np.load(features_path) as saved:
             return [(saved[f"{s}_X"], saved[f"{s}_y"]) for s in ("train", "dev", "test")]
-    model = MLSTM(getattr(presets, preset)())
+    model = MLSTM(getattr(presets, training.preset)())
     if model_path.exists():
-        say(f"  {preset}: {model_path} (cached)")
+        say(f"  {training.preset}: {model_path} (cached)")
         model.load_state_dict(torch.load(model_path, weights_only=True))
     else:
-        trained = train(model, read(sources), train_steps, seed, train_precision)
+        trained = train(model, read(sources), training)
         torch.save(model.state_dict(), model_path)
         model_path.with_suffix(".json").write_text(json.dumps(trained))
     arrays: dict[str, np.ndarray] = {}
@@ -141,17 +147,15 @@ def labelled(dataset: str, cache: Path) -> Dataset:
     return load_dataset(f"{DATASETS[dataset]}={SHARED_DATA / DATASETS[dataset]}")
 
 
-def cached_model(
-    cache: Path, preset: str, train_steps: int, seed: int, sources: list[Path], precision: str = "fp32"
-) -> Path:
-    """Where the model trained on ``sources`` (``training_text``'s) is cached: named by a hash of
-    everything its weights depend on."""
+def cached_model(cache: Path, training: Training, sources: list[Path]) -> Path:
+    """Where the model ``training`` makes of ``sources`` (``training_text``'s) is cached: named by a
+    hash of everything its weights depend on."""
     # fp32 is left out of the hash, so that a model trained before bf16 was offered keeps its name.
-    settings: dict[str, Any] = {} if precision == "fp32" else {"precision": precision}
+    settings: dict[str, Any] = {} if training.precision == "fp32" else {"precision": training.precision}
     settings |= {
-        "preset": preset,
-        "train_steps": train_steps,
-        "seed": seed,
+        "preset": training.preset,
+        "train_steps": training.steps,
+        "seed": training.seed,
         "batch": BATCH,
         "seq_len": SEQ_LEN,
         "lr": LR,
@@ -159,27 +163,17 @@ def cached_model(
     }
     return (
         cache
-        / f"{preset}-{hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]}.pt"
+        / f"{training.preset}-{hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]}.pt"
     )
 
 
-def what_it_learned(
-    dataset: str,
-    preset: str,
-    *,
-    train_steps: int,
-    cache: Path,
-    seed: int = 0,
-    text: str = "amazon",
-    train_precision: str = "fp32",
-) -> dict[str, Any]:
+def what_it_learned(dataset: str, training: Training, *, cache: Path) -> dict[str, Any]:
     """What the model behind ``real_cell_states`` learned, for the record beside its probe row: its bits
     per byte on ``dataset``'s dev texts (which it never trained on), computed here from the cached
     weights, and its training as ``train`` wrote it when the model was trained (steps, seconds, the mean
     loss of its last steps; None for a model cached before that was written)."""
-    sources = training_text(text, cache)[0]
-    model_path = cached_model(cache, preset, train_steps, seed, sources, train_precision)
-    model = MLSTM(getattr(presets, preset)())
+    model_path = cached_model(cache, training, training_text(training.text, cache)[0])
+    model = MLSTM(getattr(presets, training.preset)())
     model.load_state_dict(torch.load(model_path, weights_only=True))
     model.eval()
     texts = labelled(dataset, cache).dev.texts
@@ -189,19 +183,19 @@ def what_it_learned(
     # the whole text.
     with (
         torch.inference_mode(),
-        torch.autocast("cpu", PRECISIONS[train_precision], train_precision != "fp32"),
+        torch.autocast("cpu", PRECISIONS[training.precision], training.precision != "fp32"),
     ):
         bits = bits_per_byte(model, ByteStream.of(held_out), BATCH, SEQ_LEN)
     say(
-        f"  {preset}: {bits:.3f} bits a byte on {len(held_out):,} bytes of {dataset}'s dev texts, "
+        f"  {training.preset}: {bits:.3f} bits a byte on {len(held_out):,} bytes of {dataset}'s dev texts, "
         f"{time.perf_counter() - started:.0f} s"
     )
     sidecar = model_path.with_suffix(".json")
     return {
-        "preset": preset,
-        "text": text,
-        "steps": train_steps,
-        "precision": train_precision,
+        "preset": training.preset,
+        "text": training.text,
+        "steps": training.steps,
+        "precision": training.precision,
         "held_out": f"{dataset} dev",
         "held_out_bytes": len(held_out),
         "held_out_bits_per_byte": round(bits, 4),
@@ -237,12 +231,13 @@ TRAINING_TEXTS = (*TEXTS, SAMPLE)
 REAL_DATASETS = (*DATASETS, SAMPLE)
 
 
-def train(model: MLSTM, data: np.ndarray, steps: int, seed: int, precision: str = "fp32") -> dict[str, float]:
-    """``steps`` of truncated BPTT: BATCH streams through ``data``, their state carried on, under
-    ``precision``'s autocast (bf16: mixed precision as pretraining runs it, about 3× fp32's rate at 4,096
-    units on a CPU with bf16 in hardware). Returns its seconds and the mean loss of its last
-    ``LAST_STEPS`` steps in bits a byte (one step's loss is noisy)."""
-    torch.manual_seed(seed)
+def train(model: MLSTM, data: np.ndarray, training: Training) -> dict[str, float]:
+    """``training.steps`` of truncated BPTT: BATCH streams through ``data``, their state carried on,
+    under ``training.precision``'s autocast (bf16: mixed precision as pretraining runs it, about 3× fp32's
+    rate at 4,096 units on a CPU with bf16 in hardware). Returns its seconds and the mean loss of its
+    last ``LAST_STEPS`` steps in bits a byte (one step's loss is noisy)."""
+    steps, precision = training.steps, training.precision
+    torch.manual_seed(training.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     stride = len(data) // BATCH

@@ -66,7 +66,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -88,6 +88,9 @@ from models.config import PRESETS
 from tasks.transfer.config import ProbeSettings
 from tasks.transfer.probe import ProbeResult, SweepPoint, accuracy, duality_gap, fit_probe, objective
 from tasks.transfer.solvers import SOLVERS, PathPoint, Solver, liblinear, newton
+
+if TYPE_CHECKING:  # imported by a run with real cases only: it reads datasets and trains
+    from cell_states import Training
 
 # Real cases: the preset of each width a CPU can train for minutes and read SST with (models/config.py).
 PRESET_OF_WIDTH = {preset().hidden_size: name for name, preset in list(PRESETS.items())[:3]}
@@ -255,13 +258,7 @@ def features_of(case: Case, args: argparse.Namespace) -> Splits:
         from cell_states import real_cell_states
 
         return real_cell_states(
-            case.rows,
-            PRESET_OF_WIDTH[case.width],
-            train_steps=args.train_steps,
-            cache=args.cache,
-            precision=case.precision,
-            text=args.train_text,
-            train_precision=args.train_precision,
+            case.rows, training_of(case, args), cache=args.cache, precision=case.precision
         )
     if case.rank is not None:
         return near_low_rank(ROWS[case.rows], case.width, case.rank, scales=case.scales, noise=case.noise)
@@ -275,17 +272,14 @@ def what_the_model_learned(case: Case, args: argparse.Namespace) -> dict[str, An
         return {}
     from cell_states import what_it_learned
 
-    preset = PRESET_OF_WIDTH[case.width]
-    return {
-        "model": what_it_learned(
-            case.rows,
-            preset,
-            train_steps=args.train_steps,
-            cache=args.cache,
-            text=args.train_text,
-            train_precision=args.train_precision,
-        )
-    }
+    return {"model": what_it_learned(case.rows, training_of(case, args), cache=args.cache)}
+
+
+def training_of(case: Case, args: argparse.Namespace) -> Training:
+    """A real case's model, as ``--train-*`` say it is trained."""
+    from cell_states import Training
+
+    return Training(PRESET_OF_WIDTH[case.width], args.train_steps, args.train_text, args.train_precision)
 
 
 def same_answer(base: dict[str, Any], fast: ProbeResult, dev_at: dict[float, float]) -> bool:

@@ -188,8 +188,10 @@ def test_real_cell_states_read_in_bf16_are_kept_apart_from_fp32_s(
     read in bf16 into a file of their own, near fp32's and not equal to them; the case says so."""
     cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
     monkeypatch.setattr(cell_states, "SHARED_DATA", shared_data)
-    fp32 = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path)
-    bf16 = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, precision="bf16")
+    fp32 = cell_states.real_cell_states("sst", cell_states.Training("tiny", 2), cache=tmp_path)
+    bf16 = cell_states.real_cell_states(
+        "sst", cell_states.Training("tiny", 2), cache=tmp_path, precision="bf16"
+    )
     assert len(list(tmp_path.glob("*.pt"))) == 1 and len(list(tmp_path.glob("sst-*.npz"))) == 2
     for (X, y), (X16, y16) in zip(fp32, bf16, strict=True):
         assert (y == y16).all() and X.shape == X16.shape and not (X == X16).all()
@@ -213,14 +215,14 @@ def test_real_cell_states_of_a_model_trained_on_imdb_unsup_are_cached_apart(
     monkeypatch.setattr(
         cell_states, "train", lambda model, data, *a: (read.append(len(data)), real_train(model, data, *a))
     )
-    amazon = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path)
-    imdb = cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, text="imdb-unsup")
+    amazon = cell_states.real_cell_states("sst", cell_states.Training("tiny", 2), cache=tmp_path)
+    imdb = cell_states.real_cell_states("sst", cell_states.Training("tiny", 2, "imdb-unsup"), cache=tmp_path)
     assert len(list(tmp_path.glob("*.pt"))) == 2 and len(list(tmp_path.glob("sst-*.npz"))) == 2
     # IMDB's 50,000 unlabelled reviews are about 65 MB of text; the three Amazon files a few MB.
     assert read[0] < 10_000_000 < 60_000_000 < read[1]
     assert not np.array_equal(amazon[0][0], imdb[0][0])
     with pytest.raises(SystemExit, match="no training text 'wiki'; one of amazon, imdb-unsup"):
-        cell_states.real_cell_states("sst", "tiny", train_steps=2, cache=tmp_path, text="wiki")
+        cell_states.Training("tiny", 2, "wiki")
 
 
 def test_a_real_sample_case_needs_no_shared_data_and_reads_the_demo_s_reviews_at_sst_s_size(
@@ -231,7 +233,7 @@ def test_a_real_sample_case_needs_no_shared_data_and_reads_the_demo_s_reviews_at
     data; its train split is SST's size, both labels in each split. ``sample`` is a real case's only."""
     cell_states = load_benchmark("cell_states.py", "cell_states_benchmark", monkeypatch)
     monkeypatch.setattr(cell_states, "SHARED_DATA", tmp_path / "no shared data")
-    splits = cell_states.real_cell_states("sample", "tiny", train_steps=2, cache=tmp_path, text="sample")
+    splits = cell_states.real_cell_states("sample", cell_states.Training("tiny", 2, "sample"), cache=tmp_path)
     train_X, train_y = splits[0]
     assert abs(len(train_y) - 6_920) <= 50 and train_X.shape[1] == 64
     assert all(set(y.tolist()) == {0, 1} for _, y in splits)
@@ -253,8 +255,8 @@ def test_a_real_case_s_model_is_scored_on_held_out_text_and_its_training_recorde
     returned: list[dict[str, float]] = []
     real_train = cell_states.train
     monkeypatch.setattr(cell_states, "train", lambda *a: returned.append(real_train(*a)) or returned[-1])
-    cell_states.real_cell_states("sst", "tiny", train_steps=3, cache=tmp_path)
-    learned = cell_states.what_it_learned("sst", "tiny", train_steps=3, cache=tmp_path)
+    cell_states.real_cell_states("sst", cell_states.Training("tiny", 3), cache=tmp_path)
+    learned = cell_states.what_it_learned("sst", cell_states.Training("tiny", 3), cache=tmp_path)
     assert (
         learned["training"] == returned[0] and returned[0]["last_steps"] == 3 and returned[0]["seconds"] > 0
     )
@@ -267,7 +269,7 @@ def test_a_real_case_s_model_is_scored_on_held_out_text_and_its_training_recorde
     assert f"reads {learned['held_out_bits_per_byte']} bits a byte on " in line
     assert "last 3 steps" in line
     next(tmp_path.glob("*.json")).unlink()  # as a model cached before the record kept its training
-    again = cell_states.what_it_learned("sst", "tiny", train_steps=3, cache=tmp_path)
+    again = cell_states.what_it_learned("sst", cell_states.Training("tiny", 3), cache=tmp_path)
     assert again["training"] is None and again["held_out_bits_per_byte"] == learned["held_out_bits_per_byte"]
     assert "its training was not recorded" in tables.learned_line(
         {"case": "c", "solver": "s", "model": again}
@@ -334,20 +336,24 @@ def test_a_model_trained_in_bf16_is_a_model_of_its_own_and_its_record_says_so(
         return real_step(*args, dtype=dtype, **kwargs)
 
     monkeypatch.setattr(cell_states, "optimizer_step", step)
-    train = {"train_steps": 2, "cache": tmp_path, "text": "sample"}
-    fp32 = cell_states.real_cell_states("sample", "tiny", **train)
-    bf16 = cell_states.real_cell_states("sample", "tiny", **train, train_precision="bf16")
+    in_fp32, in_bf16 = (
+        cell_states.Training("tiny", 2, "sample", precision) for precision in ("fp32", "bf16")
+    )
+    fp32 = cell_states.real_cell_states("sample", in_fp32, cache=tmp_path)
+    bf16 = cell_states.real_cell_states("sample", in_bf16, cache=tmp_path)
     assert dtypes == [torch.float32] * 2 + [torch.bfloat16] * 2
     assert len(list(tmp_path.glob("tiny-*.pt"))) == 2 and not np.array_equal(fp32[0][0], bf16[0][0])
     # The name an fp32 model had before bf16 was offered (computed by that code, for these settings).
     (tmp_path / "corpus.txt").write_bytes(b"x" * 1000)
-    old = cell_states.cached_model(Path("/cache"), "small", 400, 0, [tmp_path / "corpus.txt"], "fp32")
+    old = cell_states.cached_model(
+        Path("/cache"), cell_states.Training("small", 400), [tmp_path / "corpus.txt"]
+    )
     assert old.name == "small-bb13605d0786ca62.pt"
-    learned = cell_states.what_it_learned("sample", "tiny", **train, train_precision="bf16")
+    learned = cell_states.what_it_learned("sample", in_bf16, cache=tmp_path)
     assert learned["precision"] == "bf16" and 0 < learned["held_out_bits_per_byte"] < 8.5
     tables = load_benchmark("tables_transfer.py", "tables_transfer_benchmark", monkeypatch)
     assert "2 steps on sample under bf16 autocast) reads" in tables.learned_line(
         {"case": "c", "solver": "s", "model": learned}
     )
     with pytest.raises(SystemExit, match="no training precision 'fp16'; one of fp32, bf16"):
-        cell_states.real_cell_states("sample", "tiny", **train, train_precision="fp16")
+        cell_states.Training("tiny", 2, "sample", "fp16")
