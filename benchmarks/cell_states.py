@@ -43,6 +43,7 @@ from common import say
 from models import config as presets
 from models.features import featurize
 from models.mlstm import MLSTM
+from models.precision import autocast, resolve_precision
 from models.text import encode
 from tasks.corpus.reviews import Rejects, parse_block
 from tasks.corpus.sample import write_labelled_sample, write_sample
@@ -66,8 +67,9 @@ BATCH, SEQ_LEN, LR = 32, 128, 2e-3
 LAST_STEPS = 100  # the training loss recorded is the mean of this many last steps
 HELD_OUT_BYTES = 1 << 18  # of the dataset's dev texts, to score the model on: 256 KB, seconds to read
 Splits = list[tuple[np.ndarray, np.ndarray]]
-# A model's training autocast (``optimizer_step``'s dtype), by the name ``--train-precision`` gives.
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The autocasts a model may train under on the CPU, by models.precision's names (--train-precision).
+PRECISIONS = ("fp32", "bf16")
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,11 @@ class Training:
             raise SystemExit(
                 f"real cell states: no training precision {self.precision!r}; one of {', '.join(PRECISIONS)}"
             )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it trains under (``optimizer_step``'s)."""
+        return resolve_precision(self.precision, CPU)
 
 
 def real_cell_states(dataset: str, training: Training, *, cache: Path, precision: str = "fp32") -> Splits:
@@ -181,10 +188,7 @@ def what_it_learned(dataset: str, training: Training, *, cache: Path) -> dict[st
     started = time.perf_counter()
     # Scored under the autocast it trained in; without a graph, which the carried state would grow across
     # the whole text.
-    with (
-        torch.inference_mode(),
-        torch.autocast("cpu", PRECISIONS[training.precision], training.precision != "fp32"),
-    ):
+    with torch.inference_mode(), autocast(CPU, training.dtype):
         bits = bits_per_byte(model, ByteStream.of(held_out), BATCH, SEQ_LEN)
     say(
         f"  {training.preset}: {bits:.3f} bits a byte on {len(held_out):,} bytes of {dataset}'s dev texts, "
@@ -261,7 +265,7 @@ def train(model: MLSTM, data: np.ndarray, training: Training) -> dict[str, float
             batch[:, :-1],
             batch[:, 1:],
             state,
-            dtype=PRECISIONS[precision],
+            dtype=training.dtype,
             clip=1.0,
         )
         losses.append(float(loss) / np.log(2))
