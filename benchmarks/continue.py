@@ -16,21 +16,27 @@ base run trains ``--preset`` from its seed for ``--steps`` on the base; then, ea
   --replay … --warmup-share … --lr …``);
 - (c) continued without replay: as (b), every row on the delta.
 
-Each row also says how many passes it made over what it read fresh (the base run the base's train
-split, (a) the grown corpus's, (b) and (c) the delta's). Each is scored in bits per byte on three val
-splits read whole from a zero state: the grown corpus's (``full val``), the delta's alone and the base's
-alone (where (c) forgets). Seconds are each run's wall time in this process, comparable within the run
-only. The goal (issue 52): (b) within 2% of (a)'s bits
-per byte on the full val split at no more than 15% of (a)'s steps.
+``--replay`` and ``--continued-lr`` take several values: (b) then runs once for each pair, every one
+from the same base checkpoint, and the one with the lowest bits per byte on the full val split is
+*chosen* (the val splits are this benchmark's dev data); (c) runs at the chosen rate. Each row also says
+how many passes it made over what it read fresh (the base run the base's train split, (a) the grown
+corpus's, (b) and (c) the delta's). Each is scored in bits per byte on three val splits read whole from a
+zero state: the grown corpus's (``full val``), the delta's alone and the base's alone (where (c) forgets).
+Then, once, at the end, the base, (a), the chosen (b) and (c) are scored on the three test splits, which
+no choice has seen. Seconds are each run's wall time in this process, comparable within the run only.
+The goal (issue 52): (b) within 2% of (a)'s bits per byte on the full val split at no more than 15% of
+(a)'s steps.
 
     PYTHONPATH=. .venv/bin/python benchmarks/continue.py                  # a few minutes on 2 cores
     PYTHONPATH=. .venv/bin/python benchmarks/continue.py --steps 60 --batch 20  # a smoke run (5% of 20 rows: one replayed)
+    PYTHONPATH=. .venv/bin/python benchmarks/continue.py --replay 0.05 0.5 --continued-lr 0.003 0.001  # four (b)s
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import os
 import shutil
@@ -39,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import REPO, add_record_option, machine, new_parser, record, say  # the working tree on the path
@@ -49,7 +56,7 @@ from tasks.jobs.world import World
 from tasks.pipeline import PipelineParams
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.mix import replay_rows
-from tasks.pretrain.stream import open_split
+from tasks.pretrain.stream import ByteStream, open_split
 from tasks.pretrain.train import bits_per_byte, fit
 from tasks.settings import get_settings
 from tasks.store import LocalStore
@@ -83,6 +90,12 @@ def grown(base_uri: str, delta_uri: str, out: Path) -> str:
     return str(out / "manifest.json")
 
 
+def score(checkpoint: str, splits: dict[str, ByteStream], rows: int, seq_len: int) -> dict[str, float]:
+    """A checkpoint's bits per byte on each split, read whole from a zero state by ``rows`` rows."""
+    model = load_checkpoint(checkpoint).model()
+    return {name: bits_per_byte(model, stream, rows, seq_len) for name, stream in splits.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = new_parser(__doc__ or "", raw=True)
     parser.add_argument(
@@ -91,12 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="The model's size.")
     parser.add_argument("--steps", type=int, default=400, help="Steps of the base run and of (a).")
     parser.add_argument("--share", type=float, default=0.15, help="(b) and (c)'s steps, a share of --steps.")
-    parser.add_argument("--replay", type=float, default=0.05, help="(b)'s replay share.")
+    parser.add_argument(
+        "--replay", type=float, nargs="+", default=[0.05], help="(b)'s replay share (several: one (b) each)."
+    )
     parser.add_argument("--batch", type=int, default=64, help="Rows a step (--replay needs ≥ 0.5 / it).")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.003)
     parser.add_argument(
-        "--continued-lr", type=float, help="(b) and (c)'s peak learning rate, re-warmed to (default: --lr)."
+        "--continued-lr",
+        type=float,
+        nargs="+",
+        help="(b) and (c)'s peak learning rate, re-warmed to (default: --lr; several: one (b) each).",
     )
     # A val split large enough to score the delta alone on (at 98/1/1 the delta's is about 1 KB).
     parser.add_argument("--split", default="90,5,5", help="The corpora's train,val,test shares.")
@@ -122,44 +140,32 @@ def main(argv: list[str] | None = None) -> int:
             "store": str(root / "runs"), "tracking": "off", "checkpoint_every": 10**6, "val_every": 10**6,
             "val_steps": 1, "log_every": 10**6,
         }  # fmt: skip
-        # Each case: its settings, and the train split it reads fresh with the rows a step that read it.
-        replayed = len(replay_rows(args.batch, args.replay, seed=0))  # the job's own count of replay rows
-        cases = {
-            "base": ({"corpus": base, "total_steps": args.steps}, "base", args.batch),
-            "(a) scratch": ({"corpus": full, "total_steps": args.steps}, "full", args.batch),
-            "(b) continued, replay": (
-                {"corpus": full, "total_steps": continued_steps, "replay": args.replay},
-                "delta",
-                args.batch - replayed,
-            ),
-            "(c) continued, no replay": (
-                {"corpus": full, "total_steps": continued_steps},
-                "delta",
-                args.batch,
-            ),
-        }
+        corpora = {"full": full, "delta": delta, "base": base}
         train_bytes = {
             name: json.loads(Path(uri).read_text())["splits"]["train"]["text_bytes"]
-            for name, uri in (("full", full), ("delta", delta), ("base", base))
+            for name, uri in corpora.items()
         }
-        vals = {
-            name: open_split(uri, "val", root / "cache")
-            for name, uri in (("full", full), ("delta", delta), ("base", base))
-        }
-        rows = []
-        parent = None
+        vals = {name: open_split(uri, "val", root / "cache") for name, uri in corpora.items()}
+        sizes = {name: len(stream) for name, stream in vals.items()}
         handler = signal.getsignal(signal.SIGTERM)
-        for name, (settings_of, split_of, fresh_rows) in cases.items():
-            if name.startswith("(b)") or name.startswith("(c)"):
+        checkpoints: dict[str, str] = {}
+
+        def run(name: str, settings_of: dict[str, Any], split_of: str, fresh_rows: int) -> dict[str, Any]:
+            """Train one case, score it on the val splits: its row (``split_of``: the train split it reads
+            fresh, with ``fresh_rows`` rows a step)."""
+            if name.startswith(("(b)", "(c)")):
                 settings_of = {
                     **settings_of,
-                    "init_from": parent,
+                    "init_from": checkpoints["base"],
                     # The weekly run's own warm-up: a share of the continued run's steps.
                     "warmup_steps": 0,
                     "warmup_share": PipelineParams.model_fields["continued_warmup"].default,
-                    "lr": args.continued_lr or args.lr,
                 }
-            config = TrainConfig(run_name=name.split()[0].strip("()"), **{**common, **settings_of})
+            # base, a, b (b0, b1, … in a grid), c: the names the job's records and checkpoints go under.
+            run_name = name.split()[0].strip("()") + (
+                str(len(continued)) if name.startswith("(b)") and grid[1:] else ""
+            )
+            config = TrainConfig(run_name=run_name, **{**common, **settings_of})
             say(f"training {name}: {config.total_steps} steps")
             started = time.perf_counter()
             try:
@@ -168,34 +174,55 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 signal.signal(signal.SIGTERM, handler)
             seconds = time.perf_counter() - started
-            if name == "base":
-                parent = result.checkpoint_uri
-            model = load_checkpoint(str(result.checkpoint_uri)).model()
-            bits = {
-                split: bits_per_byte(model, stream, args.batch, args.seq_len)
-                for split, stream in vals.items()
-            }
-            passes = result.steps * fresh_rows * args.seq_len / train_bytes[split_of]
-            rows.append(
-                {
-                    "case": name,
-                    "steps": result.steps,
-                    "seconds": seconds,
-                    "fresh_passes": passes,
-                    "val_bpb": bits,
-                }
-            )
+            checkpoints[name] = str(result.checkpoint_uri)
+            bits = score(checkpoints[name], vals, args.batch, args.seq_len)
             say(f"  {name}: {result.steps} steps in {seconds:.1f} s, val bpb {bits}")
-        sizes = {name: len(stream) for name, stream in vals.items()}
-    scratch_row, replay_row = rows[1], rows[2]
+            return {
+                "case": name,
+                "steps": result.steps,
+                "seconds": seconds,
+                "fresh_passes": result.steps * fresh_rows * args.seq_len / train_bytes[split_of],
+                "val_bpb": bits,
+            }
+
+        grid = list(itertools.product(args.replay, args.continued_lr or [args.lr]))
+        continued: list[dict[str, Any]] = []
+        rows = [
+            run("base", {"corpus": base, "total_steps": args.steps}, "base", args.batch),
+            run("(a) scratch", {"corpus": full, "total_steps": args.steps}, "full", args.batch),
+        ]
+        for replay, lr in grid:
+            name = "(b) continued, replay" + (f" {replay:g}, lr {lr:g}" if len(grid) > 1 else "")
+            replayed = len(replay_rows(args.batch, replay, seed=0))  # the job's own count of replay rows
+            settings_of = {"corpus": full, "total_steps": continued_steps, "replay": replay, "lr": lr}
+            continued.append(
+                {**run(name, settings_of, "delta", args.batch - replayed), "replay": replay, "lr": lr}
+            )
+        chosen = min(continued, key=lambda row: row["val_bpb"]["full"])  # on the dev data: val
+        forgetful = run(
+            "(c) continued, no replay",
+            {"corpus": full, "total_steps": continued_steps, "lr": chosen["lr"]},
+            "delta",
+            args.batch,
+        )
+        rows += [*continued, {**forgetful, "lr": chosen["lr"]}]
+        # Test, once, at the end: the runs the goal compares, the chosen (b) among them.
+        tests = {name: open_split(uri, "test", root / "cache") for name, uri in corpora.items()}
+        for row in (rows[0], rows[1], chosen, rows[-1]):
+            row["test_bpb"] = score(checkpoints[row["case"]], tests, args.batch, args.seq_len)
+        test_sizes = {name: len(stream) for name, stream in tests.items()}
+    anew = rows[1]  # (a)
     results = {
         "settings": {**vars(args), "continued_steps": continued_steps, "source_bytes": shares},
         "val_bytes": sizes,
+        "test_bytes": test_sizes,
         "train_bytes": train_bytes,
         "rows": rows,
+        "chosen": chosen["case"],
         "goal": {
-            "bpb_ratio": replay_row["val_bpb"]["full"] / scratch_row["val_bpb"]["full"],
-            "steps_ratio": replay_row["steps"] / scratch_row["steps"],
+            "bpb_ratio": chosen["val_bpb"]["full"] / anew["val_bpb"]["full"],
+            "test_bpb_ratio": chosen["test_bpb"]["full"] / anew["test_bpb"]["full"],
+            "steps_ratio": chosen["steps"] / anew["steps"],
         },
         "machine": machine(torch.device("cpu")),
     }

@@ -49,28 +49,39 @@ def test_the_weekly_benchmark_reports_each_stage_of_a_full_and_a_weekly_run(amaz
     assert "(b) ÷ (a)" not in done.stderr and "b ÷ a" in done.stderr
 
 
-def test_the_continue_benchmark_trains_four_runs_and_scores_each_on_three_val_splits(
+def test_the_continue_benchmark_trains_a_base_a_scratch_run_and_continued_runs_choosing_on_val_alone(
     amazon_dir: Path,
 ) -> None:
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "continue.py"), "--steps", "20", "--batch", "20", "--seq-len", "32"],
+        [sys.executable, str(REPO / "benchmarks" / "continue.py"), "--steps", "20", "--batch", "20", "--seq-len", "32",
+         "--replay", "0.05", "0.5", "--continued-lr", "0.001"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
         env={**os.environ, "MLSTM_SHARED_DIR": str(amazon_dir.parents[1])},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
     rows = {row["case"]: row for row in report["rows"]}
-    assert list(rows) == ["base", "(a) scratch", "(b) continued, replay", "(c) continued, no replay"]
+    grid = ["(b) continued, replay 0.05, lr 0.001", "(b) continued, replay 0.5, lr 0.001"]
+    assert list(rows) == ["base", "(a) scratch", *grid, "(c) continued, no replay"]
     # (b) and (c) take --share of (a)'s steps; every run is scored on the grown, delta and base val splits.
-    assert [row["steps"] for row in rows.values()] == [20, 20, 3, 3]
+    assert [row["steps"] for row in rows.values()] == [20, 20, 3, 3, 3]
     assert all(set(row["val_bpb"]) == {"full", "delta", "base"} for row in rows.values())
     assert all(0 < bits < 8 for row in rows.values() for bits in row["val_bpb"].values())
-    # The goal's ratios are the rows' own: (b) against (a).
-    scratch, replay = rows["(a) scratch"], rows["(b) continued, replay"]
-    assert report["goal"]["steps_ratio"] == replay["steps"] / scratch["steps"]
-    assert report["goal"]["bpb_ratio"] == replay["val_bpb"]["full"] / scratch["val_bpb"]["full"]
-    # Passes over the text each run reads fresh: (b)'s replayed row (5% of 20) reads the base, not the delta.
+    # The chosen (b) is the grid's best on the full val split; (c) runs at its rate.
+    chosen = rows[report["chosen"]]
+    assert chosen["val_bpb"]["full"] == min(rows[name]["val_bpb"]["full"] for name in grid)
+    assert rows["(c) continued, no replay"]["lr"] == chosen["lr"]
+    # Test splits are read once, at the end, for the runs the goal compares and no other.
+    tested = [name for name, row in rows.items() if "test_bpb" in row]
+    assert tested == ["base", "(a) scratch", report["chosen"], "(c) continued, no replay"]
+    # The goal's ratios are the rows' own: the chosen (b) against (a).
+    scratch = rows["(a) scratch"]
+    assert report["goal"]["steps_ratio"] == chosen["steps"] / scratch["steps"]
+    assert report["goal"]["bpb_ratio"] == chosen["val_bpb"]["full"] / scratch["val_bpb"]["full"]
+    assert report["goal"]["test_bpb_ratio"] == chosen["test_bpb"]["full"] / scratch["test_bpb"]["full"]
+    # Passes over the text each run reads fresh: a replayed row (5% of 20: one; 50%: ten) reads the base.
     train = report["train_bytes"]
-    assert replay["fresh_passes"] == pytest.approx(3 * 19 * 32 / train["delta"])
+    assert rows[grid[0]]["fresh_passes"] == pytest.approx(3 * 19 * 32 / train["delta"])
+    assert rows[grid[1]]["fresh_passes"] == pytest.approx(3 * 10 * 32 / train["delta"])
     assert rows["(c) continued, no replay"]["fresh_passes"] == pytest.approx(3 * 20 * 32 / train["delta"])
     assert scratch["fresh_passes"] == pytest.approx(20 * 20 * 32 / train["full"])
