@@ -278,7 +278,9 @@ def weekly_tables(results: dict[str, Any]) -> str:
 def continue_tables(results: dict[str, Any]) -> str:
     rows = results["rows"]
     first = {row["case"]: row for row in rows}
-    base, scratch = rows[0], rows[1]
+    base, scratch, forgetful = rows[0], rows[1], rows[-1]
+    chosen = first[results.get("chosen", rows[2]["case"])]  # a record before the grid: its one (b)
+    grid = [r for r in rows if r["case"].startswith("(b)")]
     body = [
         [r["case"], str(r["steps"]), num(r["seconds"], 1), ratio(r["seconds"] / scratch["seconds"]),
          f"{r['val_bpb']['full']:.4f}", f"{r['val_bpb']['delta']:.4f}", f"{r['val_bpb']['base']:.4f}"]
@@ -296,9 +298,39 @@ def continue_tables(results: dict[str, Any]) -> str:
         if name.startswith(("(b)", "(c)"))
     ]
     settings = results["settings"]
+    continued = settings.get("continued_lr")
+    if isinstance(continued, list):  # a grid's records: one rate or several
+        continued = ", ".join(f"{lr:g}" for lr in continued)
+    elif continued:
+        continued = f"{continued:g}"
+    which = "(b)"
+    choice = ""
+    if len(grid) > 1:
+        which = "the chosen (b)"
+        choice = (
+            f"\n\n(b) ran once for each replay share and rate, each from the base run's checkpoint; the one with "
+            f"the lowest bits per byte on the full val split (the dev data) is chosen: {chosen['case']}, and (c) "
+            f"runs at its rate."
+        )
+    tested = [r for r in rows if "test_bpb" in r]
+    tests = ""
+    if tested:
+        tests = (
+            f"\n\nThe test splits, read once at the end by the runs the goal compares (full "
+            f"{results['test_bytes']['full']:,} bytes, delta {results['test_bytes']['delta']:,}, base "
+            f"{results['test_bytes']['base']:,}):\n\n"
+            + table(
+                ["run", "full test bpb", "delta test bpb", "base test bpb"],
+                [
+                    [r["case"], *(f"{r['test_bpb'][split]:.4f}" for split in ("full", "delta", "base"))]
+                    for r in tested
+                ],
+            )
+            + f"\n\n{which[0].upper()}{which[1:]} against (a) on the full test split: {goal['test_bpb_ratio']:.4f} × its bits per byte."
+        )
     return (
         f"{settings.get('preset', 'tiny')}, {settings['batch']} rows × {settings['seq_len']} bytes, lr {settings['lr']:g}"
-        f"{f' ((b) and (c): {continued:g})' if (continued := settings.get('continued_lr')) else ''}; the delta is "
+        f"{f' ((b) and (c): {continued})' if continued else ''}; the delta is "
         f"`{settings['delta']}` ({settings['source_bytes']['delta'] / sum(settings['source_bytes'].values()):.1%} "
         f"of the sources' bytes{text_share}). Val splits read whole: full {results['val_bytes']['full']:,} bytes, delta "
         f"{results['val_bytes']['delta']:,}, base {results['val_bytes']['base']:,}.\n\n"
@@ -315,12 +347,13 @@ def continue_tables(results: dict[str, Any]) -> str:
             ],
             body,
         )
-        + f"\n\n(b) against (a) on the full val split: {goal['bpb_ratio']:.4f} × its bits per byte at "
+        + choice
+        + f"\n\n{which[0].upper()}{which[1:]} against (a) on the full val split: {goal['bpb_ratio']:.4f} × its bits per byte at "
         f"{goal['steps_ratio']:.0%} of its steps (goal: ≤ 1.02 at ≤ 15%): {'met' if met else 'not met'}. "
         f"On the base's val split, against the base run: {', '.join(forgets)} bits per byte; without replay "
-        f"{rows[3]['val_bpb']['base'] - rows[2]['val_bpb']['base']:+.4f} against with it (what (c) forgets). "
-        f"On the delta's: {rows[2]['val_bpb']['delta'] - scratch['val_bpb']['delta']:+.3f} and "
-        f"{rows[3]['val_bpb']['delta'] - scratch['val_bpb']['delta']:+.3f} against (a).\n"
+        f"{forgetful['val_bpb']['base'] - chosen['val_bpb']['base']:+.4f} against {'the chosen (b)' if choice else 'with it'} (what (c) forgets). "
+        f"On the delta's: {chosen['val_bpb']['delta'] - scratch['val_bpb']['delta']:+.3f} and "
+        f"{forgetful['val_bpb']['delta'] - scratch['val_bpb']['delta']:+.3f} against (a)." + tests + "\n"
     )
 
 
