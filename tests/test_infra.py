@@ -51,5 +51,5 @@ def test_the_weekly_pipeline_runs_incrementally() -> None:
 
     weekly = next(d for d in PREFECT_FILE["deployments"] if d["name"] == "pipeline-weekly")
     params = PipelineParams.model_validate(weekly["parameters"]["params"])
-    assert params.incremental and params.replay == 0.05
+    assert params.incremental and params.replay == 0.5
     assert "pretrain" in params.stages and "corpus" in params.stages

@@ -20,6 +20,7 @@ from tasks.pipeline import PipelineParams, PretrainStage, TransferStage
 def _params(sources: list[Path], labelled: Path) -> PipelineParams:
     return PipelineParams(
         incremental=True,
+        replay=0.05,  # one row of the 16 replays: a pass over the delta stays shorter than the warm-up
         sources=[str(source) for source in sources],
         corpus={"split": (18, 1, 1)},
         # A warm-up shorter than a pass over the whole corpus (about 150 steps) and longer than one over
