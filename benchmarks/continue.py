@@ -56,7 +56,7 @@ from tasks.jobs.world import World
 from tasks.pipeline import PipelineParams
 from tasks.pretrain.config import TrainConfig
 from tasks.pretrain.mix import replay_rows
-from tasks.pretrain.stream import ByteStream, open_split
+from tasks.pretrain.stream import ByteStream, StreamError, open_split
 from tasks.pretrain.train import bits_per_byte, fit
 from tasks.settings import get_settings
 from tasks.store import LocalStore
@@ -125,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     base_files = [f for f in files if f != delta_file]
     shares = {"base": sum(f.stat().st_size for f in base_files), "delta": delta_file.stat().st_size}
     continued_steps = max(1, round(args.share * args.steps))
+    # Each share's replayed rows, as the job counts them: a share that rounds to no row is refused here,
+    # before an hour of base and scratch runs, not after.
+    try:
+        replayed = {replay: len(replay_rows(args.batch, replay, seed=0)) for replay in args.replay}
+    except StreamError as error:
+        parser.error(str(error))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="bench-continue-") as scratch:
         root = Path(scratch)
@@ -193,10 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for replay, lr in grid:
             name = "(b) continued, replay" + (f" {replay:g}, lr {lr:g}" if len(grid) > 1 else "")
-            replayed = len(replay_rows(args.batch, replay, seed=0))  # the job's own count of replay rows
             settings_of = {"corpus": full, "total_steps": continued_steps, "replay": replay, "lr": lr}
             continued.append(
-                {**run(name, settings_of, "delta", args.batch - replayed), "replay": replay, "lr": lr}
+                {**run(name, settings_of, "delta", args.batch - replayed[replay]), "replay": replay, "lr": lr}
             )
         chosen = min(continued, key=lambda row: row["val_bpb"]["full"])  # on the dev data: val
         forgetful = run(

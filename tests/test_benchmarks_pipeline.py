@@ -85,3 +85,14 @@ def test_the_continue_benchmark_trains_a_base_a_scratch_run_and_continued_runs_c
     assert rows[grid[1]]["fresh_passes"] == pytest.approx(3 * 10 * 32 / train["delta"])
     assert rows["(c) continued, no replay"]["fresh_passes"] == pytest.approx(3 * 20 * 32 / train["delta"])
     assert scratch["fresh_passes"] == pytest.approx(20 * 20 * 32 / train["full"])
+
+
+def test_the_continue_benchmark_refuses_a_replay_share_of_no_row_before_it_trains(amazon_dir: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "continue.py"), "--batch", "8", "--replay", "0.5", "0.05"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MLSTM_SHARED_DIR": str(amazon_dir.parents[1])},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--replay 0.05 of a batch of 8 rows rounds to no row" in done.stderr
+    assert "training" not in done.stderr and "building" not in done.stderr  # refused before any work
